@@ -1,0 +1,2 @@
+//! ringwatch-agent: the node daemon.
+fn main() {}

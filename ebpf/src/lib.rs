@@ -1,0 +1,1 @@
+//! The BPF object and its record layouts.
