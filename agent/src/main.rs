@@ -1,2 +1,82 @@
-//! ringwatch-agent: the node daemon.
-fn main() {}
+//! `ringwatch-agent`: the node daemon of ringwatch.
+//!
+//! The pipeline runs one way: `probes` (load and attach BPF) → `events`
+//! (decode ring-buffer records) → `model` (per-thread state) → the commands
+//! that show it. The agent only observes: it is never on a job's data path.
+
+mod events;
+mod model;
+mod probes;
+mod watch;
+
+use anyhow::Result;
+use clap::{Parser, Subcommand};
+
+/// Watches the collective communication of training jobs on this node: CPU
+/// scheduling and network traffic of their processes (eBPF), their GPUs
+/// (NVML), and tunes their collective runtime's knobs.
+///
+/// Without a subcommand, counts what the given processes do for a while and
+/// prints it (e.g. `ringwatch-agent --pid 1234 --duration 5s`).
+///
+/// Needs Linux >= 5.15 with BTF, and root or CAP_BPF + CAP_PERFMON.
+#[derive(Debug, Parser)]
+#[command(
+    name = "ringwatch-agent",
+    version,
+    args_conflicts_with_subcommands = true
+)]
+struct Cli {
+    #[command(subcommand)]
+    command: Option<Command>,
+
+    #[command(flatten)]
+    watch: watch::WatchArgs,
+
+    /// Log filter (tracing's EnvFilter syntax), e.g. `debug` or `agent=trace`.
+    #[arg(long, env = "RINGWATCH_LOG", default_value = "info", global = true)]
+    log: String,
+}
+
+#[derive(Debug, Subcommand)]
+enum Command {
+    /// Count context switches of the given processes for a while, then print
+    /// them (what the agent does when no subcommand is given).
+    Watch(watch::WatchArgs),
+}
+
+fn main() -> std::process::ExitCode {
+    let cli = Cli::parse();
+    init_tracing(&cli.log);
+    let result: Result<()> = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .map_err(anyhow::Error::from)
+        .and_then(|runtime| {
+            runtime.block_on(async move {
+                match cli.command {
+                    Some(Command::Watch(args)) => watch::run(args).await,
+                    None => watch::run(cli.watch).await,
+                }
+            })
+        });
+    match result {
+        Ok(()) => std::process::ExitCode::SUCCESS,
+        Err(error) => {
+            eprintln!("ringwatch-agent: error: {error:#}");
+            std::process::ExitCode::FAILURE
+        }
+    }
+}
+
+fn init_tracing(filter: &str) {
+    let filter = tracing_subscriber::EnvFilter::try_new(filter).unwrap_or_else(|e| {
+        eprintln!("ringwatch-agent: ignoring bad --log filter {filter:?} ({e}); using `info`");
+        tracing_subscriber::EnvFilter::new("info")
+    });
+    tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr)
+        .init();
+}

@@ -1,2 +1,231 @@
-//! cargo xtask.
-fn main() {}
+//! `cargo xtask`: every ringwatch workflow that is more than `cargo build`.
+//!
+//! Building the BPF object, installing prerequisites, the test suite CI runs,
+//! the demo and the benchmarks. Each step says what it runs; no workflow
+//! lives in scattered shell scripts (`.ci/run` only calls `cargo xtask test`).
+
+#[path = "../../ebpf/build_support.rs"]
+#[allow(dead_code)] // the layout probe is for ebpf/build.rs only
+mod build_support;
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+use anyhow::{Context, Result, bail};
+use clap::{Parser, Subcommand};
+
+/// ringwatch's workflows.
+#[derive(Debug, Parser)]
+#[command(name = "cargo xtask", bin_name = "cargo xtask")]
+struct Cli {
+    #[command(subcommand)]
+    task: Task,
+}
+
+#[derive(Debug, Subcommand)]
+enum Task {
+    /// Check the build prerequisites (clang, libbpf headers) and install the
+    /// missing ones with apt-get when root on Debian/Ubuntu; otherwise print
+    /// the exact command to run.
+    Setup,
+    /// Compile ebpf/ringwatch.bpf.c (which includes every ebpf/*.bpf.c) with
+    /// clang into one BPF object with BTF (-O2 -g -target bpf).
+    BuildEbpf {
+        /// Where to write the object.
+        #[arg(long, default_value = "target/bpf/ringwatch.bpf.o")]
+        out: PathBuf,
+    },
+    /// The test suite, as CI runs it: setup, cargo fmt --check, clippy with
+    /// -D warnings on all targets, and every crate's unit and integration
+    /// tests. The privileged eBPF tests run when root and skip otherwise.
+    Test,
+    /// Show ringwatch working on this machine (see the README for what the
+    /// demo covers today).
+    Demo,
+    /// Benchmarks, each printing a table.
+    Bench {
+        /// Which benchmark.
+        #[arg(value_enum)]
+        which: Bench,
+    },
+}
+
+#[derive(Debug, Clone, Copy, clap::ValueEnum)]
+enum Bench {
+    /// Bayesian optimization vs random search on test functions.
+    Tuner,
+}
+
+fn main() -> std::process::ExitCode {
+    let cli = Cli::parse();
+    let result = match cli.task {
+        Task::Setup => setup(),
+        Task::BuildEbpf { out } => build_ebpf(&out),
+        Task::Test => test(),
+        Task::Demo => demo(),
+        Task::Bench { which } => bench(which),
+    };
+    match result {
+        Ok(()) => std::process::ExitCode::SUCCESS,
+        Err(error) => {
+            eprintln!("xtask: error: {error:#}");
+            std::process::ExitCode::FAILURE
+        }
+    }
+}
+
+/// The workspace root (xtask lives one level below it).
+fn root() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .parent()
+        .expect("xtask/ has a parent")
+        .to_path_buf()
+}
+
+fn is_root() -> bool {
+    Command::new("id")
+        .arg("-u")
+        .output()
+        .is_ok_and(|out| String::from_utf8_lossy(&out.stdout).trim() == "0")
+}
+
+/// Runs a command in the workspace root, echoing it; fails on non-zero exit.
+fn run(program: &str, args: &[&str]) -> Result<()> {
+    eprintln!("xtask: $ {program} {}", args.join(" "));
+    let status = Command::new(program)
+        .args(args)
+        .current_dir(root())
+        .status()
+        .with_context(|| format!("could not start {program}"))?;
+    if !status.success() {
+        bail!("`{program} {}` failed ({status})", args.join(" "));
+    }
+    Ok(())
+}
+
+fn setup() -> Result<()> {
+    let Err(missing) = build_support::check_toolchain() else {
+        eprintln!("xtask: prerequisites present (clang, libbpf headers)");
+        return Ok(());
+    };
+    eprintln!("xtask: {missing}");
+    let apt = Path::new("/usr/bin/apt-get").exists();
+    if !(is_root() && apt) {
+        bail!(
+            "install the BPF toolchain first: {}apt-get install -y clang libbpf-dev",
+            if is_root() { "" } else { "sudo " }
+        );
+    }
+    eprintln!("xtask: installing clang and libbpf-dev with apt-get (root on a Debian-like system)");
+    run("apt-get", &["update", "-q"])?;
+    let status = Command::new("apt-get")
+        .args([
+            "install",
+            "-y",
+            "-q",
+            "--no-install-recommends",
+            "clang",
+            "llvm",
+            "libbpf-dev",
+            "libc6-dev",
+        ])
+        .env("DEBIAN_FRONTEND", "noninteractive")
+        .status()
+        .context("could not start apt-get")?;
+    if !status.success() {
+        bail!("apt-get install clang libbpf-dev failed ({status})");
+    }
+    build_support::check_toolchain().map_err(anyhow::Error::msg)
+}
+
+fn build_ebpf(out: &Path) -> Result<()> {
+    setup()?;
+    let out = if out.is_absolute() {
+        out.to_path_buf()
+    } else {
+        root().join(out)
+    };
+    if let Some(dir) = out.parent() {
+        std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
+    }
+    let arch = std::env::consts::ARCH;
+    build_support::compile_bpf(&root().join("ebpf"), &out, arch).map_err(anyhow::Error::msg)?;
+    let size = std::fs::metadata(&out).map(|m| m.len()).unwrap_or(0);
+    println!("{} ({size} bytes)", out.display());
+    Ok(())
+}
+
+fn test() -> Result<()> {
+    setup()?;
+    if !is_root() {
+        eprintln!("xtask: not root: the privileged eBPF tests will skip (CI runs as root)");
+    }
+    run("cargo", &["fmt", "--all", "--", "--check"])?;
+    run(
+        "cargo",
+        &[
+            "clippy",
+            "--workspace",
+            "--all-targets",
+            "--",
+            "-D",
+            "warnings",
+        ],
+    )?;
+    run("cargo", &["test", "--workspace", "--all-targets"])?;
+    // Doc tests are not built by --all-targets.
+    run("cargo", &["test", "--workspace", "--doc"])?;
+    eprintln!("xtask: all checks passed");
+    Ok(())
+}
+
+fn demo() -> Result<()> {
+    setup()?;
+    run("cargo", &["build", "--release", "-p", "agent"])?;
+    let bin = root().join("target/release");
+    println!("ringwatch demo: what exists today is the agent's eBPF path (sched_switch tracing).");
+    println!("It runs a workload thread that sleeps 20 times and counts its context switches.");
+    if !is_root() {
+        bail!("the demo loads eBPF programs: run it as root (sudo -E cargo xtask demo)");
+    }
+    let mut load = Command::new(bin.join("ringwatch-testload"))
+        .args(["--wait", "sleep", "--count", "20", "--interval", "50ms"])
+        .stdin(std::process::Stdio::piped())
+        .stdout(std::process::Stdio::piped())
+        .spawn()
+        .context("starting ringwatch-testload")?;
+    let mut description = String::new();
+    {
+        use std::io::BufRead;
+        let stdout = load.stdout.take().context("workload stdout")?;
+        std::io::BufReader::new(stdout)
+            .read_line(&mut description)
+            .context("reading the workload's description")?;
+    }
+    println!("workload: {}", description.trim());
+    let pid = load.id().to_string();
+    let mut agent = Command::new(bin.join("ringwatch-agent"))
+        .args(["--pid", &pid, "--duration", "10s"])
+        .spawn()
+        .context("starting ringwatch-agent")?;
+    // Give the agent a moment to attach before the workload starts.
+    std::thread::sleep(std::time::Duration::from_secs(2));
+    {
+        use std::io::Write;
+        let mut stdin = load.stdin.take().context("workload stdin")?;
+        stdin.write_all(b"go\n").context("starting the workload")?;
+    }
+    let load_status = load.wait().context("waiting for the workload")?;
+    let agent_status = agent.wait().context("waiting for the agent")?;
+    if !(load_status.success() && agent_status.success()) {
+        bail!("demo failed: workload {load_status}, agent {agent_status}");
+    }
+    println!("demo done. Not in the demo yet: collectives, tuning, the UI (see the open issues).");
+    Ok(())
+}
+
+fn bench(which: Bench) -> Result<()> {
+    match which {
+        Bench::Tuner => run("cargo", &["bench", "-p", "tuner", "--bench", "tuner"]),
+    }
+}

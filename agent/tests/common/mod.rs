@@ -1,0 +1,156 @@
+//! Helpers for the agent's integration tests: start a workload, start the
+//! agent on it, and collect the agent's JSON, with watchdogs so a bug fails
+//! the test instead of hanging it.
+#![allow(dead_code, clippy::unwrap_used, clippy::expect_used)]
+
+use std::io::{BufRead, BufReader, Write};
+use std::process::{Child, ChildStdin, Command, Stdio};
+use std::sync::mpsc;
+use std::time::Duration;
+
+/// The agent binary built for these tests.
+pub const AGENT: &str = env!("CARGO_BIN_EXE_ringwatch-agent");
+/// The workload binary built for these tests.
+pub const TESTLOAD: &str = env!("CARGO_BIN_EXE_ringwatch-testload");
+
+/// True (after printing why) when this test cannot load BPF here.
+pub fn skip_unless_privileged() -> bool {
+    // SAFETY: geteuid has no preconditions.
+    if unsafe { libc::geteuid() } != 0 {
+        eprintln!("SKIPPED: this test loads eBPF programs and needs root (CI runs as root)");
+        return true;
+    }
+    if !std::path::Path::new("/sys/kernel/btf/vmlinux").exists() {
+        eprintln!("SKIPPED: the kernel has no BTF (/sys/kernel/btf/vmlinux)");
+        return true;
+    }
+    false
+}
+
+/// A running `ringwatch-testload --wait …`.
+pub struct Testload {
+    child: Child,
+    stdin: Option<ChildStdin>,
+    /// The JSON line the workload printed about itself.
+    pub info: serde_json::Value,
+}
+
+impl Testload {
+    /// Starts the workload and reads its description line.
+    pub fn start(args: &[&str]) -> Self {
+        let mut child = Command::new(TESTLOAD)
+            .arg("--wait")
+            .args(args)
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .spawn()
+            .unwrap();
+        let stdin = child.stdin.take();
+        let stdout = child.stdout.take().unwrap();
+        let line = read_line_within(BufReader::new(stdout), Duration::from_secs(10), |_| true)
+            .expect("the workload printed no description within 10 s");
+        let info = serde_json::from_str(&line).unwrap();
+        Self { child, stdin, info }
+    }
+
+    /// Lets the workload start working.
+    pub fn go(&mut self) {
+        let mut stdin = self.stdin.take().expect("go() is called once");
+        stdin.write_all(b"go\n").unwrap();
+    }
+
+    /// Waits for the workload to finish (it is killed after 30 s).
+    pub fn wait(mut self) {
+        let status = wait_within(&mut self.child, Duration::from_secs(30));
+        assert!(status.success(), "workload failed: {status}");
+    }
+}
+
+impl Drop for Testload {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// A running `ringwatch-agent …` whose stdout is the result.
+pub struct Agent {
+    child: Child,
+}
+
+impl Agent {
+    /// Starts the agent and waits until it says it is watching.
+    pub fn start(args: &[&str]) -> Self {
+        let mut child = Command::new(AGENT)
+            .args(args)
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap();
+        let stderr = child.stderr.take().unwrap();
+        let (tx, rx) = mpsc::channel();
+        std::thread::spawn(move || {
+            let mut ready = false;
+            for line in BufReader::new(stderr).lines() {
+                let Ok(line) = line else { break };
+                eprintln!("[agent] {line}");
+                if !ready && line.contains("watching pid") {
+                    ready = true;
+                    let _ = tx.send(());
+                }
+            }
+        });
+        if rx.recv_timeout(Duration::from_secs(60)).is_err() {
+            let _ = child.kill();
+            panic!("the agent did not start watching within 60 s (see its log above)");
+        }
+        Self { child }
+    }
+
+    /// Waits for the agent to exit and parses its JSON output.
+    pub fn finish(mut self, limit: Duration) -> serde_json::Value {
+        let mut stdout = self.child.stdout.take().unwrap();
+        let reader = std::thread::spawn(move || {
+            let mut text = String::new();
+            std::io::Read::read_to_string(&mut stdout, &mut text).unwrap();
+            text
+        });
+        let status = wait_within(&mut self.child, limit);
+        let text = reader.join().unwrap();
+        assert!(status.success(), "agent failed ({status}); stdout: {text}");
+        serde_json::from_str(&text)
+            .unwrap_or_else(|e| panic!("agent printed bad JSON ({e}): {text}"))
+    }
+}
+
+fn wait_within(child: &mut Child, limit: Duration) -> std::process::ExitStatus {
+    let deadline = std::time::Instant::now() + limit;
+    loop {
+        if let Some(status) = child.try_wait().unwrap() {
+            return status;
+        }
+        if std::time::Instant::now() > deadline {
+            let _ = child.kill();
+            panic!("process {} did not exit within {limit:?}", child.id());
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+fn read_line_within<R: BufRead + Send + 'static>(
+    reader: R,
+    limit: Duration,
+    accept: impl Fn(&str) -> bool + Send + 'static,
+) -> Option<String> {
+    let (tx, rx) = mpsc::channel();
+    std::thread::spawn(move || {
+        for line in reader.lines() {
+            let Ok(line) = line else { break };
+            if accept(&line) {
+                let _ = tx.send(line);
+                break;
+            }
+        }
+    });
+    rx.recv_timeout(limit).ok()
+}

@@ -1,0 +1,47 @@
+/* maps.bpf.h: the maps every ringwatch program shares, and helpers on them.
+ *
+ * Included once, by ringwatch.bpf.c. Map names are part of the agent's
+ * contract (agent/src/probes.rs looks them up by name).
+ */
+#pragma once
+
+/* Processes (thread-group ids) the agent asked us to watch; value unused. */
+struct {
+	__uint(type, BPF_MAP_TYPE_HASH);
+	__uint(max_entries, 8192);
+	__type(key, __u32);
+	__type(value, __u8);
+} watched_tgids SEC(".maps");
+
+/* Every record leaves the kernel through this ring buffer. */
+struct {
+	__uint(type, BPF_MAP_TYPE_RINGBUF);
+	__uint(max_entries, 8 * 1024 * 1024);
+} events SEC(".maps");
+
+/* enum rw_counter slots, per CPU so counting never contends. */
+struct {
+	__uint(type, BPF_MAP_TYPE_PERCPU_ARRAY);
+	__uint(max_entries, RW_COUNTER_MAX);
+	__type(key, __u32);
+	__type(value, __u64);
+} counters SEC(".maps");
+
+static __always_inline void rw_count(__u32 slot)
+{
+	__u64 *value = bpf_map_lookup_elem(&counters, &slot);
+	if (value)
+		*value += 1;
+}
+
+static __always_inline bool rw_is_watched(__u32 tgid)
+{
+	return tgid != 0 && bpf_map_lookup_elem(&watched_tgids, &tgid) != NULL;
+}
+
+static __always_inline void rw_fill_header(struct rw_event_header *hdr, __u32 kind)
+{
+	hdr->ts_ns = bpf_ktime_get_ns();
+	hdr->kind = kind;
+	hdr->cpu = bpf_get_smp_processor_id();
+}
