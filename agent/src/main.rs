@@ -5,6 +5,7 @@
 //! that show it. The agent only observes: it is never on a job's data path.
 
 mod events;
+mod gpu;
 mod model;
 mod probes;
 mod watch;
@@ -43,6 +44,9 @@ enum Command {
     /// Count context switches of the given processes for a while, then print
     /// them (what the agent does when no subcommand is given).
     Watch(watch::WatchArgs),
+    /// Print this node's NVIDIA GPUs as NVML reports them (or why there are
+    /// none), as JSON.
+    Gpus,
 }
 
 fn main() -> std::process::ExitCode {
@@ -57,6 +61,7 @@ fn main() -> std::process::ExitCode {
             runtime.block_on(async move {
                 match cli.command {
                     Some(Command::Watch(args)) => watch::run(args).await,
+                    Some(Command::Gpus) => print_gpus(),
                     None => watch::run(cli.watch).await,
                 }
             })
@@ -68,6 +73,12 @@ fn main() -> std::process::ExitCode {
             std::process::ExitCode::FAILURE
         }
     }
+}
+
+fn print_gpus() -> Result<()> {
+    let snapshot = gpu::Gpus::init().snapshot();
+    println!("{}", serde_json::to_string_pretty(&snapshot)?);
+    Ok(())
 }
 
 fn init_tracing(filter: &str) {
