@@ -4,10 +4,13 @@
 //! (decode ring-buffer records) → `model` (per-thread state) → the commands
 //! that show it. The agent only observes: it is never on a job's data path.
 
+mod api;
 mod events;
 mod gpu;
+mod metrics;
 mod model;
 mod probes;
+mod serve;
 mod watch;
 
 use anyhow::Result;
@@ -47,6 +50,9 @@ enum Command {
     /// Print this node's NVIDIA GPUs as NVML reports them (or why there are
     /// none), as JSON.
     Gpus,
+    /// Run as the node daemon: serve the HTTP API and Prometheus metrics
+    /// until SIGINT/SIGTERM.
+    Serve(serve::ServeArgs),
 }
 
 fn main() -> std::process::ExitCode {
@@ -62,6 +68,7 @@ fn main() -> std::process::ExitCode {
                 match cli.command {
                     Some(Command::Watch(args)) => watch::run(args).await,
                     Some(Command::Gpus) => print_gpus(),
+                    Some(Command::Serve(args)) => serve::run(args).await,
                     None => watch::run(cli.watch).await,
                 }
             })

@@ -1,0 +1,229 @@
+//! `api`: the agent's HTTP API (axum): what the agent knows, as JSON for
+//! people and scripts, and as Prometheus exposition at `/metrics`.
+//!
+//! Handlers only read shared state and format it; they never touch BPF or a
+//! job directly. Every error is JSON with the right status; unknown query
+//! parameters are rejected, never ignored.
+
+use std::collections::HashMap;
+use std::sync::Arc;
+use std::time::Instant;
+
+use axum::Router;
+use axum::extract::{Query, State};
+use axum::http::{StatusCode, header};
+use axum::response::{IntoResponse, Response};
+use axum::routing::get;
+use serde_json::json;
+
+use crate::gpu::Gpus;
+use crate::metrics::render_metrics;
+
+/// What the handlers read. Cheap to clone (everything behind `Arc`).
+#[derive(Clone)]
+pub struct ApiState {
+    /// The node's GPUs (NVML), or why there are none.
+    pub gpus: Arc<Gpus>,
+    /// When the agent started, for `/api/health`.
+    pub started: Instant,
+}
+
+/// An error answered as `{"error": {"status": …, "message": …}}`.
+#[derive(Debug)]
+pub struct ApiError {
+    status: StatusCode,
+    message: String,
+}
+
+impl ApiError {
+    /// A 400 with a message saying what was wrong and what is accepted.
+    pub fn bad_request(message: impl Into<String>) -> Self {
+        Self {
+            status: StatusCode::BAD_REQUEST,
+            message: message.into(),
+        }
+    }
+
+    fn new(status: StatusCode, message: impl Into<String>) -> Self {
+        Self {
+            status,
+            message: message.into(),
+        }
+    }
+}
+
+impl IntoResponse for ApiError {
+    fn into_response(self) -> Response {
+        let body = json!({ "error": { "status": self.status.as_u16(), "message": self.message } });
+        (self.status, axum::Json(body)).into_response()
+    }
+}
+
+/// Query parameters, checked against what an endpoint accepts.
+type Params = Query<HashMap<String, String>>;
+
+fn reject_unknown(params: &HashMap<String, String>, allowed: &[&str]) -> Result<(), ApiError> {
+    let mut unknown: Vec<&str> = params
+        .keys()
+        .map(String::as_str)
+        .filter(|key| !allowed.contains(key))
+        .collect();
+    if unknown.is_empty() {
+        return Ok(());
+    }
+    unknown.sort_unstable();
+    Err(ApiError::bad_request(format!(
+        "unknown query parameter(s) {}; this endpoint accepts {}",
+        unknown.join(", "),
+        if allowed.is_empty() {
+            "none".to_owned()
+        } else {
+            allowed.join(", ")
+        }
+    )))
+}
+
+/// The router: every endpoint of the API.
+pub fn router(state: ApiState) -> Router {
+    Router::new()
+        .route("/api/health", get(health))
+        .route("/api/gpus", get(gpus))
+        .route("/api/openapi.json", get(openapi))
+        .route("/metrics", get(metrics))
+        .fallback(not_found)
+        .method_not_allowed_fallback(method_not_allowed)
+        .with_state(state)
+}
+
+async fn health(
+    State(state): State<ApiState>,
+    Query(params): Params,
+) -> Result<Response, ApiError> {
+    reject_unknown(&params, &[])?;
+    Ok(axum::Json(json!({
+        "status": "ok",
+        "version": env!("CARGO_PKG_VERSION"),
+        "uptime_s": state.started.elapsed().as_secs_f64(),
+    }))
+    .into_response())
+}
+
+async fn gpus(State(state): State<ApiState>, Query(params): Params) -> Result<Response, ApiError> {
+    reject_unknown(&params, &[])?;
+    let gpus = state.gpus.clone();
+    // NVML calls block (and can take milliseconds per device).
+    let snapshot = tokio::task::spawn_blocking(move || gpus.snapshot())
+        .await
+        .map_err(|e| {
+            ApiError::new(
+                StatusCode::INTERNAL_SERVER_ERROR,
+                format!("reading the GPUs failed: {e}"),
+            )
+        })?;
+    Ok(axum::Json(snapshot).into_response())
+}
+
+async fn metrics(
+    State(state): State<ApiState>,
+    Query(params): Params,
+) -> Result<Response, ApiError> {
+    reject_unknown(&params, &[])?;
+    let gpus = state.gpus.clone();
+    let text = tokio::task::spawn_blocking(move || render_metrics(&gpus.snapshot()))
+        .await
+        .map_err(|e| {
+            ApiError::new(
+                StatusCode::INTERNAL_SERVER_ERROR,
+                format!("collecting metrics failed: {e}"),
+            )
+        })?
+        .map_err(|e| {
+            ApiError::new(
+                StatusCode::INTERNAL_SERVER_ERROR,
+                format!("encoding metrics failed: {e}"),
+            )
+        })?;
+    Ok((
+        [(
+            header::CONTENT_TYPE,
+            "application/openmetrics-text; version=1.0.0; charset=utf-8",
+        )],
+        text,
+    )
+        .into_response())
+}
+
+async fn openapi(Query(params): Params) -> Result<Response, ApiError> {
+    reject_unknown(&params, &[])?;
+    Ok(axum::Json(openapi_document()).into_response())
+}
+
+async fn not_found(uri: axum::http::Uri) -> ApiError {
+    ApiError::new(
+        StatusCode::NOT_FOUND,
+        format!("no such endpoint: {}; see /api/openapi.json", uri.path()),
+    )
+}
+
+async fn method_not_allowed(method: axum::http::Method, uri: axum::http::Uri) -> ApiError {
+    ApiError::new(
+        StatusCode::METHOD_NOT_ALLOWED,
+        format!(
+            "{method} is not allowed on {}; see /api/openapi.json",
+            uri.path()
+        ),
+    )
+}
+
+/// The OpenAPI 3.1 description of the endpoints above. Kept beside the
+/// router; the `openapi_lists_every_route` test checks they agree.
+pub fn openapi_document() -> serde_json::Value {
+    let error = json!({ "$ref": "#/components/schemas/Error" });
+    let bad_request = json!({ "description": "bad query", "content": { "application/json": { "schema": error } } });
+    json!({
+        "openapi": "3.1.0",
+        "info": {
+            "title": "ringwatch agent API",
+            "version": env!("CARGO_PKG_VERSION"),
+            "description": "What one node's ringwatch agent sees: GPUs, watched processes, jobs, timelines, metrics."
+        },
+        "paths": {
+            "/api/health": { "get": {
+                "summary": "Liveness and version",
+                "responses": {
+                    "200": { "description": "the agent is up", "content": { "application/json": { "schema": {
+                        "type": "object", "required": ["status", "version", "uptime_s"],
+                        "properties": { "status": { "const": "ok" }, "version": { "type": "string" }, "uptime_s": { "type": "number" } }
+                    } } } },
+                    "400": bad_request
+                }
+            } },
+            "/api/gpus": { "get": {
+                "summary": "The node's NVIDIA GPUs (empty with a reason when there is no driver)",
+                "responses": {
+                    "200": { "description": "a snapshot", "content": { "application/json": { "schema": {
+                        "type": "object", "required": ["gpus", "unavailable_reason"],
+                        "properties": {
+                            "gpus": { "type": "array", "items": { "type": "object" } },
+                            "unavailable_reason": { "type": ["string", "null"] }
+                        }
+                    } } } },
+                    "400": bad_request
+                }
+            } },
+            "/api/openapi.json": { "get": {
+                "summary": "This document",
+                "responses": { "200": { "description": "OpenAPI 3.1", "content": { "application/json": {} } }, "400": bad_request }
+            } },
+            "/metrics": { "get": {
+                "summary": "Prometheus / OpenMetrics exposition",
+                "responses": { "200": { "description": "metrics", "content": { "application/openmetrics-text": {} } }, "400": bad_request }
+            } }
+        },
+        "components": { "schemas": { "Error": {
+            "type": "object", "required": ["error"],
+            "properties": { "error": { "type": "object", "required": ["status", "message"],
+                "properties": { "status": { "type": "integer" }, "message": { "type": "string" } } } }
+        } } }
+    })
+}

@@ -1,0 +1,156 @@
+//! `metrics`: the Prometheus/OpenMetrics exposition of what the agent knows.
+//!
+//! Built per scrape from snapshots (prometheus-client's encoder), so a value
+//! is never stale and nothing is registered twice. Only formats: it never
+//! reads a device or a map itself.
+
+use prometheus_client::encoding::text::encode_registry;
+use prometheus_client::encoding::{DescriptorEncoder, EncodeMetric};
+use prometheus_client::metrics::MetricType;
+use prometheus_client::metrics::gauge::ConstGauge;
+use prometheus_client::registry::Registry;
+
+use crate::gpu::{GpuReading, GpuSnapshot};
+
+/// Renders every metric as OpenMetrics text.
+pub fn render_metrics(gpus: &GpuSnapshot) -> Result<String, std::fmt::Error> {
+    let mut registry = Registry::default();
+    registry.register_collector(Box::new(GpuCollector(gpus.clone())));
+    let mut text = String::new();
+    encode_registry(&mut text, &registry)?;
+    text.push_str("# EOF\n");
+    Ok(text)
+}
+
+/// One scrape's GPU figures.
+#[derive(Debug)]
+struct GpuCollector(GpuSnapshot);
+
+type Labels = Vec<(&'static str, String)>;
+
+fn gpu_labels(gpu: &GpuReading) -> Labels {
+    vec![
+        ("gpu", gpu.index.to_string()),
+        ("uuid", gpu.uuid.clone().unwrap_or_default()),
+        ("name", gpu.name.clone().unwrap_or_default()),
+    ]
+}
+
+/// Encodes one gauge family with a value per GPU that has the figure.
+fn gpu_gauge(
+    encoder: &mut DescriptorEncoder,
+    name: &str,
+    help: &str,
+    gpus: &[GpuReading],
+    value: impl Fn(&GpuReading) -> Option<f64>,
+) -> Result<(), std::fmt::Error> {
+    let values: Vec<(Labels, f64)> = gpus
+        .iter()
+        .filter_map(|g| value(g).map(|v| (gpu_labels(g), v)))
+        .collect();
+    if values.is_empty() {
+        return Ok(());
+    }
+    let mut family = encoder.encode_descriptor(name, help, None, MetricType::Gauge)?;
+    for (labels, v) in values {
+        ConstGauge::new(v).encode(family.encode_family(&labels)?)?;
+    }
+    Ok(())
+}
+
+impl prometheus_client::collector::Collector for GpuCollector {
+    fn encode(&self, mut encoder: DescriptorEncoder) -> Result<(), std::fmt::Error> {
+        let gpus = &self.0.gpus;
+        let available = ConstGauge::new(i64::from(
+            self.0.unavailable_reason.is_none() || !gpus.is_empty(),
+        ));
+        available.encode(encoder.encode_descriptor(
+            "ringwatch_gpu_nvml_available",
+            "1 when NVML could be read on this node",
+            None,
+            MetricType::Gauge,
+        )?)?;
+        let e = &mut encoder;
+        gpu_gauge(
+            e,
+            "ringwatch_gpu_utilization_ratio",
+            "Fraction of time a kernel ran on the GPU",
+            gpus,
+            |g| g.utilization_gpu_percent.map(|p| f64::from(p) / 100.0),
+        )?;
+        gpu_gauge(
+            e,
+            "ringwatch_gpu_memory_utilization_ratio",
+            "Fraction of time device memory was read or written",
+            gpus,
+            |g| g.utilization_memory_percent.map(|p| f64::from(p) / 100.0),
+        )?;
+        gpu_gauge(
+            e,
+            "ringwatch_gpu_memory_used_bytes",
+            "Device memory in use",
+            gpus,
+            |g| g.memory_used_bytes.map(|b| b as f64),
+        )?;
+        gpu_gauge(
+            e,
+            "ringwatch_gpu_memory_total_bytes",
+            "Device memory installed",
+            gpus,
+            |g| g.memory_total_bytes.map(|b| b as f64),
+        )?;
+        gpu_gauge(
+            e,
+            "ringwatch_gpu_power_watts",
+            "Board power draw",
+            gpus,
+            |g| g.power_watts,
+        )?;
+        gpu_gauge(
+            e,
+            "ringwatch_gpu_temperature_celsius",
+            "GPU die temperature",
+            gpus,
+            |g| g.temperature_celsius.map(f64::from),
+        )?;
+        gpu_gauge(e, "ringwatch_gpu_sm_clock_hertz", "SM clock", gpus, |g| {
+            g.clock_sm_mhz.map(|mhz| f64::from(mhz) * 1e6)
+        })?;
+        gpu_gauge(
+            e,
+            "ringwatch_gpu_memory_clock_hertz",
+            "Memory clock",
+            gpus,
+            |g| g.clock_memory_mhz.map(|mhz| f64::from(mhz) * 1e6),
+        )?;
+        gpu_gauge(
+            e,
+            "ringwatch_gpu_pcie_tx_bytes_per_second",
+            "PCIe bytes/s sent by the GPU",
+            gpus,
+            |g| g.pcie_tx_bytes_per_second.map(|b| b as f64),
+        )?;
+        gpu_gauge(
+            e,
+            "ringwatch_gpu_pcie_rx_bytes_per_second",
+            "PCIe bytes/s received by the GPU",
+            gpus,
+            |g| g.pcie_rx_bytes_per_second.map(|b| b as f64),
+        )?;
+        gpu_gauge(
+            e,
+            "ringwatch_gpu_nvlink_tx_bytes",
+            "NVLink bytes sent since the driver loaded",
+            gpus,
+            |g| g.nvlink_tx_bytes_total.map(|b| b as f64),
+        )?;
+        gpu_gauge(
+            e,
+            "ringwatch_gpu_nvlink_rx_bytes",
+            "NVLink bytes received since the driver loaded",
+            gpus,
+            |g| g.nvlink_rx_bytes_total.map(|b| b as f64),
+        )?;
+        Ok(())
+    }
+}
