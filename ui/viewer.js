@@ -467,6 +467,18 @@ function fmtNum(v) {
   if (Number.isInteger(v)) return String(v);
   return v.toPrecision(4);
 }
+const textColorCache = new Map();
+/** Black or white, whichever reads better on a slice of this colour. */
+function textOn(color) {
+  let c = textColorCache.get(color);
+  if (!c) {
+    const n = parseInt(color.slice(1), 16);
+    const lum = 0.2126 * ((n >> 16) & 255) + 0.7152 * ((n >> 8) & 255) + 0.0722 * (n & 255);
+    c = lum < 140 ? '#ffffff' : '#1a1a1a';
+    textColorCache.set(color, c);
+  }
+  return c;
+}
 function escapeHtml(s) {
   return String(s).replace(/[&<>"']/g, (c) => ({ '&': '&amp;', '<': '&lt;', '>': '&gt;', '"': '&quot;', "'": '&#39;' }[c]));
 }
@@ -494,7 +506,7 @@ const PROC_H = 20;
 const ROW_H = 18;
 const STATE_H = 10;
 const INST_H = 10;
-const COUNTER_H = 46;
+const COUNTER_H = 52;
 const PAD = 3;
 
 class Viewer {
@@ -1119,7 +1131,7 @@ class Viewer {
       ctx.fillStyle = '#868e96';
       ctx.fillRect(Math.round(tk.x), AXIS_H - 8, 1, 8);
       ctx.fillStyle = '#212529';
-      ctx.fillText(tk.label, Math.round(tk.x) + 3, AXIS_H / 2 - 2);
+      if (tk.x + 3 + ctx.measureText(tk.label).width <= W) ctx.fillText(tk.label, Math.round(tk.x) + 3, AXIS_H / 2 - 2);
     }
     ctx.restore();
     ctx.fillStyle = '#495057';
@@ -1157,11 +1169,23 @@ class Viewer {
       this.clippedText(ctx, t.name, 28, y + 13, LABEL_W - 34);
       ctx.fillStyle = '#868e96';
       ctx.font = '11px system-ui, sans-serif';
-      this.clippedText(ctx, `scale ${fmtNum(t.min)} … ${fmtNum(t.max)}`, 28, y + 29, LABEL_W - 34);
+      let lx = 28;
+      t.series.forEach((s, si) => {
+        if (lx > LABEL_W - 40) return;
+        ctx.fillStyle = SERIES_COLORS[si % SERIES_COLORS.length];
+        ctx.fillRect(lx, y + 22, 8, 8);
+        ctx.fillStyle = '#495057';
+        const w = Math.min(ctx.measureText(s.name).width, LABEL_W - 14 - lx - 12);
+        this.clippedText(ctx, s.name, lx + 11, y + 27, w);
+        lx += 20 + w;
+      });
+      ctx.fillStyle = '#868e96';
+      this.clippedText(ctx, `scale ${fmtNum(t.min)} … ${fmtNum(t.max)}`, 28, y + 42, LABEL_W - 34);
       this.drawCounter(ctx, t, y);
       return;
     }
-    this.clippedText(ctx, t.name, 28, y + (t.kind === 'thread' && t.states ? PAD + STATE_H / 2 + 1 : 12), LABEL_W - 34);
+    const label = t.kind === 'thread' && t.name !== 'tid ' + t.tid ? t.name + '  ' + t.tid : t.name;
+    this.clippedText(ctx, label, 28, y + (t.kind === 'thread' && t.states ? PAD + STATE_H / 2 + 1 : 12), LABEL_W - 34);
     ctx.save();
     ctx.beginPath();
     ctx.rect(LABEL_W, y, W - LABEL_W, row.h);
@@ -1217,7 +1241,7 @@ class Viewer {
         const a = Math.max(xs, x0 - 1), b = Math.min(xe, x1 + 1);
         ctx.fillRect(a, y, b - a, h);
         if (!isState && b - a > 36) {
-          ctx.fillStyle = '#1a1a1a';
+          ctx.fillStyle = textOn(color);
           this.clippedText(ctx, this.data.strings[nm[i]], a + 4, y + h / 2 + 1, b - a - 8);
           lastColor = null;
         }
@@ -1304,15 +1328,11 @@ class Viewer {
     // scale: max at the top, legend of series
     ctx.fillStyle = '#495057';
     ctx.font = '10px system-ui, sans-serif';
-    ctx.fillText(fmtNum(t.max), x0 + 4, top + 5);
-    let lx = x0 + 44;
-    t.series.forEach((s, si) => {
-      ctx.fillStyle = SERIES_COLORS[si % SERIES_COLORS.length];
-      ctx.fillRect(lx, top + 1, 8, 8);
-      ctx.fillStyle = '#495057';
-      ctx.fillText(s.name, lx + 11, top + 5);
-      lx += 20 + ctx.measureText(s.name).width;
-    });
+    const label = fmtNum(t.max);
+    ctx.fillStyle = 'rgba(255,255,255,0.8)';
+    ctx.fillRect(x0 + 2, top - 1, ctx.measureText(label).width + 4, 12);
+    ctx.fillStyle = '#495057';
+    ctx.fillText(label, x0 + 4, top + 5);
     ctx.restore();
     const h = this.hover;
     if (h && h.kind === 'counter' && h.track === t.id) {
