@@ -369,12 +369,28 @@ function traceParserModule() {
     return out;
   }
 
+  // Fetch and parse in one step, so a large body never passes through the page's thread.
+  async function fetchParse(url, label, opts) {
+    const t = Date.now();
+    const res = await fetch(url);
+    if (!res.ok) {
+      let msg = 'HTTP ' + res.status + ' for ' + label;
+      try { const j = await res.json(); if (j && j.error) msg += ': ' + j.error; } catch (_) { /* not JSON */ }
+      throw new Error(msg);
+    }
+    const buf = await res.arrayBuffer();
+    const fetchMs = Date.now() - t;
+    const out = parse(buf, opts);
+    out.result.timing.fetchMs = fetchMs;
+    return out;
+  }
+
   function args(gen, index) {
     if (gen !== generation || index < 0 || index >= argsStore.length) return null;
     return argsStore[index];
   }
 
-  return { parse, args, stateCode };
+  return { parse, fetchParse, args, stateCode };
 }
 
 // ---------------------------------------------------------------------------
@@ -387,8 +403,9 @@ class TraceSource {
     this.inline = null;
     try {
       const src = 'const M = (' + traceParserModule.toString() + ')();\n' +
-        'self.onmessage = (ev) => { const m = ev.data; try {\n' +
+        'self.onmessage = async (ev) => { const m = ev.data; try {\n' +
         '  if (m.type === "parse") { const r = M.parse(m.input, m.opts); self.postMessage({ id: m.id, ok: true, value: r.result }, r.transfer); }\n' +
+        '  else if (m.type === "fetchParse") { const r = await M.fetchParse(m.url, m.label, m.opts); self.postMessage({ id: m.id, ok: true, value: r.result }, r.transfer); }\n' +
         '  else if (m.type === "args") self.postMessage({ id: m.id, ok: true, value: M.args(m.gen, m.index) });\n' +
         '} catch (err) { self.postMessage({ id: m.id, ok: false, error: String(err && err.message || err) }); } };';
       const url = URL.createObjectURL(new Blob([src], { type: 'text/javascript' }));
@@ -414,6 +431,7 @@ class TraceSource {
     if (!this.worker) {
       return new Promise((resolve) => setTimeout(resolve, 0)).then(() => {
         if (msg.type === 'parse') return this.inline.parse(msg.input, msg.opts).result;
+        if (msg.type === 'fetchParse') return this.inline.fetchParse(msg.url, msg.label, msg.opts).then((r) => r.result);
         return this.inline.args(msg.gen, msg.index);
       });
     }
@@ -426,6 +444,10 @@ class TraceSource {
   /** Parse an ArrayBuffer (transferred to the worker) or a string. */
   parse(input, opts) {
     return this.call({ type: 'parse', input, opts }, input instanceof ArrayBuffer ? [input] : []);
+  }
+  /** Fetch a URL (made absolute here: a Blob worker has no base URL) and parse it, off the page's thread. */
+  fetchParse(url, opts) {
+    return this.call({ type: 'fetchParse', url: new URL(url, location.href).href, label: url, opts });
   }
   args(gen, index) {
     return index < 0 ? Promise.resolve(null) : this.call({ type: 'args', gen, index });
@@ -479,12 +501,40 @@ function textOn(color) {
   }
   return c;
 }
+/** Rectangles by colour; a rectangle touching the previous one of the same colour in the same lane extends it. */
+class RectBatch {
+  constructor() { this.byColor = new Map(); this.lastColor = null; this.last = null; }
+  add(color, x, y, w, h) {
+    const l = this.last;
+    if (color === this.lastColor && l && y === l[l.length - 3] && h === l[l.length - 1] && x <= l[l.length - 4] + l[l.length - 2] + 0.5) {
+      const end = Math.max(l[l.length - 4] + l[l.length - 2], x + w);
+      l[l.length - 2] = end - l[l.length - 4];
+      return;
+    }
+    let a = this.byColor.get(color);
+    if (!a) { a = []; this.byColor.set(color, a); }
+    a.push(x, y, w, h);
+    this.lastColor = color;
+    this.last = a;
+  }
+  endLane() { this.lastColor = null; this.last = null; }
+  flush(ctx) {
+    for (const [color, a] of this.byColor) {
+      if (!a.length) continue;
+      ctx.fillStyle = color;
+      ctx.beginPath();
+      for (let q = 0; q < a.length; q += 4) ctx.rect(a[q], a[q + 1], a[q + 2], a[q + 3]);
+      ctx.fill();
+      a.length = 0;
+    }
+    this.endLane();
+  }
+}
 function escapeHtml(s) {
   return String(s).replace(/[&<>"']/g, (c) => ({ '&': '&amp;', '<': '&lt;', '>': '&gt;', '"': '&quot;', "'": '&#39;' }[c]));
 }
 
 const STATE_COLORS = { 1: '#2f9e44', 2: '#f59f00', 3: '#e03131', 4: '#adb5bd' };
-const STATE_NAMES = { 1: 'running', 2: 'runnable', 3: 'blocked', 4: 'sleeping' };
 const ACTIVITY_COLORS = {
   NEGOTIATE_ALLREDUCE: '#748ffc', NEGOTIATE_ALLGATHER: '#748ffc', NEGOTIATE_BROADCAST: '#748ffc',
   QUEUE: '#b197fc', WAIT_FOR_DATA: '#ced4da', WAIT_FOR_OTHER_TENSOR_DATA: '#ced4da',
@@ -536,6 +586,8 @@ class Viewer {
     this.readyWaiters = [];
     this.nameColor = [];
     this.nameState = [];
+    this.nameWidth = [];
+    this.batch = new RectBatch();
     this.stats = { loadStart: 0, fetchMs: null, decodeMs: null, jsonMs: null, buildMs: null, firstRenderMs: null, lastFrameMs: null };
     this.live = { available: false, enabled: false, paused: false, polls: 0, windowUs: 10e6, inflight: false, timer: null, lastUrl: null, apiJobs: [], apiProcs: [] };
     this.sourceName = '';
@@ -548,12 +600,9 @@ class Viewer {
   async loadUrl(url) {
     this.beginLoad(url);
     try {
-      const t = performance.now();
-      const res = await fetch(url);
-      if (!res.ok) throw new Error('HTTP ' + res.status + ' for ' + url);
-      const buf = await res.arrayBuffer();
-      this.stats.fetchMs = performance.now() - t;
-      await this.ingest(buf, { defaultGroup: 'other processes', name: url }, true);
+      const data = await this.source.fetchParse(url, { defaultGroup: 'other processes' });
+      this.setTiming(data.timing);
+      this.setData(data, true);
     } catch (err) { this.fail(err); }
   }
   async loadFile(file) {
@@ -575,10 +624,14 @@ class Viewer {
   }
   async ingest(buf, opts, fit) {
     const data = await this.source.parse(buf, { defaultGroup: opts.defaultGroup });
-    this.stats.decodeMs = data.timing.decodeMs;
-    this.stats.jsonMs = data.timing.jsonMs;
-    this.stats.buildMs = data.timing.buildMs;
+    this.setTiming(data.timing);
     this.setData(data, fit);
+  }
+  setTiming(t) {
+    if (t.fetchMs !== undefined) this.stats.fetchMs = t.fetchMs;
+    this.stats.decodeMs = t.decodeMs;
+    this.stats.jsonMs = t.jsonMs;
+    this.stats.buildMs = t.buildMs;
   }
   fail(err) {
     this.state = 'error';
@@ -591,6 +644,7 @@ class Viewer {
     this.data = data;
     this.nameColor = new Array(data.strings.length);
     this.nameState = new Array(data.strings.length);
+    this.nameWidth = new Array(data.strings.length);
     if (!this.live.enabled || this.origin === 0) this.origin = data.t0;
     if (fit) this.fit();
     this.state = 'ready';
@@ -682,21 +736,11 @@ class Viewer {
     this.live.lastUrl = url;
     try {
       if (this.state !== 'ready') this.beginLoad('agent');
-      const t = performance.now();
-      const res = await fetch(url);
-      if (!res.ok) {
-        let msg = 'HTTP ' + res.status;
-        try { const j = await res.json(); if (j && j.error) msg += ': ' + j.error; } catch (_) { /* not JSON */ }
-        throw new Error(msg + ' for ' + url);
-      }
-      const buf = await res.arrayBuffer();
-      this.stats.fetchMs = performance.now() - t;
-      const data = await this.source.parse(buf, { defaultGroup: 'other processes' });
+      const data = await this.source.fetchParse(url, { defaultGroup: 'other processes' });
       this.live.polls++;
       if (!this.live.enabled || this.live.paused) return;
       this.sourceName = 'agent (live)';
-      this.stats.jsonMs = data.timing.jsonMs;
-      this.stats.buildMs = data.timing.buildMs;
+      this.setTiming(data.timing);
       this.setData(data, false);
       const md = data.metadata || {};
       const now = typeof md.now === 'number' ? md.now : data.t1;
@@ -1191,13 +1235,20 @@ class Viewer {
     ctx.rect(LABEL_W, y, W - LABEL_W, row.h);
     ctx.clip();
     if (t.kind === 'thread') {
-      if (t.states) this.drawLevel(ctx, t.states.st, t.states.du, t.states.nm, 0, t.states.count, y + t.stateY, STATE_H, true);
+      const batch = this.batch;
+      if (t.states) this.drawLevel(batch, t.states.st, t.states.du, t.states.nm, 0, t.states.count, y + t.stateY, STATE_H, true, null);
       const s = t.slices;
+      const texts = [], textRows = [];
       for (let d = 0; d < s.levels; d++) {
         const top = y + t.sliceY + d * ROW_H;
         if (top > this.viewH || top + ROW_H < AXIS_H) continue;
-        this.drawLevel(ctx, s.st, s.du, s.nm, s.offsets[d], s.offsets[d + 1], top + 1, ROW_H - 2, false);
+        const tx = [];
+        this.drawLevel(batch, s.st, s.du, s.nm, s.offsets[d], s.offsets[d + 1], top + 1, ROW_H - 2, false, tx);
+        texts.push(tx);
+        textRows.push(top + 1);
       }
+      batch.flush(ctx);
+      for (let q = 0; q < texts.length; q++) this.drawTexts(ctx, texts[q], textRows[q], ROW_H - 2);
     }
     if (t.instants) this.drawInstants(ctx, t.instants, y + t.instY);
     const h = this.hover;
@@ -1225,35 +1276,49 @@ class Viewer {
   // One nesting level: slices never overlap, so binary-search the first one
   // in view and walk right; runs of slices narrower than a pixel collapse into
   // one pixel-wide mark, skipping ahead by binary search (level of detail).
-  drawLevel(ctx, st, du, nm, lo, hi, y, h, isState) {
+  // Rectangles go to a per-colour batch (touching same-colour ones merge), so
+  // a frame costs one fill per colour rather than one per slice.
+  drawLevel(batch, st, du, nm, lo, hi, y, h, isState, texts) {
     const vs = this.view.start, ve = this.view.end;
     const x0 = LABEL_W, x1 = this.viewW;
     const k = (x1 - x0) / (ve - vs);
     let i = lowerBound(st, lo, hi, vs);
     if (i > lo && st[i - 1] + du[i - 1] > vs) i--;
-    let lastColor = null;
     while (i < hi && st[i] <= ve) {
       const xs = x0 + (st[i] - vs) * k;
       const xe = x0 + (st[i] + du[i] - vs) * k;
       const color = isState ? this.stateColor(nm[i]) : this.colorOfName(nm[i]);
-      if (color !== lastColor) { ctx.fillStyle = color; lastColor = color; }
       if (xe - xs >= 1) {
         const a = Math.max(xs, x0 - 1), b = Math.min(xe, x1 + 1);
-        ctx.fillRect(a, y, b - a, h);
-        if (!isState && b - a > 36) {
-          ctx.fillStyle = textOn(color);
-          this.clippedText(ctx, this.data.strings[nm[i]], a + 4, y + h / 2 + 1, b - a - 8);
-          lastColor = null;
-        }
+        batch.add(color, a, y, b - a, h);
+        if (texts && b - a > 36) texts.push(nm[i], a, b, color);
         i++;
         continue;
       }
       const px = Math.floor(xs);
       const tNext = vs + (px + 1 - x0) / k;
       const j = lowerBound(st, i + 1, hi, tNext);
-      ctx.fillRect(px, y, Math.max(1, Math.min(xe, x1) - px), h);
+      batch.add(color, px, y, Math.max(1, Math.min(xe, x1) - px), h);
       i = j - 1 > i && x0 + (st[j - 1] + du[j - 1] - vs) * k > px + 1 ? j - 1 : j;
     }
+    batch.endLane();
+  }
+  drawTexts(ctx, texts, y, h) {
+    for (let q = 0; q < texts.length; q += 4) {
+      const a = texts[q + 1], b = texts[q + 2];
+      ctx.fillStyle = textOn(texts[q + 3]);
+      this.fastClippedText(ctx, texts[q], a + 4, y + h / 2 + 1, b - a - 8);
+    }
+  }
+  // Slice names: widths measured once per name, then cut by proportion.
+  fastClippedText(ctx, nameIdx, x, y, maxW) {
+    const name = this.data.strings[nameIdx];
+    let w = this.nameWidth[nameIdx];
+    if (w === undefined) { w = ctx.measureText(name).width; this.nameWidth[nameIdx] = w; }
+    if (w <= maxW) { ctx.fillText(name, x, y); return; }
+    const chars = Math.floor(name.length * (maxW - 8) / w);
+    if (chars < 2) return;
+    ctx.fillText(name.slice(0, chars) + '…', x, y);
   }
   drawInstants(ctx, f, y) {
     const vs = this.view.start, ve = this.view.end;
