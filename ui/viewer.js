@@ -600,6 +600,9 @@ class Viewer {
   async loadUrl(url) {
     this.beginLoad(url);
     try {
+      if (new URL(url, location.href).protocol === 'file:') {
+        throw new Error('browsers do not let a page read file: URLs (?trace=' + url + '); open the file with “Open trace file” or drop it here, or serve ui/ over HTTP');
+      }
       const data = await this.source.fetchParse(url, { defaultGroup: 'other processes' });
       this.setTiming(data.timing);
       this.setData(data, true);

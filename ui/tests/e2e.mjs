@@ -18,16 +18,6 @@ const FIXTURES = join(TESTS_DIR, 'fixtures');
 const OUT_DIR = join(REPO_DIR, 'target', 'ui-test');
 const inCI = process.env.CI === 'true' || process.env.CI === '1';
 
-if (!existsSync(CHROMIUM)) {
-  if (inCI) {
-    console.error(`ui-test: ${CHROMIUM} is missing, and CI installs it (apt-get install -y chromium): failing`);
-    console.log('0 passed, 1 failed');
-    process.exit(1);
-  }
-  console.log(`SKIPPED: ${CHROMIUM} not found (apt-get install -y chromium); the UI end-to-end test needs it`);
-  process.exit(0);
-}
-
 let passed = 0, failed = 0;
 async function check(name, fn) {
   try {
@@ -41,6 +31,85 @@ async function check(name, fn) {
 }
 function assert(cond, msg) { if (!cond) throw new Error(msg); }
 function near(a, b, tol, msg) { if (!(Math.abs(a - b) <= tol)) throw new Error(`${msg}: ${a} is not within ${tol} of ${b}`); }
+
+// The parser runs in the page's Worker; it is one self-contained function, so
+// Node can run the very same code on edge cases first (no browser needed).
+{
+  const src = readFileSync(join(UI_DIR, 'viewer.js'), 'utf8');
+  const cut = src.indexOf('// The parser, in a Worker');
+  assert(cut > 0, 'viewer.js layout changed: cannot find the parser');
+  const P = new Function(src.slice(0, cut) + '\nreturn traceParserModule;')()();
+  const parse = (text, opts) => P.parse(text, opts || {}).result;
+  const procs = (r) => r.groups.flatMap((g) => g.processes.map((p) => ({ g: g.name, kind: g.kind, ...p })));
+  await check('parser: unterminated arrays and objects are read up to the last complete event', async () => {
+    let r = parse('[\n{"name":"A","ph":"X","ts":1,"dur":2,"pid":1,"tid":1},\n{"name":"B","ph":"X","ts":5,"dur":1,"pid":1,"tid":1},\n');
+    assert(r.repaired && r.used === 2, 'trailing comma: ' + JSON.stringify([r.repaired, r.used]));
+    r = parse('[{"name":"A","ph":"X","ts":1,"dur":2,"pid":1},{"name":"B","ph":"X","ts":5,"dur":1,"pid":1,"args":{"x":{"y":1}');
+    assert(r.repaired && r.used === 1, 'cut inside an event: ' + r.used);
+    r = parse('{"traceEvents":[{"name":"A","ph":"X","ts":1,"dur":2,"pid":1},');
+    assert(r.repaired && r.used === 1, 'object form: ' + r.used);
+    r = parse('[{"name":"A","ph":"X","ts":1,"dur":2,"pid":1}]');
+    assert(!r.repaired, 'a complete file is not "repaired"');
+    let threw = false;
+    try { parse('{"hello": 1}'); } catch (e) { threw = /traceEvents/.test(e.message); }
+    assert(threw, 'an object without traceEvents is an error that names traceEvents');
+  });
+  await check('parser: B/E pair per thread in time order even when the file is not sorted', async () => {
+    const r = parse(JSON.stringify([
+      { ph: 'E', ts: 30, pid: 1, tid: 2 }, { ph: 'B', name: 'outer', ts: 0, pid: 1, tid: 2 },
+      { ph: 'E', ts: 20, pid: 1, tid: 2, args: { end: 1 } }, { ph: 'B', name: 'inner', ts: 10, pid: 1, tid: 2 },
+      { ph: 'B', name: 'open', ts: 40, pid: 1, tid: 2 }, { ph: 'X', name: 'late', ts: 50, dur: 5, pid: 1, tid: 2 },
+    ]));
+    const t = r.groups[0].processes[0].tracks[0];
+    const names = Array.from(t.slices.nm, (i) => r.strings[i]);
+    assert(t.slices.levels === 2, 'levels ' + t.slices.levels);
+    assert(names.join() === 'outer,open,inner,late', 'by (depth, start): ' + names);
+    assert(t.slices.du[0] === 30 && t.slices.du[2] === 10, 'durations ' + Array.from(t.slices.du));
+    assert(t.slices.du[1] === 15, 'an unclosed B lasts to the end of the trace: ' + t.slices.du[1]);
+  });
+  await check('parser: jobs from args.job or "<job> rank <n>" names, everything else ungrouped', async () => {
+    const r = parse(JSON.stringify([
+      { ph: 'M', name: 'process_name', pid: 7, args: { name: 'trainer', job: 'bert', rank: 1 } },
+      { ph: 'M', name: 'process_name', pid: 8, args: { name: 'bert rank 0' } },
+      { ph: 'M', name: 'process_name', pid: 9, args: { name: 'resnet/rank=3' } },
+      { ph: 'M', name: 'process_name', pid: 10, args: { name: 'ranker service' } },
+      ...[7, 8, 9, 10].map((pid) => ({ ph: 'X', name: 'running', ts: pid, dur: 1, pid, tid: pid })),
+    ]), { defaultGroup: 'loose' });
+    const ps = procs(r);
+    const find = (pid) => ps.find((p) => p.pid === pid);
+    assert(find(7).g === 'bert' && find(7).rank === 1 && find(8).g === 'bert' && find(8).rank === 0, 'bert ranks');
+    assert(r.groups[0].name === 'bert' && r.groups[0].processes[0].pid === 8, 'ranks sorted by rank');
+    assert(find(9).g === 'resnet' && find(9).rank === 3, 'resnet/rank=3: ' + JSON.stringify(find(9)));
+    assert(find(10).kind === 'other' && find(10).g === 'loose', 'ranker service is not a rank: ' + JSON.stringify(find(10)));
+    const t = find(7).tracks[0];
+    assert(t.states.count === 1 && t.slices.count === 0, 'a "running" slice is a thread state, not an activity');
+  });
+  await check('parser: counters keep a series\' last value when an event leaves it out, and sort by time', async () => {
+    const r = parse(JSON.stringify([
+      { ph: 'C', name: 'tcp', id: 'a', pid: 1, ts: 20, args: { rx: 5 } },
+      { ph: 'C', name: 'tcp', id: 'a', pid: 1, ts: 10, args: { tx: 1, rx: 2 } },
+      { ph: 'C', name: 'tcp', id: 'a', pid: 1, ts: 30, args: { tx: 7 } },
+    ]));
+    const c = r.groups[0].processes[0].tracks[0];
+    assert(c.kind === 'counter' && c.name === 'tcp a', 'counter name with id: ' + c.name);
+    assert(Array.from(c.ts).join() === '10,20,30', 'sorted');
+    const s = Object.fromEntries(c.series.map((x) => [x.name, Array.from(x.values).join()]));
+    assert(s.tx === '1,1,7' && s.rx === '2,5,5', JSON.stringify(s));
+    assert(c.max === 7 && c.min === 0, 'scale');
+  });
+}
+
+if (!existsSync(CHROMIUM)) {
+  if (inCI) {
+    console.error(`ui-test: ${CHROMIUM} is missing, and CI installs it (apt-get install -y chromium): failing`);
+    console.log(`${passed} passed, ${failed + 1} failed`);
+    process.exit(1);
+  }
+  console.log(`ui-test: parser checks ${passed} passed, ${failed} failed`);
+  if (failed) { console.log(`${passed} passed, ${failed} failed`); process.exit(1); }
+  console.log(`SKIPPED: ${CHROMIUM} not found (apt-get install -y chromium); the UI end-to-end test in a browser needs it`);
+  process.exit(0);
+}
 
 // Ground truth from fixtures/make-fixtures.mjs.
 const KNOWN = { name: 'MEMCPY_IN_FUSION_BUFFER', pid: 4101, tid: 4102, ts: 1_050_000 + 1_300 + 300, dur: 1_500 };
@@ -349,6 +418,19 @@ try {
     await page.waitForFunction(() => /pid=4201/.test(window.ringwatchViewer.live().lastUrl || ''), null, { timeout: 5000 });
     assert(agent.requests.some((q) => q === '/api/timeline?from=now-10s&pid=4201'), 'the pid filter did not reach the API: ' + agent.requests.slice(-3));
     await page.screenshot({ path: join(OUT_DIR, 'screenshot-live.png') });
+  });
+
+  await check('opened as a plain file: the picker works, ?trace= explains why it cannot', async () => {
+    const url = 'file://' + join(UI_DIR, 'index.html');
+    await page.goto(url);
+    assert(await ready() === 'empty', 'state of an empty page');
+    assert(await hook(() => window.ringwatchViewer.usesWorker()), 'no Worker on a file: page');
+    await page.setInputFiles('#file', join(FIXTURES, 'ringwatch-2ranks.json'));
+    await page.waitForFunction(() => /ringwatch-2ranks/.test(document.querySelector('#status').textContent));
+    assert(await ready() === 'ready', 'state after the picker');
+    await page.goto(url + '?trace=tests/fixtures/ringwatch-2ranks.json');
+    assert(await ready() === 'error', 'state for ?trace= on a file: page');
+    assert(/Open trace file/.test(await page.textContent('#status')), 'the message says what to do');
   });
 
   await check('no errors in the page console', async () => {
