@@ -648,7 +648,7 @@ class Viewer {
     this.nameColor = new Array(data.strings.length);
     this.nameState = new Array(data.strings.length);
     this.nameWidth = new Array(data.strings.length);
-    if (!this.live.enabled || this.origin === 0) this.origin = data.t0;
+    if (!this.live.enabled) this.origin = data.t0;
     if (fit) this.fit();
     this.state = 'ready';
     this.error = null;
@@ -747,6 +747,8 @@ class Viewer {
       this.setData(data, false);
       const md = data.metadata || {};
       const now = typeof md.now === 'number' ? md.now : data.t1;
+      // In live mode times read as "seconds ago": the axis and tooltips count from the present.
+      this.origin = now;
       this.view = { start: now - this.live.windowUs, end: now };
       this.invalidate();
     } catch (err) {

@@ -330,6 +330,20 @@ try {
     await frame();
   });
 
+  await check('clicking a job header folds and unfolds its ranks', async () => {
+    const before = await hook(() => window.ringwatchViewer.tracks());
+    const g = before.find((t) => t.type === 'group' && t.name === 'resnet50');
+    const c = await canvasPoint(40, g.y + g.height / 2);
+    await page.mouse.click(c.x, c.y);
+    await frame();
+    const folded = await hook(() => window.ringwatchViewer.tracks());
+    assert(!folded.some((t) => t.job === 'resnet50' && t.type !== 'group'), 'ranks still shown');
+    assert(folded.some((t) => t.name === 'gpu0 utilization'), 'other groups folded too');
+    await page.mouse.click(c.x, c.y);
+    await frame();
+    assert((await hook(() => window.ringwatchViewer.tracks())).length === before.length, 'not unfolded');
+  });
+
   await check('screenshot of the recorded trace (target/ui-test/screenshot.png)', async () => {
     await hook(() => window.ringwatchViewer.setRange(1_028_000, 1_062_000));
     const [s] = (await hook((k) => window.ringwatchViewer.findSlices(k.name, k.pid, k.tid), KNOWN)).filter((x) => x.ts === KNOWN.ts);
@@ -399,6 +413,9 @@ try {
     assert(tracks.some((t) => t.rank === 1 && t.name === 'horovod background'), 'live tracks');
     const r1 = await range();
     near(r1.end - r1.start, 10e6, 1, 'live window');
+    assert(r1.origin === r1.end, 'live times count from the present');
+    const labels = await hook(() => window.ringwatchViewer.axisLabels());
+    assert(labels.includes('-5 s') && labels[labels.length - 1] === '0 s', 'live axis: ' + labels);
     await page.waitForFunction((e) => window.ringwatchViewer.visibleRange().end > e + 500_000, r1.end, { timeout: 5000 });
     // the user zooms: live pauses and the view stays where the user put it
     const c = await canvasPoint(1200, 200);
