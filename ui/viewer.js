@@ -1169,7 +1169,12 @@ class Viewer {
     ctx.fillRect(0, 0, W, AXIS_H);
     ctx.fillStyle = '#ced4da';
     ctx.fillRect(0, AXIS_H - 1, W, 1);
-    ctx.fillRect(LABEL_W - 1, 0, 1, this.viewH);
+    ctx.fillRect(LABEL_W - 1, 0, 1, AXIS_H);
+    if (AXIS_H + this.contentH - this.scroller.scrollTop < this.viewH) {
+      // below the last track the label column's edge continues to the bottom
+      const y0 = Math.max(AXIS_H, AXIS_H + this.contentH - this.scroller.scrollTop);
+      ctx.fillRect(LABEL_W - 1, y0, 1, this.viewH - y0);
+    }
     ctx.fillStyle = '#212529';
     ctx.font = '11px system-ui, sans-serif';
     ctx.save();
@@ -1212,6 +1217,8 @@ class Viewer {
     const t = row.t;
     ctx.fillStyle = '#f1f3f5';
     ctx.fillRect(0, y + row.h - 1, W, 1);
+    ctx.fillStyle = '#ced4da';
+    ctx.fillRect(LABEL_W - 1, y, 1, row.h);
     ctx.font = '12px system-ui, sans-serif';
     ctx.fillStyle = '#343a40';
     if (t.kind === 'counter') {
