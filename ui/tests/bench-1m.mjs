@@ -129,7 +129,7 @@ try {
     ['events in file', events.toLocaleString()],
     ['file size', (bytes / 1e6).toFixed(1) + ' MB'],
     ['tracks / items drawn from', `${info.tracks} / ${info.slices.toLocaleString()}`],
-    ['fetch (main thread, async) ms', stats.fetchMs.toFixed(0)],
+    ['fetch in the Worker ms', stats.fetchMs.toFixed(0)],
     ['parse: JSON.parse in Worker ms', String(stats.jsonMs)],
     ['parse: build sorted typed arrays in Worker ms', String(stats.buildMs)],
     ['first render (load start → first frame) ms', stats.firstRenderMs.toFixed(0)],
