@@ -1,0 +1,463 @@
+// End-to-end test of the timeline viewer in headless Chromium.
+//
+//   node ui/tests/e2e.mjs
+//
+// Needs: Debian's `chromium` (/usr/bin/chromium, or RINGWATCH_CHROMIUM=path) and
+// playwright-core, which this script installs with `npm ci` in ui/tests when
+// node_modules is absent. Serves ui/ and the recorded traces in
+// ui/tests/fixtures/ from a loopback HTTP server of its own (and a mock of the
+// agent's API for live mode), drives the page, and saves screenshots under
+// target/ui-test/. Prints one line per check and `N passed, N failed` last;
+// exits non-zero on any failure. Without Chromium it prints `SKIPPED: …` and
+// exits 0, except under CI (CI=true), where a missing Chromium is a failure.
+import { existsSync, mkdirSync, readFileSync } from 'node:fs';
+import { join } from 'node:path';
+import { CHROMIUM, REPO_DIR, TESTS_DIR, UI_DIR, launch, loadPlaywright, startServer } from './harness.mjs';
+
+const FIXTURES = join(TESTS_DIR, 'fixtures');
+const OUT_DIR = join(REPO_DIR, 'target', 'ui-test');
+const inCI = process.env.CI === 'true' || process.env.CI === '1';
+
+let passed = 0, failed = 0;
+async function check(name, fn) {
+  try {
+    await fn();
+    passed++;
+    console.log(`ok   ${name}`);
+  } catch (err) {
+    failed++;
+    console.log(`FAIL ${name}\n     ${String(err && err.stack || err).split('\n').slice(0, 4).join('\n     ')}`);
+  }
+}
+function assert(cond, msg) { if (!cond) throw new Error(msg); }
+function near(a, b, tol, msg) { if (!(Math.abs(a - b) <= tol)) throw new Error(`${msg}: ${a} is not within ${tol} of ${b}`); }
+
+// The parser runs in the page's Worker; it is one self-contained function, so
+// Node can run the very same code on edge cases first (no browser needed).
+{
+  const src = readFileSync(join(UI_DIR, 'viewer.js'), 'utf8');
+  const cut = src.indexOf('// The parser, in a Worker');
+  assert(cut > 0, 'viewer.js layout changed: cannot find the parser');
+  const P = new Function(src.slice(0, cut) + '\nreturn traceParserModule;')()();
+  const parse = (text, opts) => P.parse(text, opts || {}).result;
+  const procs = (r) => r.groups.flatMap((g) => g.processes.map((p) => ({ g: g.name, kind: g.kind, ...p })));
+  await check('parser: unterminated arrays and objects are read up to the last complete event', async () => {
+    let r = parse('[\n{"name":"A","ph":"X","ts":1,"dur":2,"pid":1,"tid":1},\n{"name":"B","ph":"X","ts":5,"dur":1,"pid":1,"tid":1},\n');
+    assert(r.repaired && r.used === 2, 'trailing comma: ' + JSON.stringify([r.repaired, r.used]));
+    r = parse('[{"name":"A","ph":"X","ts":1,"dur":2,"pid":1},{"name":"B","ph":"X","ts":5,"dur":1,"pid":1,"args":{"x":{"y":1}');
+    assert(r.repaired && r.used === 1, 'cut inside an event: ' + r.used);
+    r = parse('{"traceEvents":[{"name":"A","ph":"X","ts":1,"dur":2,"pid":1},');
+    assert(r.repaired && r.used === 1, 'object form: ' + r.used);
+    r = parse('[{"name":"A","ph":"X","ts":1,"dur":2,"pid":1}]');
+    assert(!r.repaired, 'a complete file is not "repaired"');
+    let threw = false;
+    try { parse('{"hello": 1}'); } catch (e) { threw = /traceEvents/.test(e.message); }
+    assert(threw, 'an object without traceEvents is an error that names traceEvents');
+  });
+  await check('parser: B/E pair per thread in time order even when the file is not sorted', async () => {
+    const r = parse(JSON.stringify([
+      { ph: 'E', ts: 30, pid: 1, tid: 2 }, { ph: 'B', name: 'outer', ts: 0, pid: 1, tid: 2 },
+      { ph: 'E', ts: 20, pid: 1, tid: 2, args: { end: 1 } }, { ph: 'B', name: 'inner', ts: 10, pid: 1, tid: 2 },
+      { ph: 'B', name: 'open', ts: 40, pid: 1, tid: 2 }, { ph: 'X', name: 'late', ts: 50, dur: 5, pid: 1, tid: 2 },
+    ]));
+    const t = r.groups[0].processes[0].tracks[0];
+    const names = Array.from(t.slices.nm, (i) => r.strings[i]);
+    assert(t.slices.levels === 2, 'levels ' + t.slices.levels);
+    assert(names.join() === 'outer,open,inner,late', 'by (depth, start): ' + names);
+    assert(t.slices.du[0] === 30 && t.slices.du[2] === 10, 'durations ' + Array.from(t.slices.du));
+    assert(t.slices.du[1] === 15, 'an unclosed B lasts to the end of the trace: ' + t.slices.du[1]);
+  });
+  await check('parser: jobs from args.job or "<job> rank <n>" names, everything else ungrouped', async () => {
+    const r = parse(JSON.stringify([
+      { ph: 'M', name: 'process_name', pid: 7, args: { name: 'trainer', job: 'bert', rank: 1 } },
+      { ph: 'M', name: 'process_name', pid: 8, args: { name: 'bert rank 0' } },
+      { ph: 'M', name: 'process_name', pid: 9, args: { name: 'resnet/rank=3' } },
+      { ph: 'M', name: 'process_name', pid: 10, args: { name: 'ranker service' } },
+      ...[7, 8, 9, 10].map((pid) => ({ ph: 'X', name: 'running', ts: pid, dur: 1, pid, tid: pid })),
+    ]), { defaultGroup: 'loose' });
+    const ps = procs(r);
+    const find = (pid) => ps.find((p) => p.pid === pid);
+    assert(find(7).g === 'bert' && find(7).rank === 1 && find(8).g === 'bert' && find(8).rank === 0, 'bert ranks');
+    assert(r.groups[0].name === 'bert' && r.groups[0].processes[0].pid === 8, 'ranks sorted by rank');
+    assert(find(9).g === 'resnet' && find(9).rank === 3, 'resnet/rank=3: ' + JSON.stringify(find(9)));
+    assert(find(10).kind === 'other' && find(10).g === 'loose', 'ranker service is not a rank: ' + JSON.stringify(find(10)));
+    const t = find(7).tracks[0];
+    assert(t.states.count === 1 && t.slices.count === 0, 'a "running" slice is a thread state, not an activity');
+  });
+  await check('parser: counters keep a series\' last value when an event leaves it out, and sort by time', async () => {
+    const r = parse(JSON.stringify([
+      { ph: 'C', name: 'tcp', id: 'a', pid: 1, ts: 20, args: { rx: 5 } },
+      { ph: 'C', name: 'tcp', id: 'a', pid: 1, ts: 10, args: { tx: 1, rx: 2 } },
+      { ph: 'C', name: 'tcp', id: 'a', pid: 1, ts: 30, args: { tx: 7 } },
+    ]));
+    const c = r.groups[0].processes[0].tracks[0];
+    assert(c.kind === 'counter' && c.name === 'tcp a', 'counter name with id: ' + c.name);
+    assert(Array.from(c.ts).join() === '10,20,30', 'sorted');
+    const s = Object.fromEntries(c.series.map((x) => [x.name, Array.from(x.values).join()]));
+    assert(s.tx === '1,1,7' && s.rx === '2,5,5', JSON.stringify(s));
+    assert(c.max === 7 && c.min === 0, 'scale');
+  });
+}
+
+if (!existsSync(CHROMIUM)) {
+  if (inCI) {
+    console.error(`ui-test: ${CHROMIUM} is missing, and CI installs it (apt-get install -y chromium): failing`);
+    console.log(`${passed} passed, ${failed + 1} failed`);
+    process.exit(1);
+  }
+  console.log(`ui-test: parser checks ${passed} passed, ${failed} failed`);
+  if (failed) { console.log(`${passed} passed, ${failed} failed`); process.exit(1); }
+  console.log(`SKIPPED: ${CHROMIUM} not found (apt-get install -y chromium); the UI end-to-end test in a browser needs it`);
+  process.exit(0);
+}
+
+// Ground truth from fixtures/make-fixtures.mjs.
+const KNOWN = { name: 'MEMCPY_IN_FUSION_BUFFER', pid: 4101, tid: 4102, ts: 1_050_000 + 1_300 + 300, dur: 1_500 };
+const EXPECTED_TRACKS = [
+  ['resnet50', 0, 'python (main)'], ['resnet50', 0, 'horovod background'], ['resnet50', 0, 'tcp 127.0.0.1:29501'],
+  ['resnet50', 1, 'python (main)'], ['resnet50', 1, 'horovod background'], ['resnet50', 1, 'tcp 127.0.0.1:29500'],
+];
+
+// A stand-in for the agent's API (the real one lives in the agent crate): it
+// serves the fixture shifted so that it ends at "now", and records the queries.
+const fixture = JSON.parse(readFileSync(join(FIXTURES, 'ringwatch-2ranks.json'), 'utf8'));
+const fixtureEnd = fixture.metadata.now;
+const clockStart = performance.now();
+const agentNow = () => 5_000_000 + (performance.now() - clockStart) * 1000;
+function mockApi(req, res, url) {
+  const json = (code, body) => { res.writeHead(code, { 'content-type': 'application/json' }).end(JSON.stringify(body)); return true; };
+  if (url.pathname === '/api/jobs') return json(200, [{ id: 'resnet50', ranks: [{ rank: 0, pid: 4101 }, { rank: 1, pid: 4201 }] }]);
+  if (url.pathname === '/api/processes') return json(200, [{ pid: 4101, name: 'python train.py' }, { pid: 4201, name: 'python train.py' }]);
+  if (url.pathname === '/api/timeline') {
+    const from = url.searchParams.get('from') || '';
+    const m = /^now-(\d+(?:\.\d+)?)s$/.exec(from);
+    if (!m) return json(400, { error: 'from must be now-<seconds>s in this mock, got ' + from });
+    const now = agentNow();
+    const shift = now - fixtureEnd;
+    const pid = url.searchParams.get('pid');
+    const ev = fixture.traceEvents
+      .filter((e) => pid == null || String(e.pid) === pid)
+      .map((e) => (e.ts == null ? e : Object.assign({}, e, { ts: e.ts + shift })));
+    return json(200, { traceEvents: ev, displayTimeUnit: 'ms', metadata: { now } });
+  }
+  return false;
+}
+
+const { chromium, version } = await loadPlaywright();
+mkdirSync(OUT_DIR, { recursive: true });
+const site = await startServer({ root: UI_DIR });
+const agent = await startServer({ root: UI_DIR, api: mockApi });
+const browser = await launch(chromium);
+console.log(`ui-test: Chromium ${browser.version()} via playwright-core ${version}; serving ${site.base} and mock agent ${agent.base}`);
+
+const context = await browser.newContext({ viewport: { width: 1400, height: 860 }, deviceScaleFactor: 1 });
+const page = await context.newPage();
+const pageErrors = [];
+page.on('pageerror', (e) => pageErrors.push(String(e)));
+page.on('console', (m) => { if (m.type() === 'error') pageErrors.push(m.text()); });
+
+const hook = (fn, arg) => page.evaluate(fn, arg);
+const ready = () => hook(() => window.ringwatchViewer.whenReady());
+const frame = () => hook(() => window.ringwatchViewer.nextFrame());
+const range = () => hook(() => window.ringwatchViewer.visibleRange());
+async function canvasPoint(x, y) {
+  const r = await hook(() => window.ringwatchViewer.canvasRect());
+  return { x: r.x + x, y: r.y + y };
+}
+// Canvas coordinates of the middle of a slice (depth >= 0) or state (depth -1).
+async function slicePoint(s) {
+  return hook(({ s }) => {
+    const v = window.ringwatchViewer;
+    const t = v.tracks().find((r) => r.id === s.track);
+    const x = v.timeToX(s.ts + s.dur / 2);
+    const y = s.depth < 0 ? t.y + t.stateTop + t.stateHeight / 2 : t.y + t.sliceTop + s.depth * t.rowHeight + t.rowHeight / 2;
+    return { x, y };
+  }, { s });
+}
+
+try {
+  await check('page loads the recorded trace from ?trace= and renders', async () => {
+    await page.goto(`${site.base}/index.html?trace=tests/fixtures/ringwatch-2ranks.json`);
+    const state = await ready();
+    assert(state === 'ready', 'viewer state is ' + state + ': ' + await hook(() => window.ringwatchViewer.error));
+    assert(await hook(() => window.ringwatchViewer.rendered) > 0, 'nothing rendered');
+    assert(await hook(() => window.ringwatchViewer.usesWorker()), 'the trace was not parsed in a Worker');
+    const status = await page.textContent('#status');
+    assert(/events/.test(status), 'status line says nothing about the events: ' + status);
+  });
+
+  await check('tracks are grouped job → rank → thread, with counters and an ungrouped GPU', async () => {
+    const tracks = await hook(() => window.ringwatchViewer.tracks());
+    const groups = tracks.filter((t) => t.type === 'group').map((t) => t.name);
+    assert(groups[0] === 'resnet50' && groups.includes('other processes'), 'groups: ' + JSON.stringify(groups));
+    const procs = tracks.filter((t) => t.type === 'process');
+    assert(procs.length === 3, 'expected 2 ranks + 1 GPU process, got ' + JSON.stringify(procs.map((p) => p.name)));
+    assert(/^rank 0\b/.test(procs[0].name) && /^rank 1\b/.test(procs[1].name), 'ranks in order: ' + procs.map((p) => p.name));
+    for (const [job, rank, name] of EXPECTED_TRACKS) {
+      assert(tracks.some((t) => t.type === 'track' && t.job === job && t.rank === rank && t.name === name), `missing track ${job}/rank ${rank}/${name}`);
+    }
+    const tcp = tracks.find((t) => t.name === 'tcp 127.0.0.1:29501');
+    assert(tcp.kind === 'counter' && tcp.series.join() === 'tx_bytes_per_s,rx_bytes_per_s' && tcp.max > 2e9, 'tcp counter: ' + JSON.stringify(tcp));
+    const gpu = tracks.find((t) => t.name === 'gpu0 utilization');
+    assert(gpu && gpu.kind === 'counter' && gpu.job === null && gpu.group === 'other processes', 'gpu counter: ' + JSON.stringify(gpu));
+    const bg = tracks.find((t) => t.rank === 0 && t.name === 'horovod background');
+    assert(bg.levels === 2 && bg.slices === 20 * 6 && bg.states > 0 && bg.instants === 20, 'rank 0 bg thread: ' + JSON.stringify(bg));
+  });
+
+  await check('X and B/E activities nest the same way (MEMCPY_IN inside ALLREDUCE at depth 1)', async () => {
+    const r0 = await hook((k) => window.ringwatchViewer.findSlices(k.name, k.pid, k.tid), KNOWN);
+    const r1 = await hook(() => window.ringwatchViewer.findSlices('MEMCPY_IN_FUSION_BUFFER', 4201, 4202));
+    assert(r0.length === 20 && r1.length === 20, `counts ${r0.length}, ${r1.length}`);
+    assert(r0.every((s) => s.depth === 1) && r1.every((s) => s.depth === 1), 'not all at depth 1');
+    const known = r0.find((s) => s.ts === KNOWN.ts);
+    assert(known && known.dur === KNOWN.dur, 'known slice not found: ' + JSON.stringify(r0.slice(0, 6)));
+    const ar = await hook(() => window.ringwatchViewer.findSlices('ALLREDUCE', 4201, 4202));
+    assert(ar.length === 20 && ar.every((s) => s.depth === 0), 'rank 1 ALLREDUCE at depth 0');
+  });
+
+  await check('hover on a known slice shows its name, exact start, duration and args', async () => {
+    await hook(() => window.ringwatchViewer.setRange(1_049_000, 1_061_000));
+    const [s] = (await hook((k) => window.ringwatchViewer.findSlices(k.name, k.pid, k.tid), KNOWN)).filter((x) => x.ts === KNOWN.ts);
+    const p = await slicePoint(s);
+    const hit = await hook((p) => window.ringwatchViewer.sliceAt(p.x, p.y), p);
+    assert(hit && hit.name === KNOWN.name && hit.dur === KNOWN.dur, 'sliceAt: ' + JSON.stringify(hit));
+    const c = await canvasPoint(p.x, p.y);
+    await page.mouse.move(c.x, c.y);
+    await page.waitForSelector('#tooltip:not([hidden])', { timeout: 3000 });
+    await page.waitForFunction(() => /bytes/.test(document.querySelector('#tooltip').textContent), null, { timeout: 3000 });
+    const text = await page.textContent('#tooltip');
+    assert(text.includes(KNOWN.name), 'tooltip lacks the name: ' + text);
+    assert(text.includes('1.500 ms'), 'tooltip lacks the duration 1.500 ms: ' + text);
+    assert(text.includes('51.600 ms'), 'tooltip lacks the start 51.600 ms (from the trace start): ' + text);
+    assert(text.includes('25557032'), 'tooltip lacks the args: ' + text);
+    await page.screenshot({ path: join(OUT_DIR, 'screenshot-hover.png') });
+  });
+
+  await check('thread states are drawn in their distinct colours, and hover names them', async () => {
+    await page.mouse.move(5, 5);
+    const expect = { running: '#2f9e44', runnable: '#f59f00', blocked: '#e03131', sleeping: '#adb5bd' };
+    const seen = {};
+    for (const [state, color] of Object.entries(expect)) {
+      const pid = state === 'blocked' ? 4101 : 4101;
+      const tid = state === 'blocked' ? 4101 : 4102;
+      const all = await hook((a) => window.ringwatchViewer.findSlices(a.state, a.pid, a.tid), { state, pid, tid });
+      const r = await range();
+      const s = all.find((x) => x.ts > r.start && x.ts + x.dur < r.end && x.dur > 90);
+      assert(s, 'no ' + state + ' state in view');
+      const p = await slicePoint(s);
+      const hit = await hook((p) => window.ringwatchViewer.sliceAt(p.x, p.y), p);
+      assert(hit && hit.kind === 'state' && hit.name === state, state + ': sliceAt says ' + JSON.stringify(hit));
+      const px = await hook((p) => window.ringwatchViewer.pixel(p.x, p.y), p);
+      assert(px === color, `${state} is drawn ${px}, expected ${color}`);
+      seen[state] = px;
+    }
+    assert(new Set(Object.values(seen)).size === 4, 'state colours are not distinct');
+  });
+
+  await check('hover on a counter shows its values', async () => {
+    const t = (await hook(() => window.ringwatchViewer.tracks())).find((x) => x.name === 'tcp 127.0.0.1:29501');
+    const x = await hook(() => window.ringwatchViewer.timeToX(1_053_000));
+    const c = await canvasPoint(x, t.y + t.height / 2);
+    await page.mouse.move(c.x, c.y);
+    await page.waitForFunction(() => /tx_bytes_per_s/.test(document.querySelector('#tooltip').textContent), null, { timeout: 3000 });
+    const text = await page.textContent('#tooltip');
+    assert(text.includes('rx_bytes_per_s') && text.includes('tcp 127.0.0.1:29501'), 'counter tooltip: ' + text);
+  });
+
+  await check('the time axis picks units that fit the zoom (ms, µs, ns)', async () => {
+    await hook(() => window.ringwatchViewer.setRange(1_000_000, 1_100_000));
+    let labels = await hook(() => window.ringwatchViewer.axisLabels());
+    assert(labels.length >= 5 && labels.every((l) => / ms$/.test(l)), 'at 100 ms: ' + labels);
+    assert(labels.includes('50 ms'), 'at 100 ms a tick at 50 ms: ' + labels);
+    await hook(() => window.ringwatchViewer.setRange(1_050_000, 1_050_050));
+    labels = await hook(() => window.ringwatchViewer.axisLabels());
+    assert(labels.every((l) => / µs$/.test(l)) && labels.includes('50020 µs'), 'at 50 µs: ' + labels);
+    await hook(() => window.ringwatchViewer.setRange(1_050_000, 1_050_000.2));
+    labels = await hook(() => window.ringwatchViewer.axisLabels());
+    assert(labels.every((l) => / ns$/.test(l)), 'at 200 ns: ' + labels);
+    await hook(() => window.ringwatchViewer.setRange(0, 30e6));
+    labels = await hook(() => window.ringwatchViewer.axisLabels());
+    assert(labels.every((l) => / s$/.test(l)), 'at 30 s: ' + labels);
+  });
+
+  await check('wheel zooms in around the cursor', async () => {
+    await page.click('#fit');
+    await frame();
+    const before = await range();
+    const x = 800, y = 300;
+    const tAt = await hook((x) => window.ringwatchViewer.xToTime(x), x);
+    const c = await canvasPoint(x, y);
+    await page.mouse.move(c.x, c.y);
+    await page.mouse.wheel(0, -300);
+    await page.waitForFunction((s) => { const r = window.ringwatchViewer.visibleRange(); return r.end - r.start < s; }, before.end - before.start);
+    await frame();
+    const after = await range();
+    const span0 = before.end - before.start, span1 = after.end - after.start;
+    assert(span1 < span0 * 0.8, `span ${span0} -> ${span1}`);
+    const tAfter = await hook((x) => window.ringwatchViewer.xToTime(x), x);
+    near(tAfter, tAt, span1 * 0.01, 'the time under the cursor moved');
+    await page.mouse.wheel(0, 300);
+    await page.waitForFunction((s) => { const r = window.ringwatchViewer.visibleRange(); return r.end - r.start > s; }, span1);
+  });
+
+  await check('drag pans the view by the distance dragged', async () => {
+    const before = await range();
+    const perPx = (before.end - before.start) / (1400 - 240);
+    const a = await canvasPoint(900, 250);
+    await page.mouse.move(a.x, a.y);
+    await page.mouse.down();
+    await page.mouse.move(a.x - 100, a.y, { steps: 5 });
+    await page.mouse.move(a.x - 200, a.y, { steps: 5 });
+    await page.mouse.up();
+    await frame();
+    const after = await range();
+    near(after.end - after.start, before.end - before.start, 1e-6 * (before.end - before.start), 'span changed while panning');
+    near(after.start - before.start, 200 * perPx, 2 * perPx, 'panned by the wrong amount');
+  });
+
+  await check('the selector shows one process', async () => {
+    const options = await page.$$eval('#selector option', (os) => os.map((o) => o.value));
+    assert(options.includes('job:resnet50') && options.includes('pid:4101') && options.includes('pid:4201'), 'options: ' + options);
+    await page.selectOption('#selector', 'pid:4201');
+    await frame();
+    let tracks = (await hook(() => window.ringwatchViewer.tracks())).filter((t) => t.type === 'track');
+    assert(tracks.length === 3 && tracks.every((t) => t.pid === 4201), 'pid filter: ' + JSON.stringify(tracks.map((t) => [t.pid, t.name])));
+    await page.selectOption('#selector', 'job:resnet50');
+    await frame();
+    tracks = (await hook(() => window.ringwatchViewer.tracks())).filter((t) => t.type === 'track');
+    assert(tracks.length === 6 && tracks.every((t) => t.job === 'resnet50'), 'job filter: ' + tracks.length);
+    await page.selectOption('#selector', '');
+    await frame();
+  });
+
+  await check('clicking a job header folds and unfolds its ranks', async () => {
+    const before = await hook(() => window.ringwatchViewer.tracks());
+    const g = before.find((t) => t.type === 'group' && t.name === 'resnet50');
+    const c = await canvasPoint(40, g.y + g.height / 2);
+    await page.mouse.click(c.x, c.y);
+    await frame();
+    const folded = await hook(() => window.ringwatchViewer.tracks());
+    assert(!folded.some((t) => t.job === 'resnet50' && t.type !== 'group'), 'ranks still shown');
+    assert(folded.some((t) => t.name === 'gpu0 utilization'), 'other groups folded too');
+    await page.mouse.click(c.x, c.y);
+    await frame();
+    assert((await hook(() => window.ringwatchViewer.tracks())).length === before.length, 'not unfolded');
+  });
+
+  await check('screenshot of the recorded trace (target/ui-test/screenshot.png)', async () => {
+    await hook(() => window.ringwatchViewer.setRange(1_028_000, 1_062_000));
+    const [s] = (await hook((k) => window.ringwatchViewer.findSlices(k.name, k.pid, k.tid), KNOWN)).filter((x) => x.ts === KNOWN.ts);
+    const p = await slicePoint(s);
+    const c = await canvasPoint(p.x, p.y);
+    await page.mouse.move(c.x, c.y);
+    await page.waitForFunction(() => /bytes/.test(document.querySelector('#tooltip').textContent), null, { timeout: 3000 });
+    await page.screenshot({ path: join(OUT_DIR, 'screenshot.png') });
+    await page.click('#fit');
+    await page.mouse.move(5, 5);
+    await frame();
+    await page.screenshot({ path: join(OUT_DIR, 'screenshot-fit.png') });
+  });
+
+  await check('opens an unterminated Horovod timeline through the file picker', async () => {
+    await page.setInputFiles('#file', join(FIXTURES, 'horovod-unterminated.json'));
+    await page.waitForFunction(() => window.ringwatchViewer.state !== 'loading' && /horovod/.test(document.querySelector('#status').textContent));
+    assert(await ready() === 'ready', 'state: ' + await hook(() => window.ringwatchViewer.error));
+    const status = await page.textContent('#status');
+    assert(/unterminated/.test(status), 'status does not say the file was unterminated: ' + status);
+    const tracks = await hook(() => window.ringwatchViewer.tracks());
+    const procs = tracks.filter((t) => t.type === 'process').map((t) => t.name);
+    assert(procs.length === 3 && procs[0].startsWith('DistributedAdam.Allreduce.conv1/kernel_0'), 'tensors: ' + procs);
+    assert(tracks[0].type === 'group' && tracks[0].name === 'horovod-unterminated.json', 'group: ' + tracks[0].name);
+    const ar = await hook(() => window.ringwatchViewer.findSlices('ALLREDUCE'));
+    assert(ar.length === 13 && ar.every((s) => s.depth === 0), 'ALLREDUCE slices (12 closed + 1 running): ' + ar.length);
+    for (const n of ['QUEUE', 'MEMCPY_IN_FUSION_BUFFER', 'NCCL_ALLREDUCE', 'MEMCPY_OUT_FUSION_BUFFER']) {
+      const s = await hook((n) => window.ringwatchViewer.findSlices(n), n);
+      assert(s.length === 12 && s.every((x) => x.depth === 1), n + ' nesting: ' + JSON.stringify(s.slice(0, 2)));
+    }
+    const nccl = await hook(() => window.ringwatchViewer.findSlices('NCCL_ALLREDUCE'));
+    assert(nccl[0].dur === 1480, 'NCCL_ALLREDUCE duration ' + nccl[0].dur);
+    await page.screenshot({ path: join(OUT_DIR, 'screenshot-horovod.png') });
+  });
+
+  await check('opens a trace dropped onto the page', async () => {
+    const text = readFileSync(join(FIXTURES, 'ringwatch-2ranks.json'), 'utf8');
+    await page.evaluate((text) => {
+      const dt = new DataTransfer();
+      dt.items.add(new File([text], 'dropped.json', { type: 'application/json' }));
+      window.dispatchEvent(new DragEvent('drop', { dataTransfer: dt, bubbles: true, cancelable: true }));
+    }, text);
+    await page.waitForFunction(() => /dropped\.json/.test(document.querySelector('#status').textContent));
+    assert(await ready() === 'ready', 'state after drop');
+    const tracks = await hook(() => window.ringwatchViewer.tracks());
+    assert(tracks.filter((t) => t.type === 'track').length === 7, 'tracks after drop: ' + tracks.length);
+  });
+
+  await check('a trace that is not JSON gives a clear error, not a blank page', async () => {
+    await page.goto(`${site.base}/index.html?trace=viewer.css`);
+    assert(await ready() === 'error', 'state');
+    const status = await page.textContent('#status');
+    assert(/error: not JSON/.test(status), 'status: ' + status);
+    await page.goto(`${site.base}/index.html?trace=missing.json`);
+    assert(await ready() === 'error', 'state');
+    assert(/HTTP 404/.test(await page.textContent('#status')), 'status for a 404');
+  });
+
+  await check('served by the agent: live mode polls /api/timeline and follows the present; zoom pauses it', async () => {
+    pageErrors.length = 0;
+    await page.goto(`${agent.base}/`);
+    await page.waitForFunction(() => window.ringwatchViewer.live().polls >= 2, null, { timeout: 8000 });
+    assert(await ready() === 'ready', 'state');
+    const live = await hook(() => window.ringwatchViewer.live());
+    assert(live.enabled && !live.paused && /^\/api\/timeline\?from=now-10s$/.test(live.lastUrl), 'live: ' + JSON.stringify(live));
+    const tracks = await hook(() => window.ringwatchViewer.tracks());
+    assert(tracks.some((t) => t.rank === 1 && t.name === 'horovod background'), 'live tracks');
+    const r1 = await range();
+    near(r1.end - r1.start, 10e6, 1, 'live window');
+    assert(r1.origin === r1.end, 'live times count from the present');
+    const labels = await hook(() => window.ringwatchViewer.axisLabels());
+    assert(labels.includes('-5 s') && labels[labels.length - 1] === '0 s', 'live axis: ' + labels);
+    await page.waitForFunction((e) => window.ringwatchViewer.visibleRange().end > e + 500_000, r1.end, { timeout: 5000 });
+    // the user zooms: live pauses and the view stays where the user put it
+    const c = await canvasPoint(1200, 200);
+    await page.mouse.move(c.x, c.y);
+    await page.mouse.wheel(0, -200);
+    await page.waitForFunction(() => window.ringwatchViewer.live().paused);
+    const polls = (await hook(() => window.ringwatchViewer.live())).polls;
+    const r2 = await range();
+    await page.waitForTimeout(2200);
+    const r3 = await range();
+    assert((await hook(() => window.ringwatchViewer.live())).polls === polls, 'still polling while paused');
+    assert(r3.start === r2.start && r3.end === r2.end, 'view moved while paused');
+    assert(/paused/.test(await page.textContent('#live')), 'live button does not say paused');
+    await page.click('#live');
+    await page.waitForFunction((p) => window.ringwatchViewer.live().polls > p && !window.ringwatchViewer.live().paused, polls, { timeout: 5000 });
+    await page.selectOption('#selector', 'pid:4201');
+    await page.waitForFunction(() => /pid=4201/.test(window.ringwatchViewer.live().lastUrl || ''), null, { timeout: 5000 });
+    assert(agent.requests.some((q) => q === '/api/timeline?from=now-10s&pid=4201'), 'the pid filter did not reach the API: ' + agent.requests.slice(-3));
+    await page.screenshot({ path: join(OUT_DIR, 'screenshot-live.png') });
+  });
+
+  await check('opened as a plain file: the picker works, ?trace= explains why it cannot', async () => {
+    const url = 'file://' + join(UI_DIR, 'index.html');
+    await page.goto(url);
+    assert(await ready() === 'empty', 'state of an empty page');
+    assert(await hook(() => window.ringwatchViewer.usesWorker()), 'no Worker on a file: page');
+    await page.setInputFiles('#file', join(FIXTURES, 'ringwatch-2ranks.json'));
+    await page.waitForFunction(() => /ringwatch-2ranks/.test(document.querySelector('#status').textContent));
+    assert(await ready() === 'ready', 'state after the picker');
+    await page.goto(url + '?trace=tests/fixtures/ringwatch-2ranks.json');
+    assert(await ready() === 'error', 'state for ?trace= on a file: page');
+    assert(/Open trace file/.test(await page.textContent('#status')), 'the message says what to do');
+  });
+
+  await check('no errors in the page console', async () => {
+    assert(pageErrors.length === 0, pageErrors.join('\n'));
+  });
+} finally {
+  await browser.close();
+  await site.close();
+  await agent.close();
+}
+console.log(`ui-test: screenshots in ${OUT_DIR}`);
+console.log(`${passed} passed, ${failed} failed`);
+process.exit(failed ? 1 : 0);
