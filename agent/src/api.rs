@@ -90,6 +90,10 @@ pub fn router(state: ApiState) -> Router {
         .route("/api/gpus", get(gpus))
         .route("/api/openapi.json", get(openapi))
         .route("/metrics", get(metrics))
+        .route("/", get(ui_index))
+        .route("/index.html", get(ui_index))
+        .route("/viewer.js", get(ui_script))
+        .route("/viewer.css", get(ui_style))
         .fallback(not_found)
         .method_not_allowed_fallback(method_not_allowed)
         .with_state(state)
@@ -156,6 +160,35 @@ async fn metrics(
 async fn openapi(Query(params): Params) -> Result<Response, ApiError> {
     reject_unknown(&params, &[])?;
     Ok(axum::Json(openapi_document()).into_response())
+}
+
+// The timeline viewer (ui/), embedded at build time: the agent serves it
+// with no files beside the binary and nothing fetched from elsewhere.
+const UI_INDEX: &str = include_str!("../../ui/index.html");
+const UI_SCRIPT: &str = include_str!("../../ui/viewer.js");
+const UI_STYLE: &str = include_str!("../../ui/viewer.css");
+
+fn static_file(content_type: &'static str, body: &'static str) -> Response {
+    (
+        [
+            (header::CONTENT_TYPE, content_type),
+            (header::CACHE_CONTROL, "no-cache"),
+        ],
+        body,
+    )
+        .into_response()
+}
+
+async fn ui_index() -> Response {
+    static_file("text/html; charset=utf-8", UI_INDEX)
+}
+
+async fn ui_script() -> Response {
+    static_file("text/javascript; charset=utf-8", UI_SCRIPT)
+}
+
+async fn ui_style() -> Response {
+    static_file("text/css; charset=utf-8", UI_STYLE)
 }
 
 async fn not_found(uri: axum::http::Uri) -> ApiError {

@@ -135,6 +135,16 @@ fn api_answers_and_rejects_bad_input() {
     );
     assert!(body.trim_end().ends_with("# EOF"), "{body}");
 
+    // The embedded viewer.
+    let (status, head, body) = server.request("GET", "/");
+    assert_eq!(status, 200);
+    assert!(head.contains("text/html"), "{head}");
+    assert!(body.contains("viewer.js"), "{body}");
+    let (status, head, body) = server.request("GET", "/viewer.js");
+    assert_eq!(status, 200);
+    assert!(head.contains("javascript"), "{head}");
+    assert!(body.contains("ringwatchViewer"));
+
     // Bad input: JSON errors with the right status, saying what is wrong.
     let (status, error) = server.get_json("/api/health?verbose=1");
     assert_eq!(status, 400);

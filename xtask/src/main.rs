@@ -24,9 +24,9 @@ struct Cli {
 
 #[derive(Debug, Subcommand)]
 enum Task {
-    /// Check the build prerequisites (clang, libbpf headers) and install the
-    /// missing ones with apt-get when root on Debian/Ubuntu; otherwise print
-    /// the exact command to run.
+    /// Check the prerequisites of the build and the tests (clang, libbpf
+    /// headers, iproute2, chromium) and install the missing ones with apt-get
+    /// when root on Debian/Ubuntu; otherwise print the exact command to run.
     Setup,
     /// Compile ebpf/ringwatch.bpf.c (which includes every ebpf/*.bpf.c) with
     /// clang into one BPF object with BTF (-O2 -g -target bpf).
@@ -36,8 +36,9 @@ enum Task {
         out: PathBuf,
     },
     /// The test suite, as CI runs it: setup, cargo fmt --check, clippy with
-    /// -D warnings on all targets, and every crate's unit and integration
-    /// tests. The privileged eBPF tests run when root and skip otherwise.
+    /// -D warnings on all targets, every crate's unit and integration tests
+    /// (the privileged eBPF tests run when root and skip otherwise), and the
+    /// UI's end-to-end test in headless Chromium.
     Test,
     /// Show ringwatch working on this machine (see the README for what the
     /// demo covers today).
@@ -103,39 +104,101 @@ fn run(program: &str, args: &[&str]) -> Result<()> {
     Ok(())
 }
 
-fn setup() -> Result<()> {
-    let Err(missing) = build_support::check_toolchain() else {
-        eprintln!("xtask: prerequisites present (clang, libbpf headers)");
-        return Ok(());
+/// Debian packages the build and the tests need, with what each is for.
+const APT_PACKAGES: &[(&str, &str)] = &[
+    ("clang", "compiles the BPF programs"),
+    ("llvm", "llvm-objdump/strip for inspecting the BPF object"),
+    (
+        "libbpf-dev",
+        "bpf_helpers.h and friends for the BPF programs",
+    ),
+    ("libc6-dev", "kernel UAPI headers (linux/bpf.h)"),
+    (
+        "iproute2",
+        "`ip netns` and `tc` for the multi-node and retransmit tests",
+    ),
+    (
+        "chromium",
+        "the headless browser of the UI's end-to-end test",
+    ),
+];
+
+/// What is missing, as (package, reason).
+fn missing_packages() -> Vec<(&'static str, &'static str)> {
+    let present = |package: &str| -> bool {
+        match package {
+            "clang" | "libbpf-dev" => build_support::check_toolchain().is_ok(),
+            "llvm" => Path::new("/usr/bin/llvm-objdump").exists() || which("llvm-objdump"),
+            "libc6-dev" => Path::new("/usr/include/linux/bpf.h").exists(),
+            "iproute2" => which("ip") && which("tc"),
+            "chromium" => Path::new(&chromium_path()).exists(),
+            _ => false,
+        }
     };
-    eprintln!("xtask: {missing}");
+    APT_PACKAGES
+        .iter()
+        .copied()
+        .filter(|(package, _)| !present(package))
+        .collect()
+}
+
+fn which(program: &str) -> bool {
+    std::env::var_os("PATH")
+        .is_some_and(|paths| std::env::split_paths(&paths).any(|dir| dir.join(program).is_file()))
+}
+
+/// The browser the UI test drives (`RINGWATCH_CHROMIUM` overrides).
+fn chromium_path() -> String {
+    std::env::var("RINGWATCH_CHROMIUM").unwrap_or_else(|_| "/usr/bin/chromium".to_owned())
+}
+
+fn setup() -> Result<()> {
+    let missing = missing_packages();
+    if missing.is_empty() {
+        eprintln!(
+            "xtask: prerequisites present ({})",
+            APT_PACKAGES
+                .iter()
+                .map(|(p, _)| *p)
+                .collect::<Vec<_>>()
+                .join(", ")
+        );
+        return Ok(());
+    }
+    for (package, reason) in &missing {
+        eprintln!("xtask: missing {package}: {reason}");
+    }
+    let names: Vec<&str> = missing.iter().map(|(package, _)| *package).collect();
     let apt = Path::new("/usr/bin/apt-get").exists();
     if !(is_root() && apt) {
         bail!(
-            "install the BPF toolchain first: {}apt-get install -y clang libbpf-dev",
-            if is_root() { "" } else { "sudo " }
+            "install the missing packages first: {}apt-get install -y {}",
+            if is_root() { "" } else { "sudo " },
+            names.join(" ")
         );
     }
-    eprintln!("xtask: installing clang and libbpf-dev with apt-get (root on a Debian-like system)");
+    eprintln!(
+        "xtask: installing {} with apt-get (root on a Debian-like system)",
+        names.join(" ")
+    );
     run("apt-get", &["update", "-q"])?;
     let status = Command::new("apt-get")
-        .args([
-            "install",
-            "-y",
-            "-q",
-            "--no-install-recommends",
-            "clang",
-            "llvm",
-            "libbpf-dev",
-            "libc6-dev",
-        ])
+        .args(["install", "-y", "-q", "--no-install-recommends"])
+        .args(&names)
         .env("DEBIAN_FRONTEND", "noninteractive")
         .status()
         .context("could not start apt-get")?;
     if !status.success() {
-        bail!("apt-get install clang libbpf-dev failed ({status})");
+        bail!("apt-get install {} failed ({status})", names.join(" "));
     }
-    build_support::check_toolchain().map_err(anyhow::Error::msg)
+    let still: Vec<&str> = missing_packages()
+        .iter()
+        .map(|(package, _)| *package)
+        .collect();
+    if !still.is_empty() {
+        bail!("still missing after apt-get install: {}", still.join(" "));
+    }
+    Ok(())
 }
 
 fn build_ebpf(out: &Path) -> Result<()> {
@@ -175,6 +238,9 @@ fn test() -> Result<()> {
     run("cargo", &["test", "--workspace", "--all-targets"])?;
     // Doc tests are not built by --all-targets.
     run("cargo", &["test", "--workspace", "--doc"])?;
+    // The timeline viewer in headless Chromium (installs playwright-core from
+    // the committed lock file into ui/tests/node_modules on first use).
+    run("node", &["ui/tests/e2e.mjs"])?;
     eprintln!("xtask: all checks passed");
     Ok(())
 }
