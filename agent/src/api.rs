@@ -18,6 +18,7 @@ use serde_json::json;
 
 use crate::gpu::Gpus;
 use crate::metrics::render_metrics;
+use crate::timeline::{QueryError, RecordedTrace, TimePoint, TimelineQuery};
 
 /// What the handlers read. Cheap to clone (everything behind `Arc`).
 #[derive(Clone)]
@@ -26,6 +27,10 @@ pub struct ApiState {
     pub gpus: Arc<Gpus>,
     /// When the agent started, for `/api/health`.
     pub started: Instant,
+    /// A recorded trace served by `/api/timeline` (`serve --replay`).
+    pub recorded: Option<Arc<RecordedTrace>>,
+    /// The most events one `/api/timeline` answer may carry.
+    pub timeline_event_limit: usize,
 }
 
 /// An error answered as `{"error": {"status": …, "message": …}}`.
@@ -88,6 +93,9 @@ pub fn router(state: ApiState) -> Router {
     Router::new()
         .route("/api/health", get(health))
         .route("/api/gpus", get(gpus))
+        .route("/api/jobs", get(jobs))
+        .route("/api/processes", get(processes))
+        .route("/api/timeline", get(timeline))
         .route("/api/openapi.json", get(openapi))
         .route("/metrics", get(metrics))
         .route("/", get(ui_index))
@@ -125,6 +133,78 @@ async fn gpus(State(state): State<ApiState>, Query(params): Params) -> Result<Re
             )
         })?;
     Ok(axum::Json(snapshot).into_response())
+}
+
+async fn jobs(State(state): State<ApiState>, Query(params): Params) -> Result<Response, ApiError> {
+    reject_unknown(&params, &[])?;
+    let jobs = state
+        .recorded
+        .as_ref()
+        .map(|trace| trace.jobs())
+        .unwrap_or_default();
+    Ok(axum::Json(json!({ "jobs": jobs })).into_response())
+}
+
+async fn processes(
+    State(state): State<ApiState>,
+    Query(params): Params,
+) -> Result<Response, ApiError> {
+    reject_unknown(&params, &[])?;
+    let processes = state
+        .recorded
+        .as_ref()
+        .map(|trace| trace.processes())
+        .unwrap_or_default();
+    Ok(axum::Json(json!({ "processes": processes })).into_response())
+}
+
+async fn timeline(
+    State(state): State<ApiState>,
+    Query(params): Params,
+) -> Result<Response, ApiError> {
+    reject_unknown(&params, &["from", "to", "job", "pid"])?;
+    let point = |name: &str| -> Result<Option<TimePoint>, ApiError> {
+        params
+            .get(name)
+            .map(|text| {
+                TimePoint::parse(text)
+                    .map_err(|e| ApiError::bad_request(format!("bad {name}: {e}")))
+            })
+            .transpose()
+    };
+    let query = TimelineQuery {
+        from: point("from")?,
+        to: point("to")?,
+        job: params.get("job").cloned(),
+        pid: params.get("pid").cloned(),
+    };
+    let Some(trace) = state.recorded.clone() else {
+        return Err(ApiError::new(
+            StatusCode::SERVICE_UNAVAILABLE,
+            "no timeline source: this agent serves a recorded trace only when started with --replay FILE (the live timeline is not built yet)",
+        ));
+    };
+    let limit = state.timeline_event_limit;
+    // Filtering a large trace is CPU work: keep it off the async workers.
+    let answer = tokio::task::spawn_blocking(move || trace.query(&query, limit))
+        .await
+        .map_err(|e| {
+            ApiError::new(
+                StatusCode::INTERNAL_SERVER_ERROR,
+                format!("timeline query failed: {e}"),
+            )
+        })?;
+    match answer {
+        Ok(trace) => Ok(axum::Json(trace).into_response()),
+        Err(error @ QueryError::TooLarge { .. }) => Err(ApiError::new(
+            StatusCode::PAYLOAD_TOO_LARGE,
+            error.to_string(),
+        )),
+        Err(error @ QueryError::UnknownJob(_)) => {
+            Err(ApiError::new(StatusCode::NOT_FOUND, error.to_string()))
+        }
+        Err(error @ QueryError::EmptyRange { .. }) => Err(ApiError::bad_request(error.to_string())),
+    }
 }
 
 async fn metrics(
@@ -242,6 +322,43 @@ pub fn openapi_document() -> serde_json::Value {
                         }
                     } } } },
                     "400": bad_request
+                }
+            } },
+            "/api/jobs": { "get": {
+                "summary": "Jobs this agent knows (ranks, pids)",
+                "responses": {
+                    "200": { "description": "the jobs", "content": { "application/json": { "schema": {
+                        "type": "object", "required": ["jobs"], "properties": { "jobs": { "type": "array", "items": { "type": "object" } } }
+                    } } } },
+                    "400": bad_request
+                }
+            } },
+            "/api/processes": { "get": {
+                "summary": "Processes this agent watches",
+                "responses": {
+                    "200": { "description": "the processes", "content": { "application/json": { "schema": {
+                        "type": "object", "required": ["processes"], "properties": { "processes": { "type": "array", "items": { "type": "object" } } }
+                    } } } },
+                    "400": bad_request
+                }
+            } },
+            "/api/timeline": { "get": {
+                "summary": "The timeline of a range, in the Chrome trace event format (Perfetto and chrome://tracing open it)",
+                "parameters": [
+                    { "name": "from", "in": "query", "schema": { "type": "string" }, "description": "µs on the trace clock, or now-<duration> (now-10s)" },
+                    { "name": "to", "in": "query", "schema": { "type": "string" }, "description": "µs, or now-<duration>; default now" },
+                    { "name": "job", "in": "query", "schema": { "type": "string" }, "description": "only this job's ranks" },
+                    { "name": "pid", "in": "query", "schema": { "type": "string" }, "description": "only this process" }
+                ],
+                "responses": {
+                    "200": { "description": "a Chrome trace", "content": { "application/json": { "schema": {
+                        "type": "object", "required": ["traceEvents", "metadata"],
+                        "properties": { "traceEvents": { "type": "array", "items": { "type": "object" } }, "metadata": { "type": "object" } }
+                    } } } },
+                    "400": bad_request,
+                    "404": { "description": "unknown job", "content": { "application/json": { "schema": error } } },
+                    "413": { "description": "too many events in the range: narrow it", "content": { "application/json": { "schema": error } } },
+                    "503": { "description": "no timeline source", "content": { "application/json": { "schema": error } } }
                 }
             } },
             "/api/openapi.json": { "get": {

@@ -11,6 +11,7 @@ mod metrics;
 mod model;
 mod probes;
 mod serve;
+mod timeline;
 mod watch;
 
 use anyhow::Result;

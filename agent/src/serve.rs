@@ -13,6 +13,7 @@ use tokio::signal::unix::{SignalKind, signal};
 
 use crate::api::{ApiState, router};
 use crate::gpu::Gpus;
+use crate::timeline::RecordedTrace;
 
 /// Where to serve.
 #[derive(Debug, Clone, Args)]
@@ -22,17 +23,41 @@ pub struct ServeArgs {
     /// a free port (printed on start).
     #[arg(long, env = "RINGWATCH_LISTEN", default_value = "127.0.0.1:9477")]
     pub listen: SocketAddr,
+
+    /// Serve this recorded Chrome-trace file (a RINGWATCH_TIMELINE file, a
+    /// Horovod timeline, a saved /api/timeline answer) at /api/timeline and
+    /// in the UI.
+    #[arg(long, value_name = "FILE")]
+    pub replay: Option<std::path::PathBuf>,
+
+    /// The most events one /api/timeline answer may carry; a larger range is
+    /// refused (413) with a request to narrow it.
+    #[arg(
+        long,
+        env = "RINGWATCH_TIMELINE_EVENT_LIMIT",
+        default_value_t = 500_000
+    )]
+    pub timeline_event_limit: usize,
 }
 
 /// Runs until SIGINT or SIGTERM.
 pub async fn run(args: ServeArgs) -> Result<()> {
+    let recorded = match &args.replay {
+        Some(path) => {
+            let trace = RecordedTrace::load(path)?;
+            tracing::info!(events = trace.len(), path = %path.display(), "serving a recorded trace");
+            Some(Arc::new(trace))
+        }
+        None => None,
+    };
+    let gpus = tokio::task::spawn_blocking(Gpus::init)
+        .await
+        .context("loading NVML")?;
     let state = ApiState {
-        gpus: Arc::new(
-            tokio::task::spawn_blocking(Gpus::init)
-                .await
-                .context("loading NVML")?,
-        ),
+        gpus: Arc::new(gpus),
         started: Instant::now(),
+        recorded,
+        timeline_event_limit: args.timeline_event_limit,
     };
     let listener = tokio::net::TcpListener::bind(args.listen)
         .await

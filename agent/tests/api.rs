@@ -16,9 +16,10 @@ struct Server {
 }
 
 impl Server {
-    fn start() -> Self {
+    fn start(extra: &[&str]) -> Self {
         let mut child = Command::new(env!("CARGO_BIN_EXE_ringwatch-agent"))
             .args(["serve", "--listen", "127.0.0.1:0"])
+            .args(extra)
             .stderr(Stdio::piped())
             .spawn()
             .unwrap();
@@ -91,7 +92,7 @@ impl Drop for Server {
 
 #[test]
 fn api_answers_and_rejects_bad_input() {
-    let server = Server::start();
+    let server = Server::start(&[]);
 
     let (status, health) = server.get_json("/api/health");
     assert_eq!(status, 200);
@@ -161,6 +162,10 @@ fn api_answers_and_rejects_bad_input() {
     let (status, head, _) = server.request("DELETE", "/api/health");
     assert_eq!(status, 405, "{head}");
 
+    // No timeline source without --replay (yet): said plainly.
+    let (status, error) = server.get_json("/api/timeline?from=now-10s");
+    assert_eq!(status, 503, "{error}");
+
     // Malformed HTTP: refused, and the server keeps serving.
     let (status, _, _) = server.raw(b"THIS IS NOT HTTP\r\n\r\n");
     assert_eq!(status, 400);
@@ -169,4 +174,99 @@ fn api_answers_and_rejects_bad_input() {
     assert_eq!(status, 400);
     let (status, _) = server.get_json("/api/health");
     assert_eq!(status, 200);
+}
+
+const FIXTURE: &str = concat!(
+    env!("CARGO_MANIFEST_DIR"),
+    "/../ui/tests/fixtures/ringwatch-2ranks.json"
+);
+
+#[test]
+fn a_recorded_trace_is_served_as_a_bounded_chrome_trace() {
+    let fixture: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(FIXTURE).unwrap()).unwrap();
+    let timed = |events: &serde_json::Value| {
+        events
+            .as_array()
+            .unwrap()
+            .iter()
+            .filter(|e| e["ph"] != "M")
+            .count()
+    };
+    let total = timed(&fixture["traceEvents"]);
+    assert!(total > 100, "the fixture should be a real trace");
+
+    let server = Server::start(&["--replay", FIXTURE]);
+    let (status, whole) = server.get_json("/api/timeline");
+    assert_eq!(status, 200);
+    assert_eq!(timed(&whole["traceEvents"]), total);
+    assert_eq!(
+        whole["metadata"]["now"].as_f64(),
+        fixture["metadata"]["now"].as_f64()
+    );
+
+    // A window at the end holds fewer events, each overlapping it.
+    let now = fixture["metadata"]["now"].as_f64().unwrap();
+    let (status, window) = server.get_json("/api/timeline?from=now-50ms");
+    assert_eq!(status, 200);
+    let events = window["traceEvents"].as_array().unwrap();
+    assert!(timed(&window["traceEvents"]) < total);
+    for e in events.iter().filter(|e| e["ph"] != "M") {
+        let end = e["ts"].as_f64().unwrap() + e["dur"].as_f64().unwrap_or(0.0);
+        assert!(end >= now - 50_000.0, "{e} ends before the window");
+    }
+
+    let (status, jobs) = server.get_json("/api/jobs");
+    assert_eq!(status, 200);
+    assert_eq!(jobs["jobs"][0]["id"], "resnet50", "{jobs}");
+    let (status, by_pid) = server.get_json("/api/timeline?pid=4201");
+    assert_eq!(status, 200);
+    assert!(
+        by_pid["traceEvents"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .all(|e| e["pid"] == 4201)
+    );
+
+    let (status, error) = server.get_json("/api/timeline?from=yesterday");
+    assert_eq!(status, 400);
+    assert!(
+        error["error"]["message"].as_str().unwrap().contains("from"),
+        "{error}"
+    );
+    let (status, _) = server.get_json("/api/timeline?from=200&to=100");
+    assert_eq!(status, 400);
+    let (status, _) = server.get_json("/api/timeline?job=nope");
+    assert_eq!(status, 404);
+    let (status, _) = server.get_json("/api/timeline?limit=5");
+    assert_eq!(status, 400);
+
+    let small = Server::start(&["--replay", FIXTURE, "--timeline-event-limit", "10"]);
+    let (status, error) = small.get_json("/api/timeline");
+    assert_eq!(status, 413);
+    assert!(
+        error["error"]["message"]
+            .as_str()
+            .unwrap()
+            .contains("narrow"),
+        "{error}"
+    );
+}
+
+#[test]
+fn a_missing_replay_file_is_a_clear_error() {
+    let output = Command::new(env!("CARGO_BIN_EXE_ringwatch-agent"))
+        .args([
+            "serve",
+            "--listen",
+            "127.0.0.1:0",
+            "--replay",
+            "/nonexistent/trace.json",
+        ])
+        .output()
+        .unwrap();
+    assert!(!output.status.success());
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert!(stderr.contains("/nonexistent/trace.json"), "{stderr}");
 }

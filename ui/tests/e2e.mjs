@@ -437,6 +437,50 @@ try {
     await page.screenshot({ path: join(OUT_DIR, 'screenshot-live.png') });
   });
 
+  // The real agent (cargo xtask test sets RINGWATCH_AGENT_BIN): the page and
+  // the recorded trace both come from `ringwatch-agent serve --replay`.
+  const agentBin = process.env.RINGWATCH_AGENT_BIN;
+  if (agentBin) {
+    await check('served by the real agent (serve --replay): tracks appear and hover shows the known slice', async () => {
+      const { spawn } = await import('node:child_process');
+      const proc = spawn(agentBin, ['serve', '--listen', '127.0.0.1:0', '--replay', join(FIXTURES, 'ringwatch-2ranks.json')], { stdio: ['ignore', 'ignore', 'pipe'] });
+      try {
+        const base = await new Promise((resolveP, reject) => {
+          const timer = setTimeout(() => reject(new Error('the agent did not start serving within 30 s')), 30000);
+          let log = '';
+          proc.stderr.on('data', (d) => {
+            log += d;
+            const m = /serving the API on (http:\/\/[0-9.:]+)\//.exec(log);
+            if (m) { clearTimeout(timer); resolveP(m[1]); }
+          });
+          proc.on('exit', (code) => { clearTimeout(timer); reject(new Error('the agent exited (' + code + '): ' + log)); });
+        });
+        pageErrors.length = 0;
+        await page.goto(`${base}/`);
+        await page.waitForFunction(() => window.ringwatchViewer.live().polls >= 1, null, { timeout: 8000 });
+        assert(await ready() === 'ready', 'state');
+        const tracks = await hook(() => window.ringwatchViewer.tracks());
+        for (const [job, rank, name] of EXPECTED_TRACKS) {
+          assert(tracks.some((t) => t.type === 'track' && t.job === job && t.rank === rank && t.name === name), `missing track ${job}/rank ${rank}/${name}`);
+        }
+        await hook(() => window.ringwatchViewer.setRange(1_049_000, 1_061_000));
+        const [s] = (await hook((k) => window.ringwatchViewer.findSlices(k.name, k.pid, k.tid), KNOWN)).filter((x) => x.ts === KNOWN.ts);
+        assert(s, 'the known slice is not in the agent-served trace');
+        const p = await slicePoint(s);
+        const c = await canvasPoint(p.x, p.y);
+        await page.mouse.move(c.x, c.y);
+        await page.waitForSelector('#tooltip:not([hidden])', { timeout: 3000 });
+        const text = await page.textContent('#tooltip');
+        assert(text.includes(KNOWN.name) && text.includes('1.500 ms'), 'tooltip: ' + text);
+        await page.screenshot({ path: join(OUT_DIR, 'screenshot-agent.png') });
+      } finally {
+        proc.kill();
+      }
+    });
+  } else {
+    console.log('note: RINGWATCH_AGENT_BIN is not set, so the check against the real agent did not run (cargo xtask test sets it)');
+  }
+
   await check('opened as a plain file: the picker works, ?trace= explains why it cannot', async () => {
     const url = 'file://' + join(UI_DIR, 'index.html');
     await page.goto(url);

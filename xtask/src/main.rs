@@ -240,7 +240,22 @@ fn test() -> Result<()> {
     run("cargo", &["test", "--workspace", "--doc"])?;
     // The timeline viewer in headless Chromium (installs playwright-core from
     // the committed lock file into ui/tests/node_modules on first use).
-    run("node", &["ui/tests/e2e.mjs"])?;
+    // It also loads the page from the real agent (`serve --replay`), built
+    // by the cargo test run above.
+    let agent = root().join("target/debug/ringwatch-agent");
+    eprintln!(
+        "xtask: $ RINGWATCH_AGENT_BIN={} node ui/tests/e2e.mjs",
+        agent.display()
+    );
+    let status = Command::new("node")
+        .arg("ui/tests/e2e.mjs")
+        .env("RINGWATCH_AGENT_BIN", &agent)
+        .current_dir(root())
+        .status()
+        .context("could not start node (the UI test needs Node.js)")?;
+    if !status.success() {
+        bail!("the UI's end-to-end test failed ({status})");
+    }
     eprintln!("xtask: all checks passed");
     Ok(())
 }
