@@ -127,10 +127,41 @@ pub fn ring_reduce_scatter(
         return Ok(0);
     }
     let elem = dtype.size();
+    // Received pieces land in a small buffer that stays in cache while they are reduced.
+    let piece = (PIECE_BYTES / elem * elem).max(elem);
+    SCRATCH.with(|cell| {
+        let mut scratch = cell.borrow_mut();
+        if scratch.len() != piece {
+            scratch.resize(piece);
+        }
+        reduce_scatter_steps(t, ranks, buf, dtype, op, segments, p, &mut scratch)
+    })?;
+    Ok((p + 1) % n)
+}
+
+/// Size of the piece buffer received data are reduced from: fits in a core's L2 cache.
+pub const PIECE_BYTES: usize = 128 * 1024;
+
+thread_local! {
+    /// Receive buffer of the reduce-scatter, reused across calls on this thread.
+    static SCRATCH: std::cell::RefCell<AlignedBuf> = std::cell::RefCell::new(AlignedBuf::default());
+}
+
+#[allow(clippy::too_many_arguments)]
+fn reduce_scatter_steps(
+    t: &dyn Transport,
+    ranks: &[usize],
+    buf: &mut [u8],
+    dtype: DType,
+    op: ReduceOp,
+    segments: &[Range<usize>],
+    p: usize,
+    scratch: &mut AlignedBuf,
+) -> Result<()> {
+    let n = ranks.len();
+    let elem = dtype.size();
     let next = ranks[(p + 1) % n];
     let prev = ranks[(p + n - 1) % n];
-    let largest = segments.iter().map(|s| s.len()).max().unwrap_or(0) * elem;
-    let mut scratch = AlignedBuf::zeroed(largest);
     for step in 0..n - 1 {
         let send_idx = (p + n - step) % n;
         let recv_idx = (p + 2 * n - step - 1) % n;
@@ -138,12 +169,18 @@ pub fn ring_reduce_scatter(
         let recv_range = byte_range(&segments[recv_idx], elem);
         let recv_len = recv_range.len();
         let (send, acc) = split_disjoint(buf, send_range, recv_range);
-        let incoming = &mut scratch.as_mut_slice()[..recv_len];
-        t.send_recv(next, send, prev, incoming, &mut |offset, piece| {
-            reduce_into(dtype, op, &mut acc[offset..offset + piece.len()], piece);
-        })?;
+        t.send_recv_pieces(
+            next,
+            send,
+            prev,
+            recv_len,
+            scratch.as_mut_slice(),
+            &mut |offset, piece| {
+                reduce_into(dtype, op, &mut acc[offset..offset + piece.len()], piece);
+            },
+        )?;
     }
-    Ok((p + 1) % n)
+    Ok(())
 }
 
 /// Ring allgather of segments: the rank at position `p` starts owning segment
@@ -180,11 +217,10 @@ fn allreduce_over(
     dtype: DType,
     op: ReduceOp,
     divisor: usize,
+    segments: &[Range<usize>],
 ) -> Result<()> {
     let elem = dtype.size();
-    let count = buf.len() / elem;
-    let segments = segment_bounds(count, ranks.len());
-    let owned = ring_reduce_scatter(t, ranks, buf, dtype, op, &segments)?;
+    let owned = ring_reduce_scatter(t, ranks, buf, dtype, op, segments)?;
     if op == ReduceOp::Average {
         divide(dtype, &mut buf[byte_range(&segments[owned], elem)], divisor);
     }
@@ -196,8 +232,21 @@ fn allreduce_over(
 /// a reduce-scatter then an allgather, each step sending one segment to the next rank while
 /// receiving another from the previous one, reducing received pieces as they arrive.
 pub fn ring_allreduce(t: &dyn Transport, buf: &mut [u8], dtype: DType, op: ReduceOp) -> Result<()> {
+    let count = buf.len() / dtype.size();
+    let layout = FusedLayout::new(&[count], t.world_size(), 1);
+    ring_allreduce_fused(t, buf, dtype, op, &layout)
+}
+
+/// Ring allreduce of a buffer laid out by `layout` (built with `parts = world size`).
+pub fn ring_allreduce_fused(
+    t: &dyn Transport,
+    buf: &mut [u8],
+    dtype: DType,
+    op: ReduceOp,
+    layout: &FusedLayout,
+) -> Result<()> {
     let ranks: Vec<usize> = (0..t.world_size()).collect();
-    allreduce_over(t, &ranks, buf, dtype, op, t.world_size())
+    allreduce_over(t, &ranks, buf, dtype, op, t.world_size(), &layout.segments)
 }
 
 /// Hierarchical allreduce: reduce-scatter within the node, ring allreduce of this rank's
@@ -210,16 +259,105 @@ pub fn hierarchical_allreduce(
     dtype: DType,
     op: ReduceOp,
 ) -> Result<()> {
+    let count = buf.len() / dtype.size();
+    let fused = FusedLayout::new(&[count], layout.local_size, layout.nodes);
+    hierarchical_allreduce_fused(t, layout, buf, dtype, op, &fused)
+}
+
+/// Hierarchical allreduce of a buffer laid out by `fused` (built with
+/// `parts = local_size`, `sub_parts = nodes`).
+pub fn hierarchical_allreduce_fused(
+    t: &dyn Transport,
+    layout: NodeLayout,
+    buf: &mut [u8],
+    dtype: DType,
+    op: ReduceOp,
+    fused: &FusedLayout,
+) -> Result<()> {
     let elem = dtype.size();
-    let count = buf.len() / elem;
     let node = layout.node_ranks(t.rank());
     let cross = layout.cross_ranks(t.rank());
-    let segments = segment_bounds(count, node.len());
-    let owned = ring_reduce_scatter(t, &node, buf, dtype, op, &segments)?;
+    let segments = &fused.segments;
+    let owned = ring_reduce_scatter(t, &node, buf, dtype, op, segments)?;
     let owned_bytes = byte_range(&segments[owned], elem);
-    allreduce_over(t, &cross, &mut buf[owned_bytes], dtype, op, t.world_size())?;
+    allreduce_over(
+        t,
+        &cross,
+        &mut buf[owned_bytes],
+        dtype,
+        op,
+        t.world_size(),
+        &fused.sub_segments[owned],
+    )?;
     let byte_segments: Vec<Range<usize>> = segments.iter().map(|s| byte_range(s, elem)).collect();
     ring_pass(t, &node, buf, &byte_segments, 1)
+}
+
+/// Where each tensor's elements go in a fusion buffer, so that every element is reduced in
+/// exactly the order it would be if its tensor were reduced alone: each tensor is split
+/// into `parts` segments (and each segment into `sub_parts` for the cross-node ring), and
+/// the buffer holds segment 0 of every tensor, then segment 1 of every tensor, and so on.
+/// The fusion threshold therefore never changes a result, not even in the last bit.
+#[derive(Clone, Debug, PartialEq)]
+pub struct FusedLayout {
+    /// Per tensor: `(element range in the tensor, element offset in the buffer)` pieces.
+    pub pieces: Vec<Vec<(Range<usize>, usize)>>,
+    /// Element ranges of the buffer's `parts` segments.
+    pub segments: Vec<Range<usize>>,
+    /// Per segment, its `sub_parts` sub-segments, relative to the segment's start.
+    pub sub_segments: Vec<Vec<Range<usize>>>,
+    /// Elements in the buffer.
+    pub total: usize,
+}
+
+impl FusedLayout {
+    /// The layout of tensors of `counts` elements for a schedule of `parts` segments, each
+    /// split into `sub_parts`.
+    pub fn new(counts: &[usize], parts: usize, sub_parts: usize) -> Self {
+        let parts = parts.max(1);
+        let sub_parts = sub_parts.max(1);
+        let splits: Vec<Vec<Vec<Range<usize>>>> = counts
+            .iter()
+            .map(|&c| {
+                segment_bounds(c, parts)
+                    .into_iter()
+                    .map(|seg| {
+                        segment_bounds(seg.len(), sub_parts)
+                            .into_iter()
+                            .map(|sub| seg.start + sub.start..seg.start + sub.end)
+                            .collect()
+                    })
+                    .collect()
+            })
+            .collect();
+        let mut pieces = vec![Vec::new(); counts.len()];
+        let mut segments = Vec::with_capacity(parts);
+        let mut sub_segments = Vec::with_capacity(parts);
+        let mut cursor = 0;
+        for j in 0..parts {
+            let seg_start = cursor;
+            let mut subs = Vec::with_capacity(sub_parts);
+            for c in 0..sub_parts {
+                let sub_start = cursor;
+                for (i, split) in splits.iter().enumerate() {
+                    let src = split[j][c].clone();
+                    if !src.is_empty() {
+                        pieces[i].push((src.clone(), cursor));
+                        cursor += src.len();
+                    }
+                }
+                subs.push(sub_start - seg_start..cursor - seg_start);
+            }
+            segments.push(seg_start..cursor);
+            sub_segments.push(subs);
+        }
+        FusedLayout {
+            pieces,
+            segments,
+            sub_segments,
+            total: cursor,
+        }
+    }
 }
 
 /// Ring allgather of blocks of varying size: `blocks[r]` is the byte range of `buf` that
@@ -323,6 +461,93 @@ mod tests {
                         "n={n} count={count} rank={rank}"
                     );
                 }
+            }
+        }
+    }
+
+    /// Packs `tensors` into a buffer by `layout`, and unpacks it.
+    fn pack(tensors: &[Vec<f32>], layout: &FusedLayout) -> Vec<f32> {
+        let mut buf = vec![0f32; layout.total];
+        for (t, pieces) in tensors.iter().zip(&layout.pieces) {
+            for (src, dst) in pieces {
+                buf[*dst..*dst + src.len()].copy_from_slice(&t[src.clone()]);
+            }
+        }
+        buf
+    }
+
+    fn unpack(buf: &[f32], counts: &[usize], layout: &FusedLayout) -> Vec<Vec<f32>> {
+        counts
+            .iter()
+            .zip(&layout.pieces)
+            .map(|(&c, pieces)| {
+                let mut t = vec![0f32; c];
+                for (src, dst) in pieces {
+                    t[src.clone()].copy_from_slice(&buf[*dst..*dst + src.len()]);
+                }
+                t
+            })
+            .collect()
+    }
+
+    #[test]
+    fn fused_random_floats_are_bitwise_equal_to_each_tensor_alone_ring_and_hierarchical() {
+        let counts = [13usize, 0, 1, 4099, 7];
+        for (n, nodes) in [(3usize, 1usize), (4, 2), (6, 2)] {
+            let results = on_mesh(n, move |t| {
+                let inputs: Vec<Vec<f32>> = counts
+                    .iter()
+                    .map(|&c| input(t.rank() * 10 + c, c))
+                    .collect();
+                let local_size = n / nodes;
+                let node_layout = NodeLayout { local_size, nodes };
+                let run = |buf: &mut [u8], layout: &FusedLayout| {
+                    if nodes == 1 {
+                        ring_allreduce_fused(t, buf, DType::F32, ReduceOp::Sum, layout).unwrap()
+                    } else {
+                        hierarchical_allreduce_fused(
+                            t,
+                            node_layout,
+                            buf,
+                            DType::F32,
+                            ReduceOp::Sum,
+                            layout,
+                        )
+                        .unwrap()
+                    }
+                };
+                let (parts, sub) = if nodes == 1 {
+                    (n, 1)
+                } else {
+                    (local_size, nodes)
+                };
+                let layout = FusedLayout::new(&counts, parts, sub);
+                let mut fused = bytemuck::cast_slice::<f32, u8>(&pack(&inputs, &layout)).to_vec();
+                run(&mut fused, &layout);
+                let fused = unpack(
+                    &bytemuck::pod_collect_to_vec::<u8, f32>(&fused),
+                    &counts,
+                    &layout,
+                );
+                let alone: Vec<Vec<f32>> = inputs
+                    .iter()
+                    .map(|x| {
+                        let l = FusedLayout::new(&[x.len()], parts, sub);
+                        let mut b = bytemuck::cast_slice::<f32, u8>(x).to_vec();
+                        run(&mut b, &l);
+                        bytemuck::pod_collect_to_vec::<u8, f32>(&b)
+                    })
+                    .collect();
+                (fused, alone)
+            });
+            for (fused, alone) in &results {
+                for (f, a) in fused.iter().zip(alone) {
+                    assert!(
+                        f.iter().zip(a).all(|(x, y)| x.to_bits() == y.to_bits()),
+                        "n={n} nodes={nodes}"
+                    );
+                }
+                assert_eq!(fused, &results[0].0, "ranks disagree");
             }
         }
     }

@@ -57,6 +57,20 @@ pub trait Transport: Send + Sync {
         on_chunk: &mut dyn FnMut(usize, &[u8]),
     ) -> Result<()>;
 
+    /// Like [`Transport::send_recv`], but the `recv_len` received bytes pass through
+    /// `piece_buf`, reused for every piece of `piece_buf.len()` bytes (the last may be
+    /// shorter): `on_piece(offset, bytes)` must consume each piece before the next arrives.
+    /// A small, cache-resident piece buffer is what makes reduce-scatter fast.
+    fn send_recv_pieces(
+        &self,
+        to: usize,
+        send: &[u8],
+        from: usize,
+        recv_len: usize,
+        piece_buf: &mut [u8],
+        on_piece: &mut dyn FnMut(usize, &[u8]),
+    ) -> Result<()>;
+
     /// Receives `buf.len()` bytes from `from` and, piece by piece as they arrive, forwards
     /// them to `to` (a pipelined chain for broadcast).
     fn recv_forward(&self, from: usize, to: Option<usize>, buf: &mut [u8]) -> Result<()>;
@@ -380,6 +394,46 @@ impl Transport for TcpTransport {
         Ok(())
     }
 
+    fn send_recv_pieces(
+        &self,
+        to: usize,
+        send: &[u8],
+        from: usize,
+        recv_len: usize,
+        piece_buf: &mut [u8],
+        on_piece: &mut dyn FnMut(usize, &[u8]),
+    ) -> Result<()> {
+        if piece_buf.is_empty() && recv_len > 0 {
+            return Err(self.link_error(from, "empty piece buffer"));
+        }
+        let pending = if send.is_empty() {
+            None
+        } else {
+            Some(self.submit(to, send)?)
+        };
+        let received = (|| {
+            if recv_len == 0 {
+                return Ok(());
+            }
+            let mut stream = self.lock_reader(from)?;
+            let mut offset = 0;
+            while offset < recv_len {
+                let len = piece_buf.len().min(recv_len - offset);
+                self.read_full(from, &mut stream, &mut piece_buf[..len])?;
+                on_piece(offset, &piece_buf[..len]);
+                offset += len;
+            }
+            Ok(())
+        })();
+        if received.is_err() {
+            self.shutdown_link(to);
+        }
+        let sent = pending.map(|p| self.finish_write(to, p)).transpose();
+        received?;
+        sent?;
+        Ok(())
+    }
+
     fn recv_forward(&self, from: usize, to: Option<usize>, buf: &mut [u8]) -> Result<()> {
         let len = buf.len();
         let base = buf.as_mut_ptr();
@@ -575,6 +629,29 @@ impl Transport for MemoryTransport {
             self.recv(from, &mut recv[offset..end])?;
             on_chunk(offset, &recv[offset..end]);
             offset = end;
+        }
+        Ok(())
+    }
+
+    fn send_recv_pieces(
+        &self,
+        to: usize,
+        send: &[u8],
+        from: usize,
+        recv_len: usize,
+        piece_buf: &mut [u8],
+        on_piece: &mut dyn FnMut(usize, &[u8]),
+    ) -> Result<()> {
+        if piece_buf.is_empty() && recv_len > 0 {
+            return Err(self.error(from, "empty piece buffer"));
+        }
+        self.send(to, send)?;
+        let mut offset = 0;
+        while offset < recv_len {
+            let len = piece_buf.len().min(recv_len - offset);
+            self.recv(from, &mut piece_buf[..len])?;
+            on_piece(offset, &piece_buf[..len]);
+            offset += len;
         }
         Ok(())
     }

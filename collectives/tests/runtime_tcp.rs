@@ -571,3 +571,55 @@ fn timeline_file_has_horovods_activities() {
     assert_eq!(algo["args"]["algorithm"], "ring");
     std::fs::remove_dir_all(&dir).ok();
 }
+
+#[test]
+fn fusion_threshold_never_changes_a_float_result_even_in_the_last_bit() {
+    // Random (not exactly representable) floats: sums round, so this checks that every
+    // element is reduced in the same order whatever the fusion layout.
+    let run = |threshold: u64, hierarchical: bool| {
+        run_job(
+            4,
+            2,
+            Duration::from_secs(60),
+            move |c| {
+                c.knobs.fusion_threshold_bytes = threshold;
+                c.knobs.hierarchical_allreduce = hierarchical;
+            },
+            |rt| {
+                let mut rng = fastrand::Rng::with_seed(rt.rank() as u64 + 1);
+                let counts = [1usize, 3, 1000, 0, 4097, 17, 65_536];
+                let handles: Vec<_> = counts
+                    .iter()
+                    .enumerate()
+                    .map(|(i, &c)| {
+                        let data: Vec<f32> = (0..c).map(|_| rng.f32() * 1e3 - 5e2).collect();
+                        let op = if i % 2 == 0 {
+                            ReduceOp::Sum
+                        } else {
+                            ReduceOp::Average
+                        };
+                        rt.allreduce_async(&format!("f{i}"), Tensor::from_slice(&data), op)
+                            .unwrap()
+                    })
+                    .collect();
+                handles
+                    .into_iter()
+                    .map(|h| h.wait().unwrap())
+                    .collect::<Vec<_>>()
+            },
+        )
+    };
+    for hierarchical in [false, true] {
+        let unfused = run(0, hierarchical);
+        for threshold in [64u64, 4096, 64 << 20] {
+            let fused = run(threshold, hierarchical);
+            for rank in 0..4 {
+                assert!(
+                    fused[rank] == unfused[rank],
+                    "threshold {threshold} hierarchical {hierarchical} rank {rank}"
+                );
+                assert!(fused[rank] == fused[0], "ranks disagree");
+            }
+        }
+    }
+}

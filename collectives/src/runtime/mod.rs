@@ -19,7 +19,8 @@ use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 use crate::algorithms::{
-    Algorithm, NodeLayout, chain_broadcast, hierarchical_allreduce, ring_allgather, ring_allreduce,
+    Algorithm, FusedLayout, NodeLayout, chain_broadcast, hierarchical_allreduce_fused,
+    ring_allgather, ring_allreduce_fused,
 };
 use crate::control::{
     CycleStats, Hello, KnobUpdate, Knobs, PROTOCOL_VERSION, Phase, RankInfo, TimelineEvent,
@@ -801,37 +802,48 @@ impl CycleThread {
                 }
                 let algorithm = self.algorithm();
                 let t = self.transport.clone();
-                let layout = self.layout;
-                let run = |buf: &mut [u8]| match (algorithm, layout) {
-                    (Algorithm::Hierarchical, Some(layout)) => {
-                        hierarchical_allreduce(&*t, layout, buf, dtype, op)
+                let node_layout = self.layout;
+                let counts: Vec<usize> = entries.iter().map(|e| e.tensor.len()).collect();
+                let fused = match (algorithm, node_layout) {
+                    (Algorithm::Hierarchical, Some(l)) => {
+                        FusedLayout::new(&counts, l.local_size, l.nodes)
                     }
-                    _ => ring_allreduce(&*t, buf, dtype, op),
+                    _ => FusedLayout::new(&counts, self.world_size, 1),
+                };
+                let run = |buf: &mut [u8]| match (algorithm, node_layout) {
+                    (Algorithm::Hierarchical, Some(l)) => {
+                        hierarchical_allreduce_fused(&*t, l, buf, dtype, op, &fused)
+                    }
+                    _ => ring_allreduce_fused(&*t, buf, dtype, op, &fused),
                 };
                 let args = [("algorithm", algorithm.name().to_string())];
                 for e in &entries {
                     events.add(&e.request.name, activity::QUEUE, Phase::End, &[]);
                 }
+                let elem = dtype.size();
                 let total: usize = entries.iter().map(|e| e.tensor.byte_len()).sum();
                 if entries.len() == 1 {
+                    // A tensor alone is its own layout: reduce it in place.
                     let name = entries[0].request.name.clone();
                     events.add(&name, activity::ALLREDUCE, Phase::Begin, &args);
                     run(entries[0].tensor.as_bytes_mut())?;
                     events.add(&name, activity::ALLREDUCE, Phase::End, &[]);
                 } else {
-                    self.fusion.resize(total);
+                    self.fusion.resize(fused.total * elem);
                     let fusion = self.fusion.as_mut_slice();
-                    let mut offset = 0;
-                    for e in &entries {
+                    for (e, pieces) in entries.iter().zip(&fused.pieces) {
                         events.add(
                             &e.request.name,
                             activity::MEMCPY_IN_FUSION_BUFFER,
                             Phase::Begin,
                             &[],
                         );
-                        let len = e.tensor.byte_len();
-                        fusion[offset..offset + len].copy_from_slice(e.tensor.as_bytes());
-                        offset += len;
+                        let data = e.tensor.as_bytes();
+                        for (src, dst) in pieces {
+                            let len = src.len() * elem;
+                            fusion[dst * elem..dst * elem + len]
+                                .copy_from_slice(&data[src.start * elem..src.end * elem]);
+                        }
                         events.add(
                             &e.request.name,
                             activity::MEMCPY_IN_FUSION_BUFFER,
@@ -843,8 +855,7 @@ impl CycleThread {
                         events.add(&e.request.name, activity::ALLREDUCE, Phase::Begin, &args);
                     }
                     run(fusion)?;
-                    let mut offset = 0;
-                    for e in &mut entries {
+                    for (e, pieces) in entries.iter_mut().zip(&fused.pieces) {
                         events.add(&e.request.name, activity::ALLREDUCE, Phase::End, &[]);
                         events.add(
                             &e.request.name,
@@ -852,11 +863,12 @@ impl CycleThread {
                             Phase::Begin,
                             &[],
                         );
-                        let len = e.tensor.byte_len();
-                        e.tensor
-                            .as_bytes_mut()
-                            .copy_from_slice(&fusion[offset..offset + len]);
-                        offset += len;
+                        let data = e.tensor.as_bytes_mut();
+                        for (src, dst) in pieces {
+                            let len = src.len() * elem;
+                            data[src.start * elem..src.end * elem]
+                                .copy_from_slice(&fusion[dst * elem..dst * elem + len]);
+                        }
                         events.add(
                             &e.request.name,
                             activity::MEMCPY_OUT_FUSION_BUFFER,
