@@ -14,6 +14,26 @@
 //!   agent imports only this module.
 //! - [`tensor`], [`knobs`], [`timeline`], [`error`]: the data types around them.
 //!
+//! # Configuration (environment)
+//! - Launcher: `RANK`, `WORLD_SIZE`, `LOCAL_RANK`, `LOCAL_SIZE` (or `LOCAL_WORLD_SIZE`),
+//!   `MASTER_ADDR` (default 127.0.0.1), `MASTER_PORT` (default 29500); Open MPI's
+//!   `OMPI_COMM_WORLD_{RANK,SIZE,LOCAL_RANK,LOCAL_SIZE}` too. `RINGWATCH_JOB_ID` names the job.
+//! - Knobs: `RINGWATCH_FUSION_THRESHOLD` (bytes, default 64 MiB), `RINGWATCH_CYCLE_TIME_MS`
+//!   (default 1), `RINGWATCH_HIERARCHICAL_ALLREDUCE` (default off); Horovod's
+//!   `HOROVOD_FUSION_THRESHOLD`, `HOROVOD_CYCLE_TIME`, `HOROVOD_HIERARCHICAL_ALLREDUCE` too.
+//! - Faults: `RINGWATCH_TIMEOUT_SECS` (peer timeout, default 30),
+//!   `RINGWATCH_CONNECT_TIMEOUT_SECS` (rendezvous, default 60).
+//! - Observation: `RINGWATCH_TIMELINE` (Chrome-trace file; `{rank}` in it for one per rank),
+//!   `RINGWATCH_RUNTIME_DIR` (control socket dir, default /run/ringwatch, falling back to
+//!   `$XDG_RUNTIME_DIR/ringwatch` or `/tmp/ringwatch-<uid>`), `RINGWATCH_CONTROL_SOCKET=0`
+//!   to not serve it.
+//!
+//! # Determinism
+//! Every rank gets bit-identical results. Each element's reduction order depends only on
+//! its index in its own tensor, the world size and the algorithm, never on fusion or cycle
+//! time. Switching `hierarchical_allreduce` changes the order, so float sums may differ in
+//! the last bits between the two algorithms (integers, min and max never do).
+//!
 //! # Invariants
 //! - Never depends on the agent: a job runs the same with or without one; the control socket
 //!   is an observer and advisor, never on the data path.

@@ -829,8 +829,12 @@ impl CycleThread {
                     run(entries[0].tensor.as_bytes_mut())?;
                     events.add(&name, activity::ALLREDUCE, Phase::End, &[]);
                 } else {
-                    self.fusion.resize(fused.total * elem);
-                    let fusion = self.fusion.as_mut_slice();
+                    let need = fused.total * elem;
+                    if self.fusion.len() < need {
+                        // Grown, never shrunk: re-zeroing on every cycle costs as much as a copy.
+                        self.fusion.resize(need);
+                    }
+                    let fusion = &mut self.fusion.as_mut_slice()[..need];
                     for (e, pieces) in entries.iter().zip(&fused.pieces) {
                         events.add(
                             &e.request.name,
