@@ -360,6 +360,144 @@ impl FusedLayout {
     }
 }
 
+/// Which allreduce schedule to run, with what it needs.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Schedule {
+    /// One ring over all ranks.
+    Ring,
+    /// Intra-node, cross-node, intra-node.
+    Hierarchical(NodeLayout),
+}
+
+/// Largest piece of work one ring allreduce runs at once, in bytes. Bigger tensors and
+/// fused groups are reduced in slices of at most this size, one complete allreduce each,
+/// so that the data a ring step touches stays in cache (NCCL slices its rings the same
+/// way). A tensor's slicing depends only on the tensor, so results never depend on fusion.
+pub const SLICE_BYTES: usize = 8 << 20;
+
+/// Copy phases reported to [`allreduce_tensors`]'s observer (for the timeline).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum CopyPhase {
+    /// Starts copying a tensor's block into the fusion buffer.
+    InBegin,
+    /// Done copying it in.
+    InEnd,
+    /// Starts copying a tensor's block out of the fusion buffer.
+    OutBegin,
+    /// Done copying it out.
+    OutEnd,
+}
+
+/// One slice: blocks `(tensor index, element range)` reduced together.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Slice {
+    /// The blocks, in buffer order.
+    pub blocks: Vec<(usize, Range<usize>)>,
+    /// How they are laid out and segmented.
+    pub layout: FusedLayout,
+}
+
+/// Splits tensors of `counts` elements into blocks of at most `slice_elems` elements and
+/// groups consecutive blocks into slices of at most `slice_elems` elements.
+pub fn plan_slices(
+    counts: &[usize],
+    slice_elems: usize,
+    parts: usize,
+    sub_parts: usize,
+) -> Vec<Slice> {
+    let slice_elems = slice_elems.max(1);
+    let mut slices = Vec::new();
+    let mut current: Vec<(usize, Range<usize>)> = Vec::new();
+    let mut used = 0;
+    let mut close = |current: &mut Vec<(usize, Range<usize>)>, used: &mut usize| {
+        if !current.is_empty() {
+            let lens: Vec<usize> = current.iter().map(|(_, r)| r.len()).collect();
+            slices.push(Slice {
+                blocks: std::mem::take(current),
+                layout: FusedLayout::new(&lens, parts, sub_parts),
+            });
+        }
+        *used = 0;
+    };
+    for (i, &count) in counts.iter().enumerate() {
+        let mut start = 0;
+        while start < count {
+            let len = slice_elems.min(count - start);
+            if used + len > slice_elems {
+                close(&mut current, &mut used);
+            }
+            current.push((i, start..start + len));
+            used += len;
+            start += len;
+        }
+    }
+    close(&mut current, &mut used);
+    slices
+}
+
+/// Allreduce of several tensors (`tensors[i]` holds whole elements of `dtype`) as one
+/// fused operation, in slices of at most `slice_bytes`: a slice that is one block of one
+/// tensor is reduced in place; other slices are packed into `fusion`, reduced and copied
+/// back. `observe(tensor, phase)` hears about copies. Each element's reduction order
+/// depends only on its index in its tensor, so fused and unfused results are bit-identical.
+#[allow(clippy::too_many_arguments)] // each argument is a separate concern of the schedule
+pub fn allreduce_tensors(
+    t: &dyn Transport,
+    tensors: &mut [&mut [u8]],
+    dtype: DType,
+    op: ReduceOp,
+    schedule: Schedule,
+    slice_bytes: usize,
+    fusion: &mut AlignedBuf,
+    observe: &mut dyn FnMut(usize, CopyPhase),
+) -> Result<()> {
+    let elem = dtype.size();
+    let counts: Vec<usize> = tensors.iter().map(|b| b.len() / elem).collect();
+    let (parts, sub_parts) = match schedule {
+        Schedule::Ring => (t.world_size(), 1),
+        Schedule::Hierarchical(l) => (l.local_size, l.nodes),
+    };
+    let run = |buf: &mut [u8], layout: &FusedLayout| match schedule {
+        Schedule::Ring => ring_allreduce_fused(t, buf, dtype, op, layout),
+        Schedule::Hierarchical(l) => hierarchical_allreduce_fused(t, l, buf, dtype, op, layout),
+    };
+    for slice in plan_slices(&counts, (slice_bytes / elem).max(1), parts, sub_parts) {
+        if let [(i, range)] = slice.blocks.as_slice() {
+            run(
+                &mut tensors[*i][range.start * elem..range.end * elem],
+                &slice.layout,
+            )?;
+            continue;
+        }
+        let need = slice.layout.total * elem;
+        if fusion.len() < need {
+            // Grown, never shrunk: re-zeroing on every call costs as much as a copy.
+            fusion.resize(need);
+        }
+        let buf = &mut fusion.as_mut_slice()[..need];
+        for ((i, block), pieces) in slice.blocks.iter().zip(&slice.layout.pieces) {
+            observe(*i, CopyPhase::InBegin);
+            let src = &tensors[*i][block.start * elem..block.end * elem];
+            for (from, to) in pieces {
+                buf[to * elem..(to + from.len()) * elem]
+                    .copy_from_slice(&src[from.start * elem..from.end * elem]);
+            }
+            observe(*i, CopyPhase::InEnd);
+        }
+        run(buf, &slice.layout)?;
+        for ((i, block), pieces) in slice.blocks.iter().zip(&slice.layout.pieces) {
+            observe(*i, CopyPhase::OutBegin);
+            let dst = &mut tensors[*i][block.start * elem..block.end * elem];
+            for (from, to) in pieces {
+                dst[from.start * elem..from.end * elem]
+                    .copy_from_slice(&buf[to * elem..(to + from.len()) * elem]);
+            }
+            observe(*i, CopyPhase::OutEnd);
+        }
+    }
+    Ok(())
+}
+
 /// Ring allgather of blocks of varying size: `blocks[r]` is the byte range of `buf` that
 /// rank `r` contributes (already filled on rank `r`); afterwards every rank has all blocks.
 pub fn ring_allgather(t: &dyn Transport, buf: &mut [u8], blocks: &[Range<usize>]) -> Result<()> {
@@ -550,6 +688,69 @@ mod tests {
                 assert_eq!(fused, &results[0].0, "ranks disagree");
             }
         }
+    }
+
+    #[test]
+    fn sliced_fused_tensors_equal_each_tensor_alone_bitwise() {
+        let counts = [130usize, 5, 0, 64, 301, 1];
+        for (n, nodes) in [(3usize, 1usize), (4, 2)] {
+            let results = on_mesh(n, move |t| {
+                let schedule = if nodes == 1 {
+                    Schedule::Ring
+                } else {
+                    Schedule::Hierarchical(NodeLayout {
+                        local_size: n / nodes,
+                        nodes,
+                    })
+                };
+                let inputs: Vec<Vec<u8>> = counts
+                    .iter()
+                    .map(|&c| bytemuck::cast_slice::<f32, u8>(&input(t.rank() * 7 + c, c)).to_vec())
+                    .collect();
+                let mut fusion = AlignedBuf::default();
+                let slice = 100 * 4;
+                let mut fused = inputs.clone();
+                let mut views: Vec<&mut [u8]> =
+                    fused.iter_mut().map(|v| v.as_mut_slice()).collect();
+                let mut copies = 0;
+                allreduce_tensors(
+                    t,
+                    &mut views,
+                    DType::F32,
+                    ReduceOp::Sum,
+                    schedule,
+                    slice,
+                    &mut fusion,
+                    &mut |_, _| copies += 1,
+                )
+                .unwrap();
+                let mut alone = inputs.clone();
+                for a in &mut alone {
+                    allreduce_tensors(
+                        t,
+                        &mut [a.as_mut_slice()],
+                        DType::F32,
+                        ReduceOp::Sum,
+                        schedule,
+                        slice,
+                        &mut fusion,
+                        &mut |_, _| {},
+                    )
+                    .unwrap();
+                }
+                (fused, alone, copies)
+            });
+            for (fused, alone, copies) in &results {
+                assert_eq!(fused, alone, "n={n} nodes={nodes}");
+                assert_eq!(fused, &results[0].0);
+                assert!(*copies > 0, "small tensors were packed");
+            }
+        }
+        // 130 elements in slices of 100: a full block alone, then the rest shares a slice.
+        let plan = plan_slices(&[130, 5], 100, 2, 1);
+        assert_eq!(plan.len(), 2);
+        assert_eq!(plan[0].blocks, vec![(0, 0..100)]);
+        assert_eq!(plan[1].blocks, vec![(0, 100..130), (1, 0..5)]);
     }
 
     #[test]

@@ -19,8 +19,8 @@ use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 use crate::algorithms::{
-    Algorithm, FusedLayout, NodeLayout, chain_broadcast, hierarchical_allreduce_fused,
-    ring_allgather, ring_allreduce_fused,
+    Algorithm, CopyPhase, NodeLayout, SLICE_BYTES, Schedule, allreduce_tensors, chain_broadcast,
+    ring_allgather,
 };
 use crate::control::{
     CycleStats, Hello, KnobUpdate, Knobs, PROTOCOL_VERSION, Phase, RankInfo, TimelineEvent,
@@ -801,85 +801,43 @@ impl CycleThread {
                     entries.push(self.take(n)?);
                 }
                 let algorithm = self.algorithm();
-                let t = self.transport.clone();
-                let node_layout = self.layout;
-                let counts: Vec<usize> = entries.iter().map(|e| e.tensor.len()).collect();
-                let fused = match (algorithm, node_layout) {
-                    (Algorithm::Hierarchical, Some(l)) => {
-                        FusedLayout::new(&counts, l.local_size, l.nodes)
-                    }
-                    _ => FusedLayout::new(&counts, self.world_size, 1),
-                };
-                let run = |buf: &mut [u8]| match (algorithm, node_layout) {
-                    (Algorithm::Hierarchical, Some(l)) => {
-                        hierarchical_allreduce_fused(&*t, l, buf, dtype, op, &fused)
-                    }
-                    _ => ring_allreduce_fused(&*t, buf, dtype, op, &fused),
+                let schedule = match (algorithm, self.layout) {
+                    (Algorithm::Hierarchical, Some(l)) => Schedule::Hierarchical(l),
+                    _ => Schedule::Ring,
                 };
                 let args = [("algorithm", algorithm.name().to_string())];
                 for e in &entries {
                     events.add(&e.request.name, activity::QUEUE, Phase::End, &[]);
+                    events.add(&e.request.name, activity::ALLREDUCE, Phase::Begin, &args);
                 }
-                let elem = dtype.size();
                 let total: usize = entries.iter().map(|e| e.tensor.byte_len()).sum();
-                if entries.len() == 1 {
-                    // A tensor alone is its own layout: reduce it in place.
-                    let name = entries[0].request.name.clone();
-                    events.add(&name, activity::ALLREDUCE, Phase::Begin, &args);
-                    run(entries[0].tensor.as_bytes_mut())?;
-                    events.add(&name, activity::ALLREDUCE, Phase::End, &[]);
-                } else {
-                    let need = fused.total * elem;
-                    if self.fusion.len() < need {
-                        // Grown, never shrunk: re-zeroing on every cycle costs as much as a copy.
-                        self.fusion.resize(need);
-                    }
-                    let fusion = &mut self.fusion.as_mut_slice()[..need];
-                    for (e, pieces) in entries.iter().zip(&fused.pieces) {
-                        events.add(
-                            &e.request.name,
-                            activity::MEMCPY_IN_FUSION_BUFFER,
-                            Phase::Begin,
-                            &[],
-                        );
-                        let data = e.tensor.as_bytes();
-                        for (src, dst) in pieces {
-                            let len = src.len() * elem;
-                            fusion[dst * elem..dst * elem + len]
-                                .copy_from_slice(&data[src.start * elem..src.end * elem]);
-                        }
-                        events.add(
-                            &e.request.name,
-                            activity::MEMCPY_IN_FUSION_BUFFER,
-                            Phase::End,
-                            &[],
-                        );
-                    }
-                    for e in &entries {
-                        events.add(&e.request.name, activity::ALLREDUCE, Phase::Begin, &args);
-                    }
-                    run(fusion)?;
-                    for (e, pieces) in entries.iter_mut().zip(&fused.pieces) {
-                        events.add(&e.request.name, activity::ALLREDUCE, Phase::End, &[]);
-                        events.add(
-                            &e.request.name,
-                            activity::MEMCPY_OUT_FUSION_BUFFER,
-                            Phase::Begin,
-                            &[],
-                        );
-                        let data = e.tensor.as_bytes_mut();
-                        for (src, dst) in pieces {
-                            let len = src.len() * elem;
-                            data[src.start * elem..src.end * elem]
-                                .copy_from_slice(&fusion[dst * elem..dst * elem + len]);
-                        }
-                        events.add(
-                            &e.request.name,
-                            activity::MEMCPY_OUT_FUSION_BUFFER,
-                            Phase::End,
-                            &[],
-                        );
-                    }
+                let names: Vec<String> = entries.iter().map(|e| e.request.name.clone()).collect();
+                let mut views: Vec<&mut [u8]> = entries
+                    .iter_mut()
+                    .map(|e| e.tensor.as_bytes_mut())
+                    .collect();
+                allreduce_tensors(
+                    &*self.transport,
+                    &mut views,
+                    dtype,
+                    op,
+                    schedule,
+                    SLICE_BYTES,
+                    &mut self.fusion,
+                    &mut |i, phase| {
+                        let (activity, phase) = match phase {
+                            CopyPhase::InBegin => (activity::MEMCPY_IN_FUSION_BUFFER, Phase::Begin),
+                            CopyPhase::InEnd => (activity::MEMCPY_IN_FUSION_BUFFER, Phase::End),
+                            CopyPhase::OutBegin => {
+                                (activity::MEMCPY_OUT_FUSION_BUFFER, Phase::Begin)
+                            }
+                            CopyPhase::OutEnd => (activity::MEMCPY_OUT_FUSION_BUFFER, Phase::End),
+                        };
+                        events.add(&names[i], activity, phase, &[]);
+                    },
+                )?;
+                for name in &names {
+                    events.add(name, activity::ALLREDUCE, Phase::End, &[]);
                 }
                 work.bytes_reduced += total as u64;
                 work.bytes_total += total as u64;
