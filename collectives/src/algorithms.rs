@@ -375,6 +375,10 @@ pub enum Schedule {
 /// way). A tensor's slicing depends only on the tensor, so results never depend on fusion.
 pub const SLICE_BYTES: usize = 8 << 20;
 
+/// Blocks of at least this many bytes are reduced in place, alone, instead of being packed
+/// with others: copying them in and out would cost more than the latency packing saves.
+pub const PACK_LIMIT_BYTES: usize = 256 << 10;
+
 /// Copy phases reported to [`allreduce_tensors`]'s observer (for the timeline).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum CopyPhase {
@@ -398,10 +402,12 @@ pub struct Slice {
 }
 
 /// Splits tensors of `counts` elements into blocks of at most `slice_elems` elements and
-/// groups consecutive blocks into slices of at most `slice_elems` elements.
+/// groups consecutive blocks smaller than `pack_limit_elems` into slices of at most
+/// `slice_elems` elements; bigger blocks are slices of their own.
 pub fn plan_slices(
     counts: &[usize],
     slice_elems: usize,
+    pack_limit_elems: usize,
     parts: usize,
     sub_parts: usize,
 ) -> Vec<Slice> {
@@ -423,11 +429,14 @@ pub fn plan_slices(
         let mut start = 0;
         while start < count {
             let len = slice_elems.min(count - start);
-            if used + len > slice_elems {
+            if used + len > slice_elems || len >= pack_limit_elems {
                 close(&mut current, &mut used);
             }
             current.push((i, start..start + len));
             used += len;
+            if len >= pack_limit_elems {
+                close(&mut current, &mut used);
+            }
             start += len;
         }
     }
@@ -461,7 +470,14 @@ pub fn allreduce_tensors(
         Schedule::Ring => ring_allreduce_fused(t, buf, dtype, op, layout),
         Schedule::Hierarchical(l) => hierarchical_allreduce_fused(t, l, buf, dtype, op, layout),
     };
-    for slice in plan_slices(&counts, (slice_bytes / elem).max(1), parts, sub_parts) {
+    let pack_limit = (PACK_LIMIT_BYTES / elem).min(slice_bytes / elem).max(1);
+    for slice in plan_slices(
+        &counts,
+        (slice_bytes / elem).max(1),
+        pack_limit,
+        parts,
+        sub_parts,
+    ) {
         if let [(i, range)] = slice.blocks.as_slice() {
             run(
                 &mut tensors[*i][range.start * elem..range.end * elem],
@@ -747,10 +763,21 @@ mod tests {
             }
         }
         // 130 elements in slices of 100: a full block alone, then the rest shares a slice.
-        let plan = plan_slices(&[130, 5], 100, 2, 1);
+        let plan = plan_slices(&[130, 5], 100, 100, 2, 1);
         assert_eq!(plan.len(), 2);
         assert_eq!(plan[0].blocks, vec![(0, 0..100)]);
         assert_eq!(plan[1].blocks, vec![(0, 100..130), (1, 0..5)]);
+        // Blocks at or over the pack limit stay alone, in place.
+        let plan = plan_slices(&[3, 50, 4, 2], 100, 50, 2, 1);
+        let blocks: Vec<_> = plan.iter().map(|s| s.blocks.clone()).collect();
+        assert_eq!(
+            blocks,
+            vec![
+                vec![(0, 0..3)],
+                vec![(1, 0..50)],
+                vec![(2, 0..4), (3, 0..2)]
+            ]
+        );
     }
 
     #[test]
