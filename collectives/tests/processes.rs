@@ -109,3 +109,83 @@ fn a_killed_rank_makes_the_others_fail_within_the_timeout() {
         );
     }
 }
+
+#[test]
+fn an_agent_sees_a_running_job_through_its_control_socket() {
+    use collectives::control::{ControlClient, KnobUpdate, ServerMessage, socket_path};
+    let dir = std::env::temp_dir().join(format!("rw-proc-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let job_id = format!("proc-test-{}", std::process::id());
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port();
+    let mut ranks: Vec<Child> = (0..2)
+        .map(|rank| {
+            Command::new(BIN)
+                .args([
+                    "sweep",
+                    "--min-bytes",
+                    "4K",
+                    "--max-bytes",
+                    "4K",
+                    "--iters",
+                    "1000000",
+                    "--json",
+                ])
+                .env("RANK", rank.to_string())
+                .env("WORLD_SIZE", "2")
+                .env("MASTER_ADDR", "127.0.0.1")
+                .env("MASTER_PORT", port.to_string())
+                .env("RINGWATCH_JOB_ID", &job_id)
+                .env("RINGWATCH_RUNTIME_DIR", &dir)
+                .env("RINGWATCH_TIMEOUT_SECS", "5")
+                .stdout(Stdio::null())
+                .spawn()
+                .unwrap()
+        })
+        .collect();
+    let path = socket_path(&dir, &job_id);
+    let deadline = Instant::now() + Duration::from_secs(20);
+    let mut client = loop {
+        match ControlClient::connect(&path, Duration::from_secs(5)) {
+            Ok(c) => break c,
+            Err(_) if Instant::now() < deadline => std::thread::sleep(Duration::from_millis(50)),
+            Err(e) => panic!("no control socket at {}: {e}", path.display()),
+        }
+    };
+    let hello = client.hello().clone();
+    assert_eq!(hello.job_id, job_id);
+    assert_eq!(hello.world_size, 2);
+    let pids: Vec<u32> = hello.ranks.iter().map(|r| r.pid).collect();
+    assert_eq!(pids, vec![ranks[0].id(), ranks[1].id()]);
+    client.subscribe(true, false).unwrap();
+    let (knobs, applied) = client
+        .set_knobs(
+            KnobUpdate {
+                cycle_time_us: Some(2500),
+                ..Default::default()
+            },
+            Duration::from_secs(10),
+        )
+        .unwrap();
+    assert_eq!(knobs.cycle_time_us, 2500);
+    // Statistics of cycles from `applied` on carry the new knobs.
+    let deadline = Instant::now() + Duration::from_secs(10);
+    let mut seen = false;
+    while !seen && Instant::now() < deadline {
+        if let Some(ServerMessage::CycleStats(s)) =
+            client.next_message(Duration::from_millis(200)).unwrap()
+        {
+            assert!(s.cycle < applied || s.knobs.cycle_time_us == 2500, "{s:?}");
+            seen = s.cycle >= applied;
+        }
+    }
+    assert!(seen, "no statistics after the knob change");
+    for r in &mut ranks {
+        let _ = r.kill();
+        let _ = r.wait();
+    }
+    std::fs::remove_dir_all(&dir).ok();
+}

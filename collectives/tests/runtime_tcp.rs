@@ -471,7 +471,9 @@ fn control_socket_survives_malformed_clients_and_confirms_knob_changes() {
                 assert_eq!(got.to_vec::<i32>().unwrap(), vec![1 + 2 * i as i32; 10]);
             };
             check(rt, 0);
-            if let Some(path) = rt.control_socket_path().map(|p| p.to_path_buf()) {
+            let mut subscriber = if let Some(path) =
+                rt.control_socket_path().map(|p| p.to_path_buf())
+            {
                 // Garbage: a frame that is not JSON.
                 let mut raw = std::os::unix::net::UnixStream::connect(&path).unwrap();
                 raw.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
@@ -512,9 +514,31 @@ fn control_socket_survives_malformed_clients_and_confirms_knob_changes() {
                 assert!(rt.knobs().1 >= applied);
                 results.push(applied);
                 write_message(&mut raw, &ClientMessage::GetKnobs { request_id: 1 }).ok();
-            }
+                Some(client)
+            } else {
+                None
+            };
             for i in 1..20 {
                 check(rt, i);
+            }
+            if let Some(client) = &mut subscriber {
+                // Statistics and timeline events of the cycles above were streamed.
+                let (mut stats, mut timeline) = (false, false);
+                let deadline = Instant::now() + Duration::from_secs(10);
+                while !(stats && timeline) && Instant::now() < deadline {
+                    match client.next_message(Duration::from_millis(200)).unwrap() {
+                        Some(ServerMessage::CycleStats(s)) => {
+                            stats |= s.tensors > 0
+                                && s.bytes_reduced > 0
+                                && s.knobs.fusion_threshold_bytes == 4096;
+                        }
+                        Some(ServerMessage::Timeline { events }) => {
+                            timeline |= events.iter().any(|e| e.activity == "ALLREDUCE");
+                        }
+                        _ => {}
+                    }
+                }
+                assert!(stats && timeline, "stats {stats} timeline {timeline}");
             }
             // Every rank sees the new threshold (set on rank 0's socket) by now.
             assert_eq!(rt.knobs().0.fusion_threshold_bytes, 4096);

@@ -740,6 +740,10 @@ impl CycleThread {
             for peer in 1..self.world_size {
                 send_frame(t, peer, &bytes)?;
             }
+            // In force here before anyone is told so.
+            if let Ok(mut k) = self.shared.knobs.lock() {
+                *k = (response.knobs, response.cycle);
+            }
             if let Some(server) = &self.server {
                 server.confirm(knob_requests, response.knobs, response.cycle);
             }

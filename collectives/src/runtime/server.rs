@@ -366,3 +366,17 @@ fn adjust(counter: &AtomicUsize, was: bool, now: bool) {
         _ => {}
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn an_unusable_runtime_dir_falls_back_to_a_writable_one() {
+        // Nothing can be created under /proc, even as root.
+        let dir = pick_dir(Some(PathBuf::from("/proc/ringwatch-test"))).unwrap();
+        assert_ne!(dir, PathBuf::from("/proc/ringwatch-test"));
+        assert!(writable(&dir));
+        assert!(fallback_runtime_dirs().contains(&dir));
+    }
+}
