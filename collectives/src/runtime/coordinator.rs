@@ -6,6 +6,7 @@
 
 use std::collections::HashMap;
 use std::fmt::Debug;
+use std::time::{Duration, Instant};
 
 use serde::{Deserialize, Serialize};
 
@@ -111,6 +112,8 @@ pub struct Coordinator {
     shutdown: Vec<bool>,
     knobs: Knobs,
     cycle: u64,
+    /// When each waiting name first arrived, and whether it was reported as stalled.
+    first_seen: HashMap<String, (Instant, bool)>,
 }
 
 impl Coordinator {
@@ -123,7 +126,33 @@ impl Coordinator {
             shutdown: vec![false; world_size],
             knobs: clamp(knobs),
             cycle: 0,
+            first_seen: HashMap::new(),
         }
+    }
+
+    /// Tensors some ranks have enqueued and others not, for longer than `after` (as of
+    /// `now`), each with the ranks that have not enqueued it. Each is reported once: a
+    /// rank that never enqueues a tensor is a bug in the training script, not a hang here,
+    /// but it must be visible (Horovod's stall check).
+    pub fn stalled(&mut self, now: Instant, after: Duration) -> Vec<(String, Vec<usize>)> {
+        let mut out = Vec::new();
+        for name in &self.arrival {
+            if let (Some((since, reported)), Some(slot)) =
+                (self.first_seen.get_mut(name), self.table.get(name))
+                && !*reported
+                && now.saturating_duration_since(*since) >= after
+            {
+                *reported = true;
+                let missing = slot
+                    .iter()
+                    .enumerate()
+                    .filter(|(_, r)| r.is_none())
+                    .map(|(r, _)| r)
+                    .collect();
+                out.push((name.clone(), missing));
+            }
+        }
+        out
     }
 
     /// One cycle: `requests[r]` is rank r's request; `control_updates` are knob changes
@@ -138,6 +167,8 @@ impl Coordinator {
             for t in request.tensors {
                 let slot = self.table.entry(t.name.clone()).or_insert_with(|| {
                     self.arrival.push(t.name.clone());
+                    self.first_seen
+                        .insert(t.name.clone(), (Instant::now(), false));
                     vec![None; self.world_size]
                 });
                 if slot[rank].is_some() {
@@ -162,6 +193,7 @@ impl Coordinator {
                 .get(&name)
                 .is_some_and(|slot| slot.iter().all(Option::is_some));
             if complete {
+                self.first_seen.remove(&name);
                 if let Some(slot) = self.table.remove(&name) {
                     ready.push(slot.into_iter().flatten().collect::<Vec<_>>());
                 }
@@ -371,6 +403,26 @@ mod tests {
             );
             assert_eq!(resp.items.len(), expected_buffers, "threshold {threshold}");
         }
+    }
+
+    #[test]
+    fn a_tensor_missing_on_some_ranks_is_reported_once_as_stalled() {
+        let mut c = Coordinator::new(3, Knobs::default());
+        let r = Request {
+            tensors: vec![req("late", &[4], sum())],
+            ..Default::default()
+        };
+        c.step(vec![r.clone(), Request::default(), r], &[]);
+        let later = Instant::now() + Duration::from_secs(61);
+        assert!(
+            c.stalled(Instant::now(), Duration::from_secs(60))
+                .is_empty()
+        );
+        assert_eq!(
+            c.stalled(later, Duration::from_secs(60)),
+            vec![("late".to_string(), vec![1])]
+        );
+        assert!(c.stalled(later, Duration::from_secs(60)).is_empty());
     }
 
     #[test]

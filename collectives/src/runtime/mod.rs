@@ -34,6 +34,9 @@ use crate::transport::{MAX_FRAME_BYTES, Transport, recv_frame, send_frame};
 use coordinator::{Coordinator, Item, OpKind, Request, Response, TensorRequest};
 use server::{ControlServer, ServerState};
 
+/// How long a tensor may wait for some ranks before rank 0 logs a stall warning.
+pub const STALL_WARNING: Duration = Duration::from_secs(60);
+
 /// Everything a runtime needs to start.
 #[derive(Clone, Debug)]
 pub struct RuntimeConfig {
@@ -736,6 +739,14 @@ impl CycleThread {
                 .unwrap_or_default();
             let updates: Vec<KnobUpdate> = knob_requests.iter().map(|r| r.update).collect();
             let response = coordinator.step(requests, &updates);
+            for (name, missing) in coordinator.stalled(Instant::now(), STALL_WARNING) {
+                tracing::warn!(
+                    tensor = %name,
+                    ?missing,
+                    "tensor enqueued on some ranks but not on ranks {missing:?} for {STALL_WARNING:?}; \
+                     every rank must enqueue the same tensors"
+                );
+            }
             let bytes = encode(&response);
             for peer in 1..self.world_size {
                 send_frame(t, peer, &bytes)?;
