@@ -307,7 +307,7 @@ impl TcpTransport {
                 Ok(0) => {
                     return Err(self.link_error(
                         from,
-                        "connection closed by the peer (did that rank exit or crash?)",
+                        "connection closed by the peer (that rank exited, crashed, or gave up after another rank failed)",
                     ));
                 }
                 Ok(n) => filled += n,

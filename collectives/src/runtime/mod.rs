@@ -831,7 +831,7 @@ impl CycleThread {
                     .iter_mut()
                     .map(|e| e.tensor.as_bytes_mut())
                     .collect();
-                allreduce_tensors(
+                let outcome = allreduce_tensors(
                     &*self.transport,
                     &mut views,
                     dtype,
@@ -850,7 +850,14 @@ impl CycleThread {
                         };
                         events.add(&names[i], activity, phase, &[]);
                     },
-                )?;
+                );
+                if let Err(e) = outcome {
+                    // These entries are out of `pending`: fail them here with the cause.
+                    for entry in entries {
+                        entry.finish(Err(e.clone()));
+                    }
+                    return Err(e);
+                }
                 for name in &names {
                     events.add(name, activity::ALLREDUCE, Phase::End, &[]);
                 }
@@ -879,7 +886,10 @@ impl CycleThread {
                 let mut out = AlignedBuf::zeroed(start);
                 out.as_mut_slice()[blocks[self.rank].clone()]
                     .copy_from_slice(entry.tensor.as_bytes());
-                ring_allgather(&*self.transport, out.as_mut_slice(), &blocks)?;
+                if let Err(e) = ring_allgather(&*self.transport, out.as_mut_slice(), &blocks) {
+                    entry.finish(Err(e.clone()));
+                    return Err(e);
+                }
                 let mut out_shape = shape;
                 out_shape[0] = first_dims.iter().sum();
                 events.add(&name, activity::ALLGATHER, Phase::End, &[]);
@@ -904,7 +914,11 @@ impl CycleThread {
                     Phase::Begin,
                     &[("root", root.to_string())],
                 );
-                chain_broadcast(&*self.transport, root, entry.tensor.as_bytes_mut())?;
+                if let Err(e) = chain_broadcast(&*self.transport, root, entry.tensor.as_bytes_mut())
+                {
+                    entry.finish(Err(e.clone()));
+                    return Err(e);
+                }
                 events.add(&name, activity::BROADCAST, Phase::End, &[]);
                 work.bytes_total += entry.tensor.byte_len() as u64;
                 work.tensors += 1;
