@@ -12,6 +12,27 @@
 //! Compatibility: [`PROTOCOL_VERSION`] changes when a message changes meaning; new optional
 //! fields may be added without a change, so readers must ignore unknown fields.
 //!
+//! The agent's side, in short:
+//! ```no_run
+//! use std::time::Duration;
+//! use collectives::control::{ControlClient, KnobUpdate, ServerMessage, socket_path};
+//!
+//! let path = socket_path(&collectives::control::default_runtime_dir(), "my-job");
+//! let mut client = ControlClient::connect(&path, Duration::from_secs(5))?;
+//! println!("{} ranks: {:?}", client.hello().world_size, client.hello().ranks);
+//! client.subscribe(true, false)?;
+//! let (knobs, first_cycle) = client.set_knobs(
+//!     KnobUpdate { fusion_threshold_bytes: Some(8 << 20), ..Default::default() },
+//!     Duration::from_secs(10),
+//! )?;
+//! while let Some(message) = client.next_message(Duration::from_secs(1))? {
+//!     if let ServerMessage::CycleStats(s) = message {
+//!         if s.cycle >= first_cycle { /* a sample measured with `knobs` */ }
+//!     }
+//! }
+//! # Ok::<(), collectives::control::ControlError>(())
+//! ```
+//!
 //! This module is imported by the agent: it must stay small and depend only on `serde`,
 //! `serde_json`, `thiserror` and `std`; it must never depend on the runtime's internals.
 

@@ -268,8 +268,13 @@ impl Coordinator {
     }
 }
 
+/// Shortest cycle time the coordinator accepts: a cycle of 0 would spin on negotiation.
+pub const MIN_CYCLE_TIME_US: u64 = 50;
+
 fn clamp(mut knobs: Knobs) -> Knobs {
-    knobs.cycle_time_us = knobs.cycle_time_us.min(MAX_CYCLE_TIME_US);
+    knobs.cycle_time_us = knobs
+        .cycle_time_us
+        .clamp(MIN_CYCLE_TIME_US, MAX_CYCLE_TIME_US);
     knobs
 }
 
