@@ -127,12 +127,33 @@ unsafe impl Send for WriteJob {}
 /// the borrowed bytes cannot be freed while the writer reads them.
 struct PendingWrite<'a> {
     done: Option<mpsc::Receiver<std::io::Result<()>>>,
+    /// Set when the write was seen to have succeeded before `wait`.
+    succeeded: bool,
     _data: PhantomData<&'a [u8]>,
 }
 
 impl PendingWrite<'_> {
     fn wait(mut self) -> Option<std::io::Result<()>> {
+        if self.succeeded {
+            return Some(Ok(()));
+        }
         self.done.take().and_then(|rx| rx.recv().ok())
+    }
+
+    /// The write's error if it has already failed, without waiting.
+    fn failed_already(&mut self) -> Option<std::io::Error> {
+        match self.done.as_ref().map(|rx| rx.try_recv()) {
+            Some(Ok(Err(e))) => {
+                self.done = None;
+                Some(e)
+            }
+            Some(Ok(Ok(()))) => {
+                self.done = None;
+                self.succeeded = true;
+                None
+            }
+            _ => None,
+        }
     }
 }
 
@@ -267,6 +288,7 @@ impl TcpTransport {
         }
         Ok(PendingWrite {
             done: Some(done_rx),
+            succeeded: false,
             _data: PhantomData,
         })
     }
@@ -323,6 +345,30 @@ impl TcpTransport {
             .reader
             .lock()
             .map_err(|_| self.link_error(from, "reader lock poisoned"))
+    }
+
+    /// Finishes a concurrent send and receive. When the receive failed, a send that had
+    /// already failed is the better report: its peer is certainly gone, while a closed
+    /// receive link may only be a neighbour giving up after that same failure.
+    fn settle(
+        &self,
+        to: usize,
+        pending: Option<PendingWrite<'_>>,
+        received: Result<()>,
+    ) -> Result<()> {
+        let Some(mut pending) = pending else {
+            return received;
+        };
+        if received.is_err() {
+            if let Some(e) = pending.failed_already() {
+                return Err(self.io_error(to, e));
+            }
+            // Do not leave the writer blocked on a peer we are about to give up on.
+            self.shutdown_link(to);
+        }
+        let sent = self.finish_write(to, pending);
+        received?;
+        sent
     }
 
     fn shutdown_link(&self, peer: usize) {
@@ -384,14 +430,7 @@ impl Transport for TcpTransport {
             }
             Ok(())
         })();
-        if received.is_err() {
-            // Do not leave the writer blocked on a peer we are about to give up on.
-            self.shutdown_link(to);
-        }
-        let sent = pending.map(|p| self.finish_write(to, p)).transpose();
-        received?;
-        sent?;
-        Ok(())
+        self.settle(to, pending, received)
     }
 
     fn send_recv_pieces(
@@ -425,13 +464,7 @@ impl Transport for TcpTransport {
             }
             Ok(())
         })();
-        if received.is_err() {
-            self.shutdown_link(to);
-        }
-        let sent = pending.map(|p| self.finish_write(to, p)).transpose();
-        received?;
-        sent?;
-        Ok(())
+        self.settle(to, pending, received)
     }
 
     fn recv_forward(&self, from: usize, to: Option<usize>, buf: &mut [u8]) -> Result<()> {
