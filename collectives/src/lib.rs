@@ -1,3 +1,59 @@
 //! `collectives`: a Horovod-style collective runtime over TCP.
 //!
-//! Never depends on the agent: a job runs the same with or without one.
+//! # Code map
+//! The crate is split the way Gloo splits a collective library; data flows downward:
+//! - [`runtime`]: what a training job calls. Named tensors are enqueued and waited on through
+//!   handles; a background thread runs one *cycle* every `cycle_time`, in which rank 0 (the
+//!   coordinator) decides which tensors are ready on every rank, fuses them up to
+//!   `fusion_threshold` bytes and all ranks run the same schedule.
+//! - [`algorithms`]: pure schedules (ring allreduce, hierarchical allreduce, ring allgather,
+//!   chain broadcast) over the [`transport::Transport`] trait.
+//! - [`transport`]: moves bytes between two ranks (TCP, full duplex; an in-memory mesh for tests).
+//! - [`rendezvous`]: who my peers are and how to reach them (torchrun / Open MPI variables).
+//! - [`control`]: the one wire protocol between a job (rank 0) and the ringwatch agent. The
+//!   agent imports only this module.
+//! - [`tensor`], [`knobs`], [`timeline`], [`error`]: the data types around them.
+//!
+//! # Configuration (environment)
+//! - Launcher: `RANK`, `WORLD_SIZE`, `LOCAL_RANK`, `LOCAL_SIZE` (or `LOCAL_WORLD_SIZE`),
+//!   `MASTER_ADDR` (default 127.0.0.1), `MASTER_PORT` (default 29500); Open MPI's
+//!   `OMPI_COMM_WORLD_{RANK,SIZE,LOCAL_RANK,LOCAL_SIZE}` too. `RINGWATCH_JOB_ID` names the job.
+//! - Knobs: `RINGWATCH_FUSION_THRESHOLD` (bytes, default 64 MiB), `RINGWATCH_CYCLE_TIME_MS`
+//!   (default 1), `RINGWATCH_HIERARCHICAL_ALLREDUCE` (default off); Horovod's
+//!   `HOROVOD_FUSION_THRESHOLD`, `HOROVOD_CYCLE_TIME`, `HOROVOD_HIERARCHICAL_ALLREDUCE` too.
+//! - Faults: `RINGWATCH_TIMEOUT_SECS` (peer timeout, default 30),
+//!   `RINGWATCH_CONNECT_TIMEOUT_SECS` (rendezvous, default 60).
+//! - Observation: `RINGWATCH_TIMELINE` (Chrome-trace file; `{rank}` in it for one per rank),
+//!   `RINGWATCH_RUNTIME_DIR` (control socket dir, default /run/ringwatch, falling back to
+//!   `$XDG_RUNTIME_DIR/ringwatch` or `/tmp/ringwatch-<uid>`), `RINGWATCH_CONTROL_SOCKET=0`
+//!   to not serve it.
+//!
+//! # Determinism
+//! Every rank gets bit-identical results. Each element's reduction order depends only on
+//! its index in its own tensor, the world size and the algorithm, never on fusion or cycle
+//! time. Switching `hierarchical_allreduce` changes the order, so float sums may differ in
+//! the last bits between the two algorithms (integers, min and max never do).
+//!
+//! # Invariants
+//! - Never depends on the agent: a job runs the same with or without one; the control socket
+//!   is an observer and advisor, never on the data path.
+//! - Every rank gets a bit-identical result: each element is reduced once, in a fixed order,
+//!   by exactly one rank, and copied to the others.
+//! - Knobs change only at a cycle boundary decided by rank 0 and carried in its response, so
+//!   all ranks run the same knobs on the same fused buffers. A knob never changes a result.
+//! - Nothing blocks forever: every wait on a peer has a timeout that names the peer.
+
+pub mod algorithms;
+pub mod control;
+pub mod error;
+pub mod knobs;
+pub mod rendezvous;
+pub mod runtime;
+pub mod tensor;
+pub mod timeline;
+pub mod transport;
+
+pub use control::Knobs;
+pub use error::{CollectiveError, Result};
+pub use runtime::{Handle, Runtime, RuntimeConfig};
+pub use tensor::{DType, Element, ReduceOp, Tensor};

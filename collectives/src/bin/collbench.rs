@@ -1,0 +1,563 @@
+//! `collbench`: benchmarks of the collective runtime, nccl-tests style.
+//!
+//! Run without `RANK` in the environment it is a launcher (like `torchrun
+//! --nproc-per-node N`): it starts N copies of itself on this machine with `RANK`,
+//! `WORLD_SIZE`, `LOCAL_RANK`, `LOCAL_SIZE`, `MASTER_ADDR`, `MASTER_PORT` set, and rank 0
+//! prints the table. With `RANK` and `WORLD_SIZE` set (by this launcher, torchrun, mpirun, or
+//! by hand inside a network namespace) it runs as that one rank.
+//!
+//! It is a measuring tool: it must never change what the library does, only call it.
+
+use std::io::{Read, Write};
+use std::net::{TcpListener, TcpStream};
+use std::process::{Child, Command, ExitCode, Stdio};
+use std::time::{Duration, Instant};
+
+use anyhow::{Context, Result, bail};
+use clap::{Args, Parser, Subcommand};
+use collectives::runtime::RuntimeConfig;
+use collectives::transport::configure_stream;
+use collectives::{ReduceOp, Runtime, Tensor};
+use indicatif::{ProgressBar, ProgressStyle};
+use serde::Serialize;
+
+/// Benchmarks for ringwatch's collective runtime.
+///
+/// Examples:
+///   collbench sweep -n 4                  # allreduce sizes 4 KiB..256 MiB on 4 local ranks
+///   collbench resnet50 -n 4 --fusion-threshold 0
+///   collbench link                        # plain TCP throughput between two processes
+///   RANK=1 WORLD_SIZE=2 MASTER_ADDR=10.0.0.1 collbench resnet50   # one rank of a job
+#[derive(Parser, Debug)]
+#[command(version, verbatim_doc_comment)]
+struct Cli {
+    #[command(flatten)]
+    common: Common,
+    #[command(subcommand)]
+    workload: Option<Workload>,
+}
+
+#[derive(Args, Debug, Clone)]
+struct Common {
+    /// Ranks to start on this machine (launcher mode; ignored when RANK is set).
+    #[arg(
+        short = 'n',
+        long,
+        env = "COLLBENCH_NPROC",
+        default_value_t = 4,
+        global = true
+    )]
+    nproc_per_node: usize,
+    /// Group the local ranks into pretend nodes of this many ranks (for hierarchical
+    /// allreduce); default: all ranks on one node.
+    #[arg(long, global = true)]
+    local_size: Option<usize>,
+    /// Fusion threshold in bytes (0 disables fusion) [runtime default: 64 MiB].
+    #[arg(long, env = "RINGWATCH_FUSION_THRESHOLD", global = true)]
+    fusion_threshold: Option<u64>,
+    /// Cycle time in milliseconds [runtime default: 1].
+    #[arg(long, env = "RINGWATCH_CYCLE_TIME_MS", global = true)]
+    cycle_time_ms: Option<f64>,
+    /// Use hierarchical allreduce.
+    #[arg(long, env = "RINGWATCH_HIERARCHICAL_ALLREDUCE", global = true)]
+    hierarchical: Option<bool>,
+    /// Print JSON instead of a table.
+    #[arg(long, global = true)]
+    json: bool,
+    /// Measure plain TCP throughput between two local processes (same as `link`).
+    #[arg(long, global = true)]
+    link: bool,
+}
+
+#[derive(Subcommand, Debug, Clone)]
+enum Workload {
+    /// Allreduce of one f32 tensor per size, from --min-bytes to --max-bytes by --factor;
+    /// prints size, time, algbw and busbw = algbw * 2(n-1)/n.
+    Sweep {
+        /// Smallest size in bytes.
+        #[arg(long, default_value = "4096", value_parser = parse_bytes)]
+        min_bytes: u64,
+        /// Largest size in bytes.
+        #[arg(long, default_value = "256M", value_parser = parse_bytes)]
+        max_bytes: u64,
+        /// Size multiplier between rows.
+        #[arg(long, default_value_t = 2)]
+        factor: u64,
+        /// Timed iterations per size (default: adaptive, about 1 GiB of data per size).
+        #[arg(long)]
+        iters: Option<usize>,
+    },
+    /// Each step allreduces ResNet-50's 161 gradient tensors (real sizes, f32) in backward
+    /// order, as a framework would; prints steps/s and effective bandwidth.
+    Resnet50 {
+        /// Timed steps.
+        #[arg(long, default_value_t = 10)]
+        steps: usize,
+        /// Untimed warm-up steps.
+        #[arg(long, default_value_t = 2)]
+        warmup: usize,
+    },
+    /// Plain TCP throughput between two local processes (the bound a ring cannot beat).
+    Link {
+        /// Bytes per direction.
+        #[arg(long, default_value = "2G", value_parser = parse_bytes)]
+        bytes: u64,
+    },
+}
+
+fn parse_bytes(s: &str) -> std::result::Result<u64, String> {
+    let s = s.trim();
+    let (num, mult) = match s.chars().last() {
+        Some('K' | 'k') => (&s[..s.len() - 1], 1u64 << 10),
+        Some('M' | 'm') => (&s[..s.len() - 1], 1 << 20),
+        Some('G' | 'g') => (&s[..s.len() - 1], 1 << 30),
+        _ => (s, 1),
+    };
+    num.parse::<u64>()
+        .map(|n| n * mult)
+        .map_err(|_| format!("{s:?} is not a size (e.g. 4096, 64K, 256M, 2G)"))
+}
+
+fn main() -> ExitCode {
+    tracing_subscriber::fmt()
+        .with_writer(std::io::stderr)
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_default_env()
+                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn")),
+        )
+        .init();
+    let cli = Cli::parse();
+    let workload = match (&cli.workload, cli.common.link) {
+        (Some(w), _) => w.clone(),
+        (None, true) => Workload::Link { bytes: 2 << 30 },
+        (None, false) => {
+            eprintln!("collbench: name a workload (sweep, resnet50, link) or --link; see --help");
+            return ExitCode::FAILURE;
+        }
+    };
+    let result = if std::env::var_os("RANK").is_some()
+        || std::env::var_os("OMPI_COMM_WORLD_RANK").is_some()
+    {
+        worker(&cli, &workload)
+    } else {
+        launch(&cli, &workload)
+    };
+    match result {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            let rank = std::env::var("RANK").unwrap_or_else(|_| "launcher".into());
+            eprintln!("collbench (rank {rank}): error: {e:#}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+fn free_port() -> Result<u16> {
+    Ok(TcpListener::bind("127.0.0.1:0")?.local_addr()?.port())
+}
+
+/// Starts the ranks as child processes and waits for them; a failed rank stops the rest.
+fn launch(cli: &Cli, workload: &Workload) -> Result<()> {
+    let n = match workload {
+        Workload::Link { .. } => 2,
+        _ => cli.common.nproc_per_node,
+    };
+    if n == 0 {
+        bail!("--nproc-per-node must be at least 1");
+    }
+    let local_size = cli.common.local_size.unwrap_or(n);
+    let port = free_port()?;
+    let exe = std::env::current_exe().context("cannot find my own executable")?;
+    let args: Vec<String> = std::env::args().skip(1).collect();
+    let mut children: Vec<Child> = Vec::new();
+    for rank in 0..n {
+        let child = Command::new(&exe)
+            .args(&args)
+            .env("RANK", rank.to_string())
+            .env("WORLD_SIZE", n.to_string())
+            .env("LOCAL_RANK", (rank % local_size).to_string())
+            .env("LOCAL_SIZE", local_size.to_string())
+            .env("MASTER_ADDR", "127.0.0.1")
+            .env("MASTER_PORT", port.to_string())
+            .stdout(if rank == 0 {
+                Stdio::inherit()
+            } else {
+                Stdio::null()
+            })
+            .spawn()
+            .with_context(|| format!("cannot start rank {rank}"))?;
+        children.push(child);
+    }
+    let mut failed = None;
+    let mut running: Vec<(usize, Child)> = children.into_iter().enumerate().collect();
+    while !running.is_empty() {
+        let mut still = Vec::new();
+        for (rank, mut child) in running {
+            match child.try_wait()? {
+                Some(status) if !status.success() => {
+                    failed.get_or_insert((rank, status));
+                }
+                Some(_) => {}
+                None => still.push((rank, child)),
+            }
+        }
+        running = still;
+        if failed.is_some() {
+            // The others fail on their own within their timeout; give them a moment to
+            // report, then stop them.
+            let deadline = Instant::now() + Duration::from_secs(5);
+            while running
+                .iter_mut()
+                .any(|(_, c)| matches!(c.try_wait(), Ok(None)))
+                && Instant::now() < deadline
+            {
+                std::thread::sleep(Duration::from_millis(50));
+            }
+            for (_, c) in &mut running {
+                let _ = c.kill();
+                let _ = c.wait();
+            }
+            break;
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    match failed {
+        Some((rank, status)) => bail!("rank {rank} failed ({status})"),
+        None => Ok(()),
+    }
+}
+
+fn runtime(cli: &Cli) -> Result<Runtime> {
+    let mut cfg = RuntimeConfig::from_env().context("bad configuration in the environment")?;
+    let c = &cli.common;
+    if let Some(v) = c.fusion_threshold {
+        cfg.knobs.fusion_threshold_bytes = v;
+    }
+    if let Some(v) = c.cycle_time_ms {
+        cfg.knobs.cycle_time_us = (v * 1000.0).round() as u64;
+    }
+    if let Some(v) = c.hierarchical {
+        cfg.knobs.hierarchical_allreduce = v;
+    }
+    Runtime::new(cfg).context("cannot start the collective runtime")
+}
+
+fn worker(cli: &Cli, workload: &Workload) -> Result<()> {
+    match workload {
+        Workload::Sweep {
+            min_bytes,
+            max_bytes,
+            factor,
+            iters,
+        } => sweep(cli, *min_bytes, *max_bytes, (*factor).max(2), *iters),
+        Workload::Resnet50 { steps, warmup } => resnet50(cli, *steps, *warmup),
+        Workload::Link { bytes } => link(cli, *bytes),
+    }
+}
+
+fn progress(len: u64, show: bool, what: &str) -> ProgressBar {
+    if !show {
+        return ProgressBar::hidden();
+    }
+    let bar = ProgressBar::new(len);
+    bar.set_style(
+        ProgressStyle::with_template("{msg} [{bar:40}] {pos}/{len} {elapsed}")
+            .unwrap_or_else(|_| ProgressStyle::default_bar()),
+    );
+    bar.set_message(what.to_string());
+    bar
+}
+
+fn busbw_factor(n: usize) -> f64 {
+    if n <= 1 {
+        0.0
+    } else {
+        2.0 * (n - 1) as f64 / n as f64
+    }
+}
+
+#[derive(Serialize)]
+struct SweepRow {
+    bytes: u64,
+    count: u64,
+    time_us: f64,
+    algbw_gbps: f64,
+    busbw_gbps: f64,
+    wrong: u64,
+}
+
+fn sweep(cli: &Cli, min: u64, max: u64, factor: u64, iters: Option<usize>) -> Result<()> {
+    let rt = runtime(cli)?;
+    let n = rt.world_size();
+    let rank = rt.rank();
+    let mut sizes = Vec::new();
+    let mut s = min.max(4);
+    while s <= max {
+        sizes.push(s);
+        s *= factor;
+    }
+    let bar = progress(sizes.len() as u64, rank == 0 && !cli.common.json, "sweep");
+    let mut rows = Vec::new();
+    for &bytes in &sizes {
+        let count = (bytes / 4) as usize;
+        // Exact check on the first call: every element sums to n(n+1)/2.
+        let mut t = Tensor::from_slice(&vec![(rank + 1) as f32; count]);
+        t = rt.allreduce(&format!("sweep.{bytes}"), t, ReduceOp::Sum)?;
+        let want = (n * (n + 1) / 2) as f32;
+        let wrong = t
+            .to_vec::<f32>()
+            .unwrap_or_default()
+            .iter()
+            .filter(|&&v| v != want)
+            .count() as u64;
+        let iters = iters.unwrap_or_else(|| ((1u64 << 30) / bytes).clamp(3, 50) as usize);
+        let start = Instant::now();
+        for _ in 0..iters {
+            t = rt.allreduce(&format!("sweep.{bytes}"), t, ReduceOp::Sum)?;
+        }
+        let secs = start.elapsed().as_secs_f64() / iters as f64;
+        let algbw = bytes as f64 / secs / 1e9;
+        rows.push(SweepRow {
+            bytes,
+            count: count as u64,
+            time_us: secs * 1e6,
+            algbw_gbps: algbw,
+            busbw_gbps: algbw * busbw_factor(n),
+            wrong,
+        });
+        bar.inc(1);
+    }
+    bar.finish_and_clear();
+    if rank == 0 {
+        let (knobs, _) = rt.knobs();
+        if cli.common.json {
+            println!(
+                "{}",
+                serde_json::json!({"workload": "sweep", "world_size": n, "knobs": knobs, "rows": rows})
+            );
+        } else {
+            println!("# collbench sweep: allreduce sum f32, {n} ranks, knobs {knobs:?}");
+            println!(
+                "{:>12} {:>12} {:>12} {:>10} {:>10} {:>6}",
+                "size(B)", "count", "time(us)", "algbw(GB/s)", "busbw(GB/s)", "wrong"
+            );
+            for r in &rows {
+                println!(
+                    "{:>12} {:>12} {:>12.1} {:>10.3} {:>10.3} {:>6}",
+                    r.bytes, r.count, r.time_us, r.algbw_gbps, r.busbw_gbps, r.wrong
+                );
+            }
+        }
+    }
+    if rows.iter().any(|r| r.wrong > 0) {
+        bail!("rank {rank}: some results were wrong");
+    }
+    rt.shutdown();
+    Ok(())
+}
+
+/// Parameter tensors of torchvision's ResNet-50, in forward (registration) order:
+/// 161 tensors, 25,557,032 parameters.
+fn resnet50_shapes() -> Vec<usize> {
+    let mut sizes = vec![64 * 3 * 7 * 7, 64, 64];
+    let mut in_ch = 64;
+    for (blocks, width) in [(3usize, 64usize), (4, 128), (6, 256), (3, 512)] {
+        let out = width * 4;
+        for b in 0..blocks {
+            sizes.extend([width * in_ch, width, width]);
+            sizes.extend([width * width * 9, width, width]);
+            sizes.extend([out * width, out, out]);
+            if b == 0 {
+                sizes.extend([out * in_ch, out, out]);
+            }
+            in_ch = out;
+        }
+    }
+    sizes.extend([1000 * 2048, 1000]);
+    sizes
+}
+
+fn resnet50(cli: &Cli, steps: usize, warmup: usize) -> Result<()> {
+    let rt = runtime(cli)?;
+    let n = rt.world_size();
+    let rank = rt.rank();
+    let shapes = resnet50_shapes();
+    let total_bytes: usize = shapes.iter().map(|s| s * 4).sum();
+    let mut grads: Vec<Option<Tensor>> = shapes
+        .iter()
+        .map(|&s| Some(Tensor::from_slice(&vec![1.0f32 / n as f32; s])))
+        .collect();
+    let bar = progress(
+        (warmup + steps) as u64,
+        rank == 0 && !cli.common.json,
+        "resnet50",
+    );
+    let mut step = || -> Result<Duration> {
+        let start = Instant::now();
+        // Backward order: the last layer's gradients are ready first.
+        let mut handles = Vec::with_capacity(grads.len());
+        for i in (0..grads.len()).rev() {
+            let t = grads[i].take().context("gradient missing")?;
+            handles.push((
+                i,
+                rt.allreduce_async(&format!("grad.{i}"), t, ReduceOp::Average)?,
+            ));
+        }
+        for (i, h) in handles {
+            grads[i] = Some(h.wait()?);
+        }
+        Ok(start.elapsed())
+    };
+    for _ in 0..warmup {
+        step()?;
+        bar.inc(1);
+    }
+    let mut times = Vec::new();
+    for _ in 0..steps {
+        times.push(step()?);
+        bar.inc(1);
+    }
+    bar.finish_and_clear();
+    let total: f64 = times.iter().map(|d| d.as_secs_f64()).sum();
+    let steps_per_sec = steps as f64 / total;
+    let algbw = total_bytes as f64 * steps_per_sec / 1e9;
+    if rank == 0 {
+        let (knobs, _) = rt.knobs();
+        if cli.common.json {
+            println!(
+                "{}",
+                serde_json::json!({"workload": "resnet50", "world_size": n, "knobs": knobs,
+                    "tensors": shapes.len(), "bytes_per_step": total_bytes, "steps": steps,
+                    "steps_per_sec": steps_per_sec, "algbw_gbps": algbw,
+                    "busbw_gbps": algbw * busbw_factor(n)})
+            );
+        } else {
+            println!(
+                "# collbench resnet50: {} tensors, {} bytes per step, {n} ranks, knobs {knobs:?}",
+                shapes.len(),
+                total_bytes
+            );
+            println!(
+                "{:>8} {:>12} {:>12} {:>12}",
+                "steps", "steps/s", "algbw(GB/s)", "busbw(GB/s)"
+            );
+            println!(
+                "{:>8} {:>12.3} {:>12.3} {:>12.3}",
+                steps,
+                steps_per_sec,
+                algbw,
+                algbw * busbw_factor(n)
+            );
+        }
+    }
+    rt.shutdown();
+    Ok(())
+}
+
+/// Plain TCP between rank 0 and rank 1 with the runtime's socket settings: one direction,
+/// then both at once (what each link of a ring does).
+fn link(cli: &Cli, bytes: u64) -> Result<()> {
+    let rank: usize = std::env::var("RANK")?.parse()?;
+    let addr = std::env::var("MASTER_ADDR").unwrap_or_else(|_| "127.0.0.1".into());
+    let port: u16 = std::env::var("MASTER_PORT")
+        .unwrap_or_else(|_| "29500".into())
+        .parse()?;
+    let stream = if rank == 0 {
+        let listener = TcpListener::bind(("0.0.0.0", port))?;
+        listener.accept()?.0
+    } else {
+        let deadline = Instant::now() + Duration::from_secs(20);
+        loop {
+            match TcpStream::connect((addr.as_str(), port)) {
+                Ok(s) => break s,
+                Err(e) if Instant::now() > deadline => return Err(e.into()),
+                Err(_) => std::thread::sleep(Duration::from_millis(20)),
+            }
+        }
+    };
+    configure_stream(&stream, Duration::from_secs(30))?;
+    let chunk = vec![7u8; 4 << 20];
+    let send = |mut s: TcpStream| -> Result<()> {
+        let mut left = bytes;
+        while left > 0 {
+            let k = left.min(chunk.len() as u64) as usize;
+            s.write_all(&chunk[..k])?;
+            left -= k as u64;
+        }
+        Ok(())
+    };
+    let recv = |mut s: TcpStream| -> Result<()> {
+        let mut buf = vec![0u8; 4 << 20];
+        let mut left = bytes;
+        while left > 0 {
+            let k = left.min(buf.len() as u64) as usize;
+            let got = s.read(&mut buf[..k])?;
+            if got == 0 {
+                bail!("peer closed early");
+            }
+            left -= got as u64;
+        }
+        Ok(())
+    };
+    let sync = |s: &TcpStream| -> Result<()> {
+        let mut s = s.try_clone()?;
+        s.write_all(&[1])?;
+        let mut b = [0u8];
+        s.read_exact(&mut b)?;
+        Ok(())
+    };
+    sync(&stream)?;
+    let start = Instant::now();
+    if rank == 0 {
+        send(stream.try_clone()?)?
+    } else {
+        recv(stream.try_clone()?)?
+    }
+    sync(&stream)?;
+    let uni = bytes as f64 / start.elapsed().as_secs_f64() / 1e9;
+    let start = Instant::now();
+    let s2 = stream.try_clone()?;
+    let sender = std::thread::scope(|scope| -> Result<()> {
+        let h = scope.spawn(|| send(s2));
+        recv(stream.try_clone()?)?;
+        h.join().map_err(|_| anyhow::anyhow!("sender panicked"))??;
+        Ok(())
+    });
+    sender?;
+    sync(&stream)?;
+    let bidir = bytes as f64 / start.elapsed().as_secs_f64() / 1e9;
+    if rank == 0 {
+        if cli.common.json {
+            println!(
+                "{}",
+                serde_json::json!({"workload": "link", "bytes": bytes,
+                "unidirectional_gbps": uni, "bidirectional_gbps_per_direction": bidir})
+            );
+        } else {
+            println!("# collbench link: plain TCP on loopback, {bytes} bytes per direction");
+            println!("{:>28} {:>10}", "mode", "GB/s");
+            println!("{:>28} {:>10.3}", "one direction", uni);
+            println!("{:>28} {:>10.3}", "both directions (each)", bidir);
+        }
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn resnet50_has_161_tensors_and_25_6_million_parameters() {
+        let shapes = resnet50_shapes();
+        assert_eq!(shapes.len(), 161);
+        assert_eq!(shapes.iter().sum::<usize>(), 25_557_032);
+    }
+
+    #[test]
+    fn sizes_parse_with_suffixes() {
+        assert_eq!(parse_bytes("4096"), Ok(4096));
+        assert_eq!(parse_bytes("256M"), Ok(256 << 20));
+        assert!(parse_bytes("lots").is_err());
+    }
+}

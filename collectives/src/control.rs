@@ -1,0 +1,605 @@
+//! The one wire protocol between a job and the ringwatch agent, and a small client for it.
+//!
+//! Rank 0 of a job serves a Unix stream socket `<runtime dir>/<job_id>.sock`. Every message,
+//! in both directions, is a frame: a 4-byte big-endian length, then that many bytes of UTF-8
+//! JSON (one object with a `"type"` field), at most [`MAX_MESSAGE_BYTES`]. On connect the
+//! server sends [`ServerMessage::Hello`]; the client then sends [`ClientMessage`]s:
+//! `subscribe` (per-cycle statistics and/or timeline events are then streamed), `get_knobs`,
+//! `set_knobs` (answered with `knobs_applied` once rank 0 has put them in force: the cycle
+//! named there is the first cycle that every rank runs with the new knobs). A malformed or
+//! oversized message closes that client with an `error` message; the job is not affected.
+//!
+//! Compatibility: [`PROTOCOL_VERSION`] changes when a message changes meaning; new optional
+//! fields may be added without a change, so readers must ignore unknown fields.
+//!
+//! The agent's side, in short:
+//! ```no_run
+//! use std::time::Duration;
+//! use collectives::control::{ControlClient, KnobUpdate, ServerMessage, socket_path};
+//!
+//! let path = socket_path(&collectives::control::default_runtime_dir(), "my-job");
+//! let mut client = ControlClient::connect(&path, Duration::from_secs(5))?;
+//! println!("{} ranks: {:?}", client.hello().world_size, client.hello().ranks);
+//! client.subscribe(true, false)?;
+//! let (knobs, first_cycle) = client.set_knobs(
+//!     KnobUpdate { fusion_threshold_bytes: Some(8 << 20), ..Default::default() },
+//!     Duration::from_secs(10),
+//! )?;
+//! while let Some(message) = client.next_message(Duration::from_secs(1))? {
+//!     if let ServerMessage::CycleStats(s) = message {
+//!         if s.cycle >= first_cycle { /* a sample measured with `knobs` */ }
+//!     }
+//! }
+//! # Ok::<(), collectives::control::ControlError>(())
+//! ```
+//!
+//! This module is imported by the agent: it must stay small and depend only on `serde`,
+//! `serde_json`, `thiserror` and `std`; it must never depend on the runtime's internals.
+
+use std::collections::{BTreeMap, VecDeque};
+use std::io::{Read, Write};
+use std::os::unix::net::UnixStream;
+use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant};
+
+use serde::de::DeserializeOwned;
+use serde::{Deserialize, Serialize};
+
+/// Version of this protocol, sent in `hello`.
+pub const PROTOCOL_VERSION: u32 = 1;
+
+/// Largest frame payload either side accepts, in bytes.
+pub const MAX_MESSAGE_BYTES: usize = 1 << 20;
+
+/// Default fusion threshold: 64 MiB, as Horovod.
+pub const DEFAULT_FUSION_THRESHOLD_BYTES: u64 = 64 * 1024 * 1024;
+
+/// Default cycle time: 1 ms, as recent Horovod versions (old ones used 5 ms).
+pub const DEFAULT_CYCLE_TIME_US: u64 = 1_000;
+
+/// The runtime's tunable knobs. All ranks always run with the same values, switched at the
+/// same cycle; a knob never changes a result, only its speed.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Knobs {
+    /// Ready tensors of one dtype and op are packed into buffers of at most this many bytes
+    /// and reduced together. 0 disables fusion.
+    pub fusion_threshold_bytes: u64,
+    /// Time between the starts of two negotiation cycles, in microseconds.
+    pub cycle_time_us: u64,
+    /// Use hierarchical allreduce (falls back to the ring, with a log line, when nodes have
+    /// different numbers of ranks).
+    pub hierarchical_allreduce: bool,
+}
+
+impl Default for Knobs {
+    fn default() -> Self {
+        Knobs {
+            fusion_threshold_bytes: DEFAULT_FUSION_THRESHOLD_BYTES,
+            cycle_time_us: DEFAULT_CYCLE_TIME_US,
+            hierarchical_allreduce: false,
+        }
+    }
+}
+
+impl Knobs {
+    /// The cycle time as a duration.
+    pub fn cycle_time(&self) -> Duration {
+        Duration::from_micros(self.cycle_time_us)
+    }
+
+    /// These knobs with the fields set in `update` replaced.
+    pub fn with(mut self, update: &KnobUpdate) -> Knobs {
+        if let Some(v) = update.fusion_threshold_bytes {
+            self.fusion_threshold_bytes = v;
+        }
+        if let Some(v) = update.cycle_time_us {
+            self.cycle_time_us = v;
+        }
+        if let Some(v) = update.hierarchical_allreduce {
+            self.hierarchical_allreduce = v;
+        }
+        self
+    }
+}
+
+/// A change to some knobs; `None` fields stay as they are.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct KnobUpdate {
+    /// New fusion threshold in bytes.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub fusion_threshold_bytes: Option<u64>,
+    /// New cycle time in microseconds.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub cycle_time_us: Option<u64>,
+    /// New hierarchical-allreduce switch.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub hierarchical_allreduce: Option<bool>,
+}
+
+/// One rank of the job, as announced in `hello`.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct RankInfo {
+    /// Global rank.
+    pub rank: usize,
+    /// Rank within its node.
+    pub local_rank: usize,
+    /// Ranks on its node.
+    pub local_size: usize,
+    /// Host name of its machine.
+    pub host: String,
+    /// Process id (in its own pid namespace).
+    pub pid: u32,
+}
+
+/// What the server says first to every client.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct Hello {
+    /// [`PROTOCOL_VERSION`] of the server.
+    pub protocol_version: u32,
+    /// The job's id (also the socket's file name without `.sock`).
+    pub job_id: String,
+    /// Number of ranks.
+    pub world_size: usize,
+    /// Ranks per node (rank 0's node).
+    pub local_size: usize,
+    /// Every rank, in rank order.
+    pub ranks: Vec<RankInfo>,
+    /// The knobs in force.
+    pub knobs: Knobs,
+    /// The cycle the job is at.
+    pub cycle: u64,
+}
+
+/// Statistics of one cycle that did work (cycles with nothing to do are not reported).
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct CycleStats {
+    /// Index of the cycle (the same on every rank).
+    pub cycle: u64,
+    /// When the cycle started, microseconds since the Unix epoch (rank 0's clock).
+    pub start_unix_us: u64,
+    /// Wall time of the cycle's work (negotiation, copies, collectives), microseconds.
+    pub duration_us: u64,
+    /// Bytes of tensor data reduced by allreduce in this cycle (each tensor counted once).
+    pub bytes_reduced: u64,
+    /// Bytes of all collectives (allreduce, allgather output, broadcast) in this cycle.
+    pub bytes_total: u64,
+    /// Tensors completed in this cycle.
+    pub tensors: u64,
+    /// Allreduce buffers run (fused buffers plus unfused tensors).
+    pub fused_buffers: u64,
+    /// The knobs in force during this cycle.
+    pub knobs: Knobs,
+}
+
+/// Phase of a timeline event, as in the Chrome trace event format.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub enum Phase {
+    /// An activity begins.
+    #[serde(rename = "B")]
+    Begin,
+    /// An activity ends.
+    #[serde(rename = "E")]
+    End,
+    /// An instant (a rank reporting a tensor ready during negotiation).
+    #[serde(rename = "i")]
+    Instant,
+}
+
+/// One timeline event: an activity of one tensor on one rank.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct TimelineEvent {
+    /// Rank that recorded it.
+    pub rank: usize,
+    /// Tensor the activity belongs to.
+    pub tensor: String,
+    /// Horovod's activity name: NEGOTIATE_ALLREDUCE, QUEUE, MEMCPY_IN_FUSION_BUFFER, …
+    pub activity: String,
+    /// Begin, end or instant.
+    pub phase: Phase,
+    /// Microseconds since the Unix epoch.
+    pub ts_us: u64,
+    /// Extra details (`algorithm`, `bytes`, `ready_rank`, …).
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub args: BTreeMap<String, String>,
+}
+
+/// Messages from the job (rank 0) to a client.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(tag = "type", rename_all = "snake_case")]
+pub enum ServerMessage {
+    /// Sent once, first.
+    Hello(Hello),
+    /// Answer to `get_knobs`.
+    Knobs {
+        /// The request's id.
+        request_id: u64,
+        /// The knobs in force.
+        knobs: Knobs,
+        /// The cycle the job is at.
+        cycle: u64,
+    },
+    /// Answer to `set_knobs`, sent once the knobs are in force on every rank.
+    KnobsApplied {
+        /// The request's id.
+        request_id: u64,
+        /// The knobs now in force.
+        knobs: Knobs,
+        /// The first cycle that every rank runs with these knobs.
+        applied_at_cycle: u64,
+    },
+    /// Statistics of one cycle (after `subscribe` with `stats`).
+    CycleStats(CycleStats),
+    /// Timeline events (after `subscribe` with `timeline`).
+    Timeline {
+        /// The events, in time order.
+        events: Vec<TimelineEvent>,
+    },
+    /// The last message before the server closes this client, or a refused request.
+    Error {
+        /// The request it answers, if any.
+        #[serde(default)]
+        request_id: Option<u64>,
+        /// What went wrong.
+        message: String,
+    },
+}
+
+/// Messages from a client to the job.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(tag = "type", rename_all = "snake_case")]
+pub enum ClientMessage {
+    /// Start (or stop) streaming statistics and/or timeline events.
+    Subscribe {
+        /// Stream [`ServerMessage::CycleStats`].
+        #[serde(default)]
+        stats: bool,
+        /// Stream [`ServerMessage::Timeline`].
+        #[serde(default)]
+        timeline: bool,
+    },
+    /// Ask for the knobs in force.
+    GetKnobs {
+        /// Echoed in the answer.
+        request_id: u64,
+    },
+    /// Change knobs at the next cycle boundary.
+    SetKnobs {
+        /// Echoed in the answer.
+        request_id: u64,
+        /// The change.
+        knobs: KnobUpdate,
+    },
+}
+
+/// Errors of the control protocol.
+#[derive(Debug, thiserror::Error)]
+pub enum ControlError {
+    /// The socket failed.
+    #[error("control socket I/O: {0}")]
+    Io(#[from] std::io::Error),
+    /// A frame is larger than [`MAX_MESSAGE_BYTES`].
+    #[error("message of {len} bytes exceeds the limit of {max} bytes")]
+    TooLarge {
+        /// Announced length.
+        len: usize,
+        /// The limit.
+        max: usize,
+    },
+    /// A frame is not a valid message.
+    #[error("malformed message: {0}")]
+    Malformed(String),
+    /// The peer closed the connection.
+    #[error("the other side closed the connection")]
+    Closed,
+    /// No answer in time.
+    #[error("no answer within {0:?}")]
+    Timeout(Duration),
+    /// The server refused a request or said something unexpected.
+    #[error("server: {0}")]
+    Server(String),
+}
+
+/// Writes one frame holding `message`.
+pub fn write_message<W: Write, M: Serialize>(w: &mut W, message: &M) -> Result<(), ControlError> {
+    let body = serde_json::to_vec(message).map_err(|e| ControlError::Malformed(e.to_string()))?;
+    if body.len() > MAX_MESSAGE_BYTES {
+        return Err(ControlError::TooLarge {
+            len: body.len(),
+            max: MAX_MESSAGE_BYTES,
+        });
+    }
+    let mut frame = Vec::with_capacity(4 + body.len());
+    frame.extend_from_slice(&(body.len() as u32).to_be_bytes());
+    frame.extend_from_slice(&body);
+    w.write_all(&frame)?;
+    w.flush()?;
+    Ok(())
+}
+
+/// Reads one frame and decodes it; an oversized frame is refused before its body is read.
+pub fn read_message<R: Read, M: DeserializeOwned>(r: &mut R) -> Result<M, ControlError> {
+    let mut header = [0u8; 4];
+    match r.read_exact(&mut header) {
+        Ok(()) => {}
+        Err(e) if e.kind() == std::io::ErrorKind::UnexpectedEof => {
+            return Err(ControlError::Closed);
+        }
+        Err(e) => return Err(e.into()),
+    }
+    let len = u32::from_be_bytes(header) as usize;
+    if len > MAX_MESSAGE_BYTES {
+        return Err(ControlError::TooLarge {
+            len,
+            max: MAX_MESSAGE_BYTES,
+        });
+    }
+    let mut body = vec![0u8; len];
+    r.read_exact(&mut body)?;
+    serde_json::from_slice(&body).map_err(|e| ControlError::Malformed(e.to_string()))
+}
+
+/// The directory control sockets live in: `RINGWATCH_RUNTIME_DIR` if set, else
+/// `/run/ringwatch`.
+pub fn default_runtime_dir() -> PathBuf {
+    std::env::var_os("RINGWATCH_RUNTIME_DIR")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| PathBuf::from("/run/ringwatch"))
+}
+
+/// Where an unprivileged job puts its socket when the runtime dir is not writable:
+/// `$XDG_RUNTIME_DIR/ringwatch`, else `/tmp/ringwatch-<uid>`. The agent looks here too.
+pub fn fallback_runtime_dirs() -> Vec<PathBuf> {
+    let mut dirs = Vec::new();
+    if let Some(xdg) = std::env::var_os("XDG_RUNTIME_DIR") {
+        dirs.push(PathBuf::from(xdg).join("ringwatch"));
+    }
+    let uid = std::fs::metadata("/proc/self")
+        .map(|m| std::os::unix::fs::MetadataExt::uid(&m))
+        .unwrap_or(0);
+    dirs.push(PathBuf::from(format!("/tmp/ringwatch-{uid}")));
+    dirs
+}
+
+/// The socket path of job `job_id` in `dir`.
+pub fn socket_path(dir: &Path, job_id: &str) -> PathBuf {
+    dir.join(format!("{job_id}.sock"))
+}
+
+/// A connection to a job's control socket, for the agent and for tests.
+#[derive(Debug)]
+pub struct ControlClient {
+    stream: UnixStream,
+    hello: Hello,
+    next_request_id: u64,
+    backlog: VecDeque<ServerMessage>,
+}
+
+impl ControlClient {
+    /// Connects to the socket at `path` and reads the job's `hello` within `timeout`.
+    pub fn connect(path: &Path, timeout: Duration) -> Result<Self, ControlError> {
+        let mut stream = UnixStream::connect(path)?;
+        stream.set_read_timeout(Some(timeout))?;
+        stream.set_write_timeout(Some(timeout))?;
+        let hello =
+            match read_message::<_, ServerMessage>(&mut stream).map_err(map_timeout(timeout))? {
+                ServerMessage::Hello(hello) => hello,
+                other => {
+                    return Err(ControlError::Server(format!(
+                        "expected hello, got {other:?}"
+                    )));
+                }
+            };
+        Ok(ControlClient {
+            stream,
+            hello,
+            next_request_id: 1,
+            backlog: VecDeque::new(),
+        })
+    }
+
+    /// The job's `hello`.
+    pub fn hello(&self) -> &Hello {
+        &self.hello
+    }
+
+    /// Asks for statistics and/or timeline events to be streamed.
+    pub fn subscribe(&mut self, stats: bool, timeline: bool) -> Result<(), ControlError> {
+        write_message(
+            &mut self.stream,
+            &ClientMessage::Subscribe { stats, timeline },
+        )
+    }
+
+    /// The next message from the server (streamed statistics, timeline, answers), waiting
+    /// at most `timeout`; `Ok(None)` if none came.
+    pub fn next_message(
+        &mut self,
+        timeout: Duration,
+    ) -> Result<Option<ServerMessage>, ControlError> {
+        if let Some(m) = self.backlog.pop_front() {
+            return Ok(Some(m));
+        }
+        self.stream
+            .set_read_timeout(Some(timeout.max(Duration::from_millis(1))))?;
+        match read_message(&mut self.stream) {
+            Ok(m) => Ok(Some(m)),
+            Err(ControlError::Io(e))
+                if matches!(
+                    e.kind(),
+                    std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut
+                ) =>
+            {
+                Ok(None)
+            }
+            Err(e) => Err(e),
+        }
+    }
+
+    fn await_answer(
+        &mut self,
+        request_id: u64,
+        timeout: Duration,
+    ) -> Result<ServerMessage, ControlError> {
+        let deadline = Instant::now() + timeout;
+        loop {
+            let left = deadline.saturating_duration_since(Instant::now());
+            if left.is_zero() {
+                return Err(ControlError::Timeout(timeout));
+            }
+            self.stream.set_read_timeout(Some(left))?;
+            let message: ServerMessage =
+                read_message(&mut self.stream).map_err(map_timeout(timeout))?;
+            match &message {
+                ServerMessage::Knobs { request_id: id, .. }
+                | ServerMessage::KnobsApplied { request_id: id, .. }
+                    if *id == request_id =>
+                {
+                    return Ok(message);
+                }
+                ServerMessage::Error {
+                    request_id: Some(id),
+                    message,
+                } if *id == request_id => return Err(ControlError::Server(message.clone())),
+                ServerMessage::Error {
+                    request_id: None,
+                    message,
+                } => return Err(ControlError::Server(message.clone())),
+                _ => self.backlog.push_back(message),
+            }
+        }
+    }
+
+    /// The knobs in force and the current cycle.
+    pub fn get_knobs(&mut self, timeout: Duration) -> Result<(Knobs, u64), ControlError> {
+        let request_id = self.next_request_id;
+        self.next_request_id += 1;
+        write_message(&mut self.stream, &ClientMessage::GetKnobs { request_id })?;
+        match self.await_answer(request_id, timeout)? {
+            ServerMessage::Knobs { knobs, cycle, .. } => Ok((knobs, cycle)),
+            other => Err(ControlError::Server(format!("unexpected answer {other:?}"))),
+        }
+    }
+
+    /// Changes knobs and waits until every rank runs with them; returns the knobs now in
+    /// force and the first cycle that runs with them.
+    pub fn set_knobs(
+        &mut self,
+        update: KnobUpdate,
+        timeout: Duration,
+    ) -> Result<(Knobs, u64), ControlError> {
+        let request_id = self.next_request_id;
+        self.next_request_id += 1;
+        write_message(
+            &mut self.stream,
+            &ClientMessage::SetKnobs {
+                request_id,
+                knobs: update,
+            },
+        )?;
+        match self.await_answer(request_id, timeout)? {
+            ServerMessage::KnobsApplied {
+                knobs,
+                applied_at_cycle,
+                ..
+            } => Ok((knobs, applied_at_cycle)),
+            other => Err(ControlError::Server(format!("unexpected answer {other:?}"))),
+        }
+    }
+}
+
+fn map_timeout(timeout: Duration) -> impl Fn(ControlError) -> ControlError {
+    move |e| match e {
+        ControlError::Io(io)
+            if matches!(
+                io.kind(),
+                std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut
+            ) =>
+        {
+            ControlError::Timeout(timeout)
+        }
+        other => other,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn messages_round_trip_through_frames() {
+        let messages = vec![
+            ClientMessage::Subscribe {
+                stats: true,
+                timeline: false,
+            },
+            ClientMessage::SetKnobs {
+                request_id: 7,
+                knobs: KnobUpdate {
+                    fusion_threshold_bytes: Some(1 << 20),
+                    ..Default::default()
+                },
+            },
+        ];
+        let mut wire = Vec::new();
+        for m in &messages {
+            write_message(&mut wire, m).unwrap();
+        }
+        let first_len = u32::from_be_bytes(wire[..4].try_into().unwrap()) as usize;
+        assert_eq!(first_len, serde_json::to_vec(&messages[0]).unwrap().len());
+        let mut reader = &wire[..];
+        for m in &messages {
+            let got: ClientMessage = read_message(&mut reader).unwrap();
+            assert_eq!(&got, m);
+        }
+        assert!(matches!(
+            read_message::<_, ClientMessage>(&mut reader),
+            Err(ControlError::Closed)
+        ));
+    }
+
+    #[test]
+    fn wire_format_is_tagged_json() {
+        let json = serde_json::to_string(&ClientMessage::GetKnobs { request_id: 3 }).unwrap();
+        assert_eq!(json, r#"{"type":"get_knobs","request_id":3}"#);
+        let m: ClientMessage = serde_json::from_str(
+            r#"{"type":"set_knobs","request_id":1,"knobs":{"cycle_time_us":5000}}"#,
+        )
+        .unwrap();
+        assert_eq!(
+            m,
+            ClientMessage::SetKnobs {
+                request_id: 1,
+                knobs: KnobUpdate {
+                    cycle_time_us: Some(5000),
+                    ..Default::default()
+                }
+            }
+        );
+    }
+
+    #[test]
+    fn oversized_frames_are_refused_before_reading_the_body() {
+        let mut wire = ((MAX_MESSAGE_BYTES + 1) as u32).to_be_bytes().to_vec();
+        wire.extend_from_slice(b"{}");
+        assert!(matches!(
+            read_message::<_, ClientMessage>(&mut &wire[..]),
+            Err(ControlError::TooLarge { .. })
+        ));
+        let mut wire = 5u32.to_be_bytes().to_vec();
+        wire.extend_from_slice(b"nope!");
+        assert!(matches!(
+            read_message::<_, ClientMessage>(&mut &wire[..]),
+            Err(ControlError::Malformed(_))
+        ));
+    }
+
+    #[test]
+    fn knob_updates_replace_only_given_fields() {
+        let k = Knobs::default().with(&KnobUpdate {
+            hierarchical_allreduce: Some(true),
+            ..Default::default()
+        });
+        assert!(k.hierarchical_allreduce);
+        assert_eq!(k.fusion_threshold_bytes, DEFAULT_FUSION_THRESHOLD_BYTES);
+    }
+}

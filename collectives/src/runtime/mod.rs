@@ -1,0 +1,946 @@
+//! The collective runtime a training job calls: enqueue named tensors, wait on handles.
+//!
+//! A background thread runs one cycle every `cycle_time`: every rank tells rank 0 which
+//! tensors became ready, rank 0 ([`coordinator`]) answers with the tensors ready on every
+//! rank, fused into buffers, and the knobs in force; every rank then runs exactly that
+//! list with [`crate::algorithms`]. This module must never let a rank decide anything the
+//! others do not also decide, and must never leave a handle waiting forever: a failure
+//! fails every pending handle with an error that names the rank or tensor.
+
+pub mod coordinator;
+mod server;
+
+use std::collections::{BTreeMap, HashMap, HashSet};
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::mpsc;
+use std::sync::{Arc, Mutex};
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+use crate::algorithms::{
+    Algorithm, CopyPhase, NodeLayout, SLICE_BYTES, Schedule, allreduce_tensors, chain_broadcast,
+    ring_allgather,
+};
+use crate::control::{
+    CycleStats, Hello, KnobUpdate, Knobs, PROTOCOL_VERSION, Phase, RankInfo, TimelineEvent,
+};
+use crate::error::{CollectiveError, Result};
+use crate::knobs::{knobs_from_env, parse_bool, timeout_from};
+use crate::rendezvous::{RendezvousConfig, rendezvous};
+use crate::tensor::{AlignedBuf, ReduceOp, Tensor};
+use crate::timeline::{TimelineFile, activity, now_us};
+use crate::transport::{MAX_FRAME_BYTES, Transport, recv_frame, send_frame};
+use coordinator::{Coordinator, Item, OpKind, Request, Response, TensorRequest};
+use server::{ControlServer, ServerState};
+
+/// How long a tensor may wait for some ranks before rank 0 logs a stall warning.
+pub const STALL_WARNING: Duration = Duration::from_secs(60);
+
+/// Everything a runtime needs to start.
+#[derive(Clone, Debug)]
+pub struct RuntimeConfig {
+    /// Where this rank stands and how to meet the others.
+    pub rendezvous: RendezvousConfig,
+    /// Initial knobs.
+    pub knobs: Knobs,
+    /// How long any rank waits on a silent peer before failing (`RINGWATCH_TIMEOUT_SECS`).
+    pub timeout: Duration,
+    /// Write a Chrome-trace timeline here (`RINGWATCH_TIMELINE`). Rank 0 writes it; a path
+    /// containing `{rank}` makes every rank write its own.
+    pub timeline_path: Option<PathBuf>,
+    /// Serve the control socket on rank 0 (`RINGWATCH_CONTROL_SOCKET`, default on).
+    pub control_socket: bool,
+    /// Directory of the control socket (`RINGWATCH_RUNTIME_DIR`, default /run/ringwatch
+    /// with a fallback to a user-writable dir).
+    pub runtime_dir: Option<PathBuf>,
+}
+
+impl RuntimeConfig {
+    /// A configuration for `rendezvous` with default knobs and timeouts, control socket off.
+    pub fn new(rendezvous: RendezvousConfig) -> Self {
+        RuntimeConfig {
+            rendezvous,
+            knobs: Knobs::default(),
+            timeout: crate::knobs::DEFAULT_TIMEOUT,
+            timeline_path: None,
+            control_socket: false,
+            runtime_dir: None,
+        }
+    }
+
+    /// Everything from the environment (launcher variables, `RINGWATCH_*`, `HOROVOD_*`).
+    pub fn from_env() -> Result<Self> {
+        let get = |n: &str| std::env::var(n).ok();
+        Ok(RuntimeConfig {
+            rendezvous: RendezvousConfig::from_env()?,
+            knobs: knobs_from_env()?,
+            timeout: timeout_from(&get)?,
+            timeline_path: get("RINGWATCH_TIMELINE")
+                .filter(|p| !p.is_empty())
+                .map(PathBuf::from),
+            control_socket: match get("RINGWATCH_CONTROL_SOCKET") {
+                Some(v) => parse_bool("RINGWATCH_CONTROL_SOCKET", &v)?,
+                None => true,
+            },
+            runtime_dir: get("RINGWATCH_RUNTIME_DIR")
+                .filter(|p| !p.is_empty())
+                .map(PathBuf::from),
+        })
+    }
+}
+
+struct Entry {
+    request: TensorRequest,
+    tensor: Tensor,
+    done: mpsc::SyncSender<Result<Tensor>>,
+}
+
+impl Entry {
+    fn finish(self, result: Result<Tensor>) {
+        let _ = self.done.send(result);
+    }
+
+    fn succeed(self) {
+        let Entry { tensor, done, .. } = self;
+        let _ = done.send(Ok(tensor));
+    }
+}
+
+#[derive(Default)]
+struct Inbox {
+    entries: Vec<Entry>,
+    knobs: Vec<KnobUpdate>,
+    shutdown: bool,
+    closed: Option<CollectiveError>,
+}
+
+struct Shared {
+    rank: usize,
+    inbox: Mutex<Inbox>,
+    in_flight: Mutex<HashSet<String>>,
+    knobs: Arc<Mutex<(Knobs, u64)>>,
+    cycles: AtomicU64,
+    bytes_reduced: AtomicU64,
+}
+
+/// A pending collective; [`Handle::wait`] returns its result.
+#[derive(Debug)]
+pub struct Handle {
+    name: String,
+    rank: usize,
+    rx: mpsc::Receiver<Result<Tensor>>,
+}
+
+impl Handle {
+    /// The tensor's name.
+    pub fn name(&self) -> &str {
+        &self.name
+    }
+
+    /// Waits for the result. Never waits forever: the runtime completes or fails every
+    /// handle within its peer timeout.
+    pub fn wait(self) -> Result<Tensor> {
+        self.rx
+            .recv()
+            .unwrap_or(Err(CollectiveError::ShutDown { rank: self.rank }))
+    }
+
+    /// Waits at most `timeout` for the result.
+    pub fn wait_timeout(self, timeout: Duration) -> Result<Tensor> {
+        match self.rx.recv_timeout(timeout) {
+            Ok(r) => r,
+            Err(mpsc::RecvTimeoutError::Timeout) => Err(CollectiveError::WaitTimeout {
+                rank: self.rank,
+                name: self.name,
+                timeout,
+            }),
+            Err(mpsc::RecvTimeoutError::Disconnected) => {
+                Err(CollectiveError::ShutDown { rank: self.rank })
+            }
+        }
+    }
+}
+
+/// Totals since the runtime started.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Totals {
+    /// Cycles run.
+    pub cycles: u64,
+    /// Bytes reduced by allreduce.
+    pub bytes_reduced: u64,
+}
+
+/// One rank of a collective job.
+pub struct Runtime {
+    shared: Arc<Shared>,
+    transport: Arc<dyn Transport>,
+    thread: Option<JoinHandle<()>>,
+    finished: mpsc::Receiver<()>,
+    timeout: Duration,
+    ranks: Vec<RankInfo>,
+    job_id: String,
+    control_path: Option<PathBuf>,
+}
+
+impl std::fmt::Debug for Runtime {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Runtime")
+            .field("rank", &self.shared.rank)
+            .field("world_size", &self.ranks.len())
+            .field("job_id", &self.job_id)
+            .finish()
+    }
+}
+
+impl Runtime {
+    /// Starts a runtime from the environment (see [`RuntimeConfig::from_env`]).
+    pub fn from_env() -> Result<Self> {
+        Self::new(RuntimeConfig::from_env()?)
+    }
+
+    /// Meets the other ranks and starts the cycle thread.
+    pub fn new(config: RuntimeConfig) -> Result<Self> {
+        let rv = rendezvous(&config.rendezvous, config.timeout)?;
+        Self::with_transport(config, Arc::new(rv.transport), rv.ranks, rv.job_id)
+    }
+
+    /// Starts on an already connected transport (tests use the in-memory mesh).
+    /// `ranks[r]` describes rank r.
+    pub fn with_transport(
+        config: RuntimeConfig,
+        transport: Arc<dyn Transport>,
+        ranks: Vec<RankInfo>,
+        job_id: String,
+    ) -> Result<Self> {
+        let rank = transport.rank();
+        let world_size = transport.world_size();
+        let knobs_state = Arc::new(Mutex::new((config.knobs, 0u64)));
+        let shared = Arc::new(Shared {
+            rank,
+            inbox: Mutex::new(Inbox::default()),
+            in_flight: Mutex::new(HashSet::new()),
+            knobs: knobs_state.clone(),
+            cycles: AtomicU64::new(0),
+            bytes_reduced: AtomicU64::new(0),
+        });
+        let layout = node_layout(&ranks);
+        let timeline = match &config.timeline_path {
+            Some(p) => {
+                let s = p.to_string_lossy();
+                if s.contains("{rank}") {
+                    Some(TimelineFile::create(Path::new(
+                        &s.replace("{rank}", &rank.to_string()),
+                    ))?)
+                } else if rank == 0 {
+                    Some(TimelineFile::create(p)?)
+                } else {
+                    None
+                }
+            }
+            None => None,
+        };
+        let server = if rank == 0 && config.control_socket {
+            let hello = Hello {
+                protocol_version: PROTOCOL_VERSION,
+                job_id: job_id.clone(),
+                world_size,
+                local_size: ranks.first().map(|r| r.local_size).unwrap_or(1),
+                ranks: ranks.clone(),
+                knobs: config.knobs,
+                cycle: 0,
+            };
+            match ControlServer::start(
+                config.runtime_dir.clone(),
+                ServerState {
+                    hello,
+                    knobs: knobs_state,
+                },
+            ) {
+                Ok(s) => Some(s),
+                Err(e) => {
+                    // The agent is an observer: a job runs without it.
+                    tracing::warn!(error = %e, "control socket unavailable; the job runs without it");
+                    None
+                }
+            }
+        } else {
+            None
+        };
+        let control_path = server.as_ref().map(|s| s.path().to_path_buf());
+        let (finished_tx, finished) = mpsc::channel();
+        let mut cycle = CycleThread {
+            shared: shared.clone(),
+            transport: transport.clone(),
+            rank,
+            world_size,
+            layout,
+            coordinator: (rank == 0).then(|| Coordinator::new(world_size, config.knobs)),
+            knobs: config.knobs,
+            pending: HashMap::new(),
+            fusion: AlignedBuf::default(),
+            timeline,
+            server,
+            warned_fallback: false,
+        };
+        let thread = std::thread::Builder::new()
+            .name(format!("ringwatch-cycle-{rank}"))
+            .spawn(move || {
+                cycle.run();
+                let _ = finished_tx.send(());
+            })
+            .map_err(|e| CollectiveError::Config(format!("cannot start the cycle thread: {e}")))?;
+        Ok(Runtime {
+            shared,
+            transport,
+            thread: Some(thread),
+            finished,
+            timeout: config.timeout,
+            ranks,
+            job_id,
+            control_path,
+        })
+    }
+
+    /// This rank.
+    pub fn rank(&self) -> usize {
+        self.shared.rank
+    }
+
+    /// Number of ranks.
+    pub fn world_size(&self) -> usize {
+        self.ranks.len()
+    }
+
+    /// Every rank of the job.
+    pub fn ranks(&self) -> &[RankInfo] {
+        &self.ranks
+    }
+
+    /// The job's id.
+    pub fn job_id(&self) -> &str {
+        &self.job_id
+    }
+
+    /// The control socket's path (rank 0 with the socket enabled).
+    pub fn control_socket_path(&self) -> Option<&Path> {
+        self.control_path.as_deref()
+    }
+
+    /// The knobs in force and the cycle this rank is at.
+    pub fn knobs(&self) -> (Knobs, u64) {
+        self.shared.knobs.lock().map(|g| *g).unwrap_or_default()
+    }
+
+    /// Totals since start.
+    pub fn totals(&self) -> Totals {
+        Totals {
+            cycles: self.shared.cycles.load(Ordering::Relaxed),
+            bytes_reduced: self.shared.bytes_reduced.load(Ordering::Relaxed),
+        }
+    }
+
+    /// Asks for a knob change; rank 0 applies it at the next cycle boundary on every rank.
+    pub fn set_knobs(&self, update: KnobUpdate) {
+        if let Ok(mut inbox) = self.shared.inbox.lock() {
+            inbox.knobs.push(update);
+        }
+    }
+
+    fn enqueue(&self, name: &str, kind: OpKind, tensor: Tensor) -> Result<Handle> {
+        let rank = self.shared.rank;
+        let invalid = |message: &str| CollectiveError::InvalidTensor {
+            rank,
+            name: name.to_string(),
+            message: message.to_string(),
+        };
+        if let OpKind::Broadcast(root) = kind
+            && root >= self.world_size()
+        {
+            return Err(invalid(&format!("root {root} is not a rank")));
+        }
+        if kind == OpKind::Allgather && tensor.shape().is_empty() {
+            return Err(invalid("allgather needs at least one dimension"));
+        }
+        {
+            let mut in_flight = self
+                .shared
+                .in_flight
+                .lock()
+                .map_err(|_| invalid("runtime state poisoned"))?;
+            if !in_flight.insert(name.to_string()) {
+                return Err(invalid(
+                    "a tensor of this name is already in flight on this rank",
+                ));
+            }
+        }
+        let (tx, rx) = mpsc::sync_channel(1);
+        let entry = Entry {
+            request: TensorRequest {
+                name: name.to_string(),
+                kind,
+                dtype: tensor.dtype(),
+                shape: tensor.shape().to_vec(),
+            },
+            tensor,
+            done: tx,
+        };
+        let mut inbox = self
+            .shared
+            .inbox
+            .lock()
+            .map_err(|_| invalid("runtime state poisoned"))?;
+        if let Some(e) = &inbox.closed {
+            let e = e.clone();
+            drop(inbox);
+            self.shared.forget(name);
+            return Err(e);
+        }
+        inbox.entries.push(entry);
+        Ok(Handle {
+            name: name.to_string(),
+            rank,
+            rx,
+        })
+    }
+
+    /// Enqueues an allreduce of `tensor` under `name` (the same name and shape on every rank).
+    pub fn allreduce_async(&self, name: &str, tensor: Tensor, op: ReduceOp) -> Result<Handle> {
+        self.enqueue(name, OpKind::Allreduce(op), tensor)
+    }
+
+    /// Enqueues an allgather along the first dimension (which may differ across ranks).
+    pub fn allgather_async(&self, name: &str, tensor: Tensor) -> Result<Handle> {
+        self.enqueue(name, OpKind::Allgather, tensor)
+    }
+
+    /// Enqueues a broadcast from `root`; other ranks pass a tensor of the same shape.
+    pub fn broadcast_async(&self, name: &str, tensor: Tensor, root: usize) -> Result<Handle> {
+        self.enqueue(name, OpKind::Broadcast(root), tensor)
+    }
+
+    /// Allreduce and wait.
+    pub fn allreduce(&self, name: &str, tensor: Tensor, op: ReduceOp) -> Result<Tensor> {
+        self.allreduce_async(name, tensor, op)?.wait()
+    }
+
+    /// Allgather and wait.
+    pub fn allgather(&self, name: &str, tensor: Tensor) -> Result<Tensor> {
+        self.allgather_async(name, tensor)?.wait()
+    }
+
+    /// Broadcast and wait.
+    pub fn broadcast(&self, name: &str, tensor: Tensor, root: usize) -> Result<Tensor> {
+        self.broadcast_async(name, tensor, root)?.wait()
+    }
+
+    /// Shuts down: waits (up to the peer timeout) until every rank has asked to shut down,
+    /// then stops the cycle thread. Pending handles fail.
+    pub fn shutdown(mut self) {
+        self.stop();
+    }
+
+    fn stop(&mut self) {
+        if let Ok(mut inbox) = self.shared.inbox.lock() {
+            inbox.shutdown = true;
+        }
+        if self.finished.recv_timeout(self.timeout).is_err() {
+            tracing::warn!(
+                rank = self.shared.rank,
+                "other ranks did not shut down in time; breaking the links"
+            );
+            self.transport.abort();
+        }
+        if let Some(t) = self.thread.take() {
+            let _ = t.join();
+        }
+    }
+}
+
+impl Drop for Runtime {
+    fn drop(&mut self) {
+        if self.thread.is_some() {
+            self.stop();
+        }
+    }
+}
+
+impl Shared {
+    fn forget(&self, name: &str) {
+        if let Ok(mut f) = self.in_flight.lock() {
+            f.remove(name);
+        }
+    }
+}
+
+/// The node layout if every node has the same number of ranks in torchrun's order.
+fn node_layout(ranks: &[RankInfo]) -> Option<NodeLayout> {
+    let local_size = ranks.first()?.local_size;
+    let consistent = local_size > 0
+        && ranks.len().is_multiple_of(local_size)
+        && ranks
+            .iter()
+            .enumerate()
+            .all(|(r, info)| info.local_size == local_size && info.local_rank == r % local_size);
+    consistent.then(|| NodeLayout {
+        local_size,
+        nodes: ranks.len() / local_size,
+    })
+}
+
+struct CycleThread {
+    shared: Arc<Shared>,
+    transport: Arc<dyn Transport>,
+    rank: usize,
+    world_size: usize,
+    layout: Option<NodeLayout>,
+    coordinator: Option<Coordinator>,
+    knobs: Knobs,
+    pending: HashMap<String, Entry>,
+    fusion: AlignedBuf,
+    timeline: Option<TimelineFile>,
+    server: Option<Arc<ControlServer>>,
+    warned_fallback: bool,
+}
+
+/// Timeline events of one cycle; builds nothing when disabled.
+struct Events {
+    enabled: bool,
+    rank: usize,
+    list: Vec<TimelineEvent>,
+}
+
+impl Events {
+    fn add(&mut self, tensor: &str, activity: &str, phase: Phase, args: &[(&str, String)]) {
+        if !self.enabled {
+            return;
+        }
+        self.list.push(TimelineEvent {
+            rank: self.rank,
+            tensor: tensor.to_string(),
+            activity: activity.to_string(),
+            phase,
+            ts_us: now_us(),
+            args: args
+                .iter()
+                .map(|(k, v)| (k.to_string(), v.clone()))
+                .collect::<BTreeMap<_, _>>(),
+        });
+    }
+}
+
+fn negotiate_activity(kind: OpKind) -> &'static str {
+    match kind {
+        OpKind::Allreduce(_) => activity::NEGOTIATE_ALLREDUCE,
+        OpKind::Allgather => activity::NEGOTIATE_ALLGATHER,
+        OpKind::Broadcast(_) => activity::NEGOTIATE_BROADCAST,
+    }
+}
+
+#[derive(Default)]
+struct Work {
+    bytes_reduced: u64,
+    bytes_total: u64,
+    tensors: u64,
+    buffers: u64,
+}
+
+impl CycleThread {
+    fn run(&mut self) {
+        let outcome = loop {
+            let start = Instant::now();
+            match self.cycle() {
+                Ok(true) => break Ok(()),
+                Ok(false) => {}
+                Err(e) => break Err(e),
+            }
+            let next = start + self.knobs.cycle_time();
+            let now = Instant::now();
+            if next > now {
+                std::thread::sleep(next - now);
+            }
+        };
+        let error = match outcome {
+            Ok(()) => CollectiveError::ShutDown { rank: self.rank },
+            Err(e) => {
+                tracing::error!(rank = self.rank, error = %e, "collective job failed");
+                // Break every link so that peers fail now, not after their timeout.
+                self.transport.abort();
+                e
+            }
+        };
+        let leftovers = match self.shared.inbox.lock() {
+            Ok(mut inbox) => {
+                inbox.closed = Some(match &error {
+                    CollectiveError::ShutDown { .. } => error.clone(),
+                    e => CollectiveError::JobFailed {
+                        rank: self.rank,
+                        cause: e.to_string(),
+                    },
+                });
+                std::mem::take(&mut inbox.entries)
+            }
+            Err(_) => Vec::new(),
+        };
+        let pending: Vec<Entry> = self.pending.drain().map(|(_, e)| e).collect();
+        for entry in pending.into_iter().chain(leftovers) {
+            self.shared.forget(&entry.request.name);
+            entry.finish(Err(error.clone()));
+        }
+        if let Some(server) = self.server.take() {
+            server.stop();
+        }
+        self.timeline.take();
+    }
+
+    /// One cycle; `Ok(true)` when the job shuts down.
+    fn cycle(&mut self) -> Result<bool> {
+        let cycle_start = Instant::now();
+        let start_unix_us = now_us();
+        let mut events = Events {
+            enabled: self.timeline.is_some()
+                || self.server.as_ref().is_some_and(|s| s.wants_timeline()),
+            rank: self.rank,
+            list: Vec::new(),
+        };
+        let (entries, knob_updates, shutdown) = {
+            let mut inbox = self
+                .shared
+                .inbox
+                .lock()
+                .map_err(|_| CollectiveError::JobFailed {
+                    rank: self.rank,
+                    cause: "runtime state poisoned".into(),
+                })?;
+            (
+                std::mem::take(&mut inbox.entries),
+                std::mem::take(&mut inbox.knobs),
+                inbox.shutdown,
+            )
+        };
+        let mut request = Request {
+            tensors: Vec::with_capacity(entries.len()),
+            knobs: knob_updates,
+            shutdown,
+        };
+        for entry in entries {
+            events.add(
+                &entry.request.name,
+                negotiate_activity(entry.request.kind),
+                Phase::Begin,
+                &[],
+            );
+            request.tensors.push(entry.request.clone());
+            self.pending.insert(entry.request.name.clone(), entry);
+        }
+
+        let response = self.negotiate(request)?;
+        if let Some(cause) = response.abort {
+            return Err(CollectiveError::JobFailed {
+                rank: self.rank,
+                cause,
+            });
+        }
+        if response.knobs.hierarchical_allreduce && !self.knobs.hierarchical_allreduce {
+            self.warned_fallback = false;
+        }
+        self.knobs = response.knobs;
+        if let Ok(mut k) = self.shared.knobs.lock() {
+            *k = (response.knobs, response.cycle);
+        }
+        self.shared.cycles.fetch_add(1, Ordering::Relaxed);
+
+        for item in &response.items {
+            let names: Vec<&String> = match item {
+                Item::Allreduce { names, .. } => names.iter().collect(),
+                Item::Allgather { name, .. }
+                | Item::Broadcast { name, .. }
+                | Item::Error { name, .. } => {
+                    vec![name]
+                }
+            };
+            for name in names {
+                if let Some(e) = self.pending.get(name) {
+                    events.add(name, negotiate_activity(e.request.kind), Phase::End, &[]);
+                    events.add(name, activity::QUEUE, Phase::Begin, &[]);
+                }
+            }
+        }
+        let mut work = Work::default();
+        for item in response.items {
+            self.execute(item, &mut work, &mut events)?;
+        }
+        self.shared
+            .bytes_reduced
+            .fetch_add(work.bytes_reduced, Ordering::Relaxed);
+
+        if work.tensors > 0
+            && let Some(server) = &self.server
+        {
+            server.publish_stats(&CycleStats {
+                cycle: response.cycle,
+                start_unix_us,
+                duration_us: cycle_start.elapsed().as_micros() as u64,
+                bytes_reduced: work.bytes_reduced,
+                bytes_total: work.bytes_total,
+                tensors: work.tensors,
+                fused_buffers: work.buffers,
+                knobs: self.knobs,
+            });
+        }
+        if !events.list.is_empty() {
+            if let Some(server) = &self.server {
+                server.publish_timeline(&events.list);
+            }
+            if let Some(t) = &self.timeline {
+                t.write(events.list);
+            }
+        }
+        Ok(response.shutdown)
+    }
+
+    fn negotiate(&mut self, request: Request) -> Result<Response> {
+        let t = &*self.transport;
+        let encode = |v: &dyn erased::Encode| v.encode();
+        if let Some(coordinator) = &mut self.coordinator {
+            let mut requests = Vec::with_capacity(self.world_size);
+            requests.push(request);
+            for peer in 1..self.world_size {
+                let got = recv_frame(t, peer, MAX_FRAME_BYTES).and_then(|bytes| {
+                    serde_json::from_slice::<Request>(&bytes).map_err(|e| CollectiveError::Link {
+                        rank: 0,
+                        peer,
+                        message: format!("bad request: {e}"),
+                    })
+                });
+                match got {
+                    Ok(r) => requests.push(r),
+                    Err(e) => {
+                        // Tell everyone else which rank failed before the links go down.
+                        let abort = Response {
+                            cycle: 0,
+                            knobs: coordinator.knobs(),
+                            items: Vec::new(),
+                            shutdown: false,
+                            abort: Some(e.to_string()),
+                        };
+                        let bytes = encode(&abort);
+                        for other in (1..self.world_size).filter(|&o| o != peer) {
+                            let _ = send_frame(t, other, &bytes);
+                        }
+                        return Err(e);
+                    }
+                }
+            }
+            let knob_requests = self
+                .server
+                .as_ref()
+                .map(|s| s.take_knob_requests())
+                .unwrap_or_default();
+            let updates: Vec<KnobUpdate> = knob_requests.iter().map(|r| r.update).collect();
+            let response = coordinator.step(requests, &updates);
+            for (name, missing) in coordinator.stalled(Instant::now(), STALL_WARNING) {
+                tracing::warn!(
+                    tensor = %name,
+                    ?missing,
+                    "tensor enqueued on some ranks but not on ranks {missing:?} for {STALL_WARNING:?}; \
+                     every rank must enqueue the same tensors"
+                );
+            }
+            let bytes = encode(&response);
+            for peer in 1..self.world_size {
+                send_frame(t, peer, &bytes)?;
+            }
+            // In force here before anyone is told so.
+            if let Ok(mut k) = self.shared.knobs.lock() {
+                *k = (response.knobs, response.cycle);
+            }
+            if let Some(server) = &self.server {
+                server.confirm(knob_requests, response.knobs, response.cycle);
+            }
+            Ok(response)
+        } else {
+            send_frame(t, 0, &encode(&request))?;
+            let bytes = recv_frame(t, 0, MAX_FRAME_BYTES)?;
+            serde_json::from_slice(&bytes).map_err(|e| CollectiveError::Link {
+                rank: self.rank,
+                peer: 0,
+                message: format!("bad response: {e}"),
+            })
+        }
+    }
+
+    fn take(&mut self, name: &str) -> Result<Entry> {
+        let entry = self
+            .pending
+            .remove(name)
+            .ok_or_else(|| CollectiveError::JobFailed {
+                rank: self.rank,
+                cause: format!("rank 0 scheduled tensor '{name}', which this rank never enqueued"),
+            })?;
+        self.shared.forget(name);
+        Ok(entry)
+    }
+
+    fn algorithm(&mut self) -> Algorithm {
+        if !self.knobs.hierarchical_allreduce {
+            return Algorithm::Ring;
+        }
+        if self.layout.is_some() {
+            return Algorithm::Hierarchical;
+        }
+        if !self.warned_fallback {
+            self.warned_fallback = true;
+            tracing::warn!(
+                rank = self.rank,
+                "hierarchical allreduce needs the same number of ranks on every node \
+                 (and LOCAL_RANK = RANK % LOCAL_SIZE); using the flat ring"
+            );
+        }
+        Algorithm::Ring
+    }
+
+    fn execute(&mut self, item: Item, work: &mut Work, events: &mut Events) -> Result<()> {
+        match item {
+            Item::Error { name, message } => {
+                if self.pending.contains_key(&name) {
+                    let entry = self.take(&name)?;
+                    events.add(&name, activity::QUEUE, Phase::End, &[]);
+                    entry.finish(Err(CollectiveError::Mismatch { name, message }));
+                }
+                Ok(())
+            }
+            Item::Allreduce { names, dtype, op } => {
+                let mut entries = Vec::with_capacity(names.len());
+                for n in &names {
+                    entries.push(self.take(n)?);
+                }
+                let algorithm = self.algorithm();
+                let schedule = match (algorithm, self.layout) {
+                    (Algorithm::Hierarchical, Some(l)) => Schedule::Hierarchical(l),
+                    _ => Schedule::Ring,
+                };
+                let args = [("algorithm", algorithm.name().to_string())];
+                for e in &entries {
+                    events.add(&e.request.name, activity::QUEUE, Phase::End, &[]);
+                    events.add(&e.request.name, activity::ALLREDUCE, Phase::Begin, &args);
+                }
+                let total: usize = entries.iter().map(|e| e.tensor.byte_len()).sum();
+                let names: Vec<String> = entries.iter().map(|e| e.request.name.clone()).collect();
+                let mut views: Vec<&mut [u8]> = entries
+                    .iter_mut()
+                    .map(|e| e.tensor.as_bytes_mut())
+                    .collect();
+                let outcome = allreduce_tensors(
+                    &*self.transport,
+                    &mut views,
+                    dtype,
+                    op,
+                    schedule,
+                    SLICE_BYTES,
+                    &mut self.fusion,
+                    &mut |i, phase| {
+                        let (activity, phase) = match phase {
+                            CopyPhase::InBegin => (activity::MEMCPY_IN_FUSION_BUFFER, Phase::Begin),
+                            CopyPhase::InEnd => (activity::MEMCPY_IN_FUSION_BUFFER, Phase::End),
+                            CopyPhase::OutBegin => {
+                                (activity::MEMCPY_OUT_FUSION_BUFFER, Phase::Begin)
+                            }
+                            CopyPhase::OutEnd => (activity::MEMCPY_OUT_FUSION_BUFFER, Phase::End),
+                        };
+                        events.add(&names[i], activity, phase, &[]);
+                    },
+                );
+                if let Err(e) = outcome {
+                    // These entries are out of `pending`: fail them here with the cause.
+                    for entry in entries {
+                        entry.finish(Err(e.clone()));
+                    }
+                    return Err(e);
+                }
+                for name in &names {
+                    events.add(name, activity::ALLREDUCE, Phase::End, &[]);
+                }
+                work.bytes_reduced += total as u64;
+                work.bytes_total += total as u64;
+                work.tensors += entries.len() as u64;
+                work.buffers += 1;
+                for e in entries {
+                    e.succeed();
+                }
+                Ok(())
+            }
+            Item::Allgather { name, first_dims } => {
+                let entry = self.take(&name)?;
+                events.add(&name, activity::QUEUE, Phase::End, &[]);
+                events.add(&name, activity::ALLGATHER, Phase::Begin, &[]);
+                let shape = entry.tensor.shape().to_vec();
+                let row_bytes: usize =
+                    shape[1..].iter().product::<usize>() * entry.tensor.dtype().size();
+                let mut blocks = Vec::with_capacity(first_dims.len());
+                let mut start = 0;
+                for d in &first_dims {
+                    blocks.push(start..start + d * row_bytes);
+                    start += d * row_bytes;
+                }
+                let mut out = AlignedBuf::zeroed(start);
+                out.as_mut_slice()[blocks[self.rank].clone()]
+                    .copy_from_slice(entry.tensor.as_bytes());
+                if let Err(e) = ring_allgather(&*self.transport, out.as_mut_slice(), &blocks) {
+                    entry.finish(Err(e.clone()));
+                    return Err(e);
+                }
+                let mut out_shape = shape;
+                out_shape[0] = first_dims.iter().sum();
+                events.add(&name, activity::ALLGATHER, Phase::End, &[]);
+                work.bytes_total += start as u64;
+                work.tensors += 1;
+                let result =
+                    Tensor::from_bytes(entry.tensor.dtype(), &out_shape, out).ok_or_else(|| {
+                        CollectiveError::JobFailed {
+                            rank: self.rank,
+                            cause: format!("allgather of '{name}' produced a wrong size"),
+                        }
+                    });
+                entry.finish(result);
+                Ok(())
+            }
+            Item::Broadcast { name, root } => {
+                let mut entry = self.take(&name)?;
+                events.add(&name, activity::QUEUE, Phase::End, &[]);
+                events.add(
+                    &name,
+                    activity::BROADCAST,
+                    Phase::Begin,
+                    &[("root", root.to_string())],
+                );
+                if let Err(e) = chain_broadcast(&*self.transport, root, entry.tensor.as_bytes_mut())
+                {
+                    entry.finish(Err(e.clone()));
+                    return Err(e);
+                }
+                events.add(&name, activity::BROADCAST, Phase::End, &[]);
+                work.bytes_total += entry.tensor.byte_len() as u64;
+                work.tensors += 1;
+                entry.succeed();
+                Ok(())
+            }
+        }
+    }
+}
+
+mod erased {
+    use serde::Serialize;
+
+    /// JSON encoding of coordination messages (small, once per cycle).
+    pub trait Encode {
+        fn encode(&self) -> Vec<u8>;
+    }
+
+    impl<T: Serialize> Encode for T {
+        fn encode(&self) -> Vec<u8> {
+            // Serializing these plain structs cannot fail.
+            serde_json::to_vec(self).unwrap_or_default()
+        }
+    }
+}

@@ -1,0 +1,378 @@
+//! Tensors as the runtime sees them: a dtype, a shape and 8-byte-aligned bytes, plus the
+//! element-wise reductions.
+//!
+//! Reductions here are pure and deterministic: one call combines two buffers element by
+//! element, nothing else. This module must never decide an order of reduction across ranks;
+//! the algorithms do, so that every rank gets the same bits.
+
+use serde::{Deserialize, Serialize};
+
+/// Element type of a tensor.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum DType {
+    /// IEEE half precision (through the `half` crate; reduced in f32, rounded once per step).
+    F16,
+    /// bfloat16 (through the `half` crate; reduced in f32, rounded once per step).
+    BF16,
+    /// 32-bit float.
+    F32,
+    /// 64-bit float.
+    F64,
+    /// 32-bit signed integer (sums wrap on overflow).
+    I32,
+    /// 64-bit signed integer (sums wrap on overflow).
+    I64,
+}
+
+impl DType {
+    /// Bytes per element.
+    pub fn size(self) -> usize {
+        match self {
+            DType::F16 | DType::BF16 => 2,
+            DType::F32 | DType::I32 => 4,
+            DType::F64 | DType::I64 => 8,
+        }
+    }
+}
+
+/// Reduction applied by allreduce.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum ReduceOp {
+    /// Element-wise sum.
+    Sum,
+    /// Element-wise sum divided by the world size (integers: truncating division).
+    Average,
+    /// Element-wise minimum.
+    Min,
+    /// Element-wise maximum.
+    Max,
+}
+
+/// A Rust element type that maps to a [`DType`].
+pub trait Element: bytemuck::Pod + Send + Sync {
+    /// The dtype of this element type.
+    const DTYPE: DType;
+}
+
+impl Element for f32 {
+    const DTYPE: DType = DType::F32;
+}
+impl Element for f64 {
+    const DTYPE: DType = DType::F64;
+}
+impl Element for i32 {
+    const DTYPE: DType = DType::I32;
+}
+impl Element for i64 {
+    const DTYPE: DType = DType::I64;
+}
+impl Element for half::f16 {
+    const DTYPE: DType = DType::F16;
+}
+impl Element for half::bf16 {
+    const DTYPE: DType = DType::BF16;
+}
+
+/// A byte buffer whose start is 8-byte aligned, so it can be viewed as any [`DType`].
+#[derive(Clone, Default, PartialEq)]
+pub struct AlignedBuf {
+    words: Vec<u64>,
+    len: usize,
+}
+
+impl std::fmt::Debug for AlignedBuf {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "AlignedBuf({} bytes)", self.len)
+    }
+}
+
+impl AlignedBuf {
+    /// A zeroed buffer of `len` bytes.
+    pub fn zeroed(len: usize) -> Self {
+        AlignedBuf {
+            words: vec![0u64; len.div_ceil(8)],
+            len,
+        }
+    }
+
+    /// A buffer holding a copy of `bytes`.
+    pub fn from_bytes(bytes: &[u8]) -> Self {
+        let mut buf = Self::zeroed(bytes.len());
+        buf.as_mut_slice().copy_from_slice(bytes);
+        buf
+    }
+
+    /// Length in bytes.
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    /// Whether the buffer holds no bytes.
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    /// The bytes.
+    pub fn as_slice(&self) -> &[u8] {
+        &bytemuck::cast_slice(&self.words)[..self.len]
+    }
+
+    /// The bytes, mutable.
+    pub fn as_mut_slice(&mut self) -> &mut [u8] {
+        &mut bytemuck::cast_slice_mut(&mut self.words)[..self.len]
+    }
+
+    /// Grows or shrinks to `len` bytes, keeping the prefix; new bytes are zero.
+    pub fn resize(&mut self, len: usize) {
+        self.words.resize(len.div_ceil(8), 0);
+        self.len = len;
+    }
+}
+
+/// A dense tensor: dtype, shape (row-major) and its bytes.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Tensor {
+    dtype: DType,
+    shape: Vec<usize>,
+    data: AlignedBuf,
+}
+
+impl Tensor {
+    /// A tensor from typed elements; `data.len()` must equal the product of `shape`.
+    pub fn new<T: Element>(shape: &[usize], data: &[T]) -> Option<Self> {
+        let count: usize = shape.iter().product();
+        if count != data.len() {
+            return None;
+        }
+        Some(Tensor {
+            dtype: T::DTYPE,
+            shape: shape.to_vec(),
+            data: AlignedBuf::from_bytes(bytemuck::cast_slice(data)),
+        })
+    }
+
+    /// A one-dimensional tensor from typed elements.
+    pub fn from_slice<T: Element>(data: &[T]) -> Self {
+        Tensor {
+            dtype: T::DTYPE,
+            shape: vec![data.len()],
+            data: AlignedBuf::from_bytes(bytemuck::cast_slice(data)),
+        }
+    }
+
+    /// A tensor from raw bytes; `None` unless the length matches shape and dtype.
+    pub fn from_bytes(dtype: DType, shape: &[usize], data: AlignedBuf) -> Option<Self> {
+        let count: usize = shape.iter().product();
+        if count * dtype.size() != data.len() {
+            return None;
+        }
+        Some(Tensor {
+            dtype,
+            shape: shape.to_vec(),
+            data,
+        })
+    }
+
+    /// The element type.
+    pub fn dtype(&self) -> DType {
+        self.dtype
+    }
+
+    /// The shape.
+    pub fn shape(&self) -> &[usize] {
+        &self.shape
+    }
+
+    /// Number of elements.
+    pub fn len(&self) -> usize {
+        self.shape.iter().product()
+    }
+
+    /// Whether the tensor has no elements.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// Size in bytes.
+    pub fn byte_len(&self) -> usize {
+        self.data.len()
+    }
+
+    /// The bytes.
+    pub fn as_bytes(&self) -> &[u8] {
+        self.data.as_slice()
+    }
+
+    /// The bytes, mutable.
+    pub fn as_bytes_mut(&mut self) -> &mut [u8] {
+        self.data.as_mut_slice()
+    }
+
+    /// The elements as `T`; `None` if `T` is not this tensor's dtype.
+    pub fn to_vec<T: Element>(&self) -> Option<Vec<T>> {
+        if T::DTYPE != self.dtype {
+            return None;
+        }
+        Some(bytemuck::pod_collect_to_vec(self.as_bytes()))
+    }
+
+    /// Takes the underlying buffer.
+    pub fn into_buf(self) -> AlignedBuf {
+        self.data
+    }
+}
+
+fn combine<T: bytemuck::Pod>(acc: &mut [u8], incoming: &[u8], f: impl Fn(T, T) -> T) {
+    match (
+        bytemuck::try_cast_slice_mut::<u8, T>(acc),
+        bytemuck::try_cast_slice::<u8, T>(incoming),
+    ) {
+        (Ok(a), Ok(b)) => {
+            for (x, y) in a.iter_mut().zip(b) {
+                *x = f(*x, *y);
+            }
+        }
+        _ => {
+            // Unaligned views (never produced by this crate's buffers, but allowed).
+            let size = std::mem::size_of::<T>();
+            for (x, y) in acc.chunks_exact_mut(size).zip(incoming.chunks_exact(size)) {
+                let v = f(
+                    bytemuck::pod_read_unaligned(x),
+                    bytemuck::pod_read_unaligned(y),
+                );
+                x.copy_from_slice(bytemuck::bytes_of(&v));
+            }
+        }
+    }
+}
+
+fn map_in_place<T: bytemuck::Pod>(buf: &mut [u8], f: impl Fn(T) -> T) {
+    match bytemuck::try_cast_slice_mut::<u8, T>(buf) {
+        Ok(a) => a.iter_mut().for_each(|x| *x = f(*x)),
+        Err(_) => {
+            let size = std::mem::size_of::<T>();
+            for x in buf.chunks_exact_mut(size) {
+                let v = f(bytemuck::pod_read_unaligned(x));
+                x.copy_from_slice(bytemuck::bytes_of(&v));
+            }
+        }
+    }
+}
+
+/// `acc[i] = acc[i] ⊕ incoming[i]` for every element. `Average` combines as `Sum`; the
+/// division happens once, in [`divide`]. Both slices must hold whole elements of `dtype`.
+pub fn reduce_into(dtype: DType, op: ReduceOp, acc: &mut [u8], incoming: &[u8]) {
+    debug_assert_eq!(acc.len(), incoming.len());
+    use half::{bf16, f16};
+    match (dtype, op) {
+        (DType::F32, ReduceOp::Sum | ReduceOp::Average) => {
+            combine::<f32>(acc, incoming, |a, b| a + b)
+        }
+        (DType::F32, ReduceOp::Min) => combine::<f32>(acc, incoming, f32::min),
+        (DType::F32, ReduceOp::Max) => combine::<f32>(acc, incoming, f32::max),
+        (DType::F64, ReduceOp::Sum | ReduceOp::Average) => {
+            combine::<f64>(acc, incoming, |a, b| a + b)
+        }
+        (DType::F64, ReduceOp::Min) => combine::<f64>(acc, incoming, f64::min),
+        (DType::F64, ReduceOp::Max) => combine::<f64>(acc, incoming, f64::max),
+        (DType::I32, ReduceOp::Sum | ReduceOp::Average) => {
+            combine::<i32>(acc, incoming, i32::wrapping_add)
+        }
+        (DType::I32, ReduceOp::Min) => combine::<i32>(acc, incoming, std::cmp::min),
+        (DType::I32, ReduceOp::Max) => combine::<i32>(acc, incoming, std::cmp::max),
+        (DType::I64, ReduceOp::Sum | ReduceOp::Average) => {
+            combine::<i64>(acc, incoming, i64::wrapping_add)
+        }
+        (DType::I64, ReduceOp::Min) => combine::<i64>(acc, incoming, std::cmp::min),
+        (DType::I64, ReduceOp::Max) => combine::<i64>(acc, incoming, std::cmp::max),
+        (DType::F16, ReduceOp::Sum | ReduceOp::Average) => {
+            combine::<f16>(acc, incoming, |a, b| f16::from_f32(a.to_f32() + b.to_f32()))
+        }
+        (DType::F16, ReduceOp::Min) => combine::<f16>(acc, incoming, f16::min),
+        (DType::F16, ReduceOp::Max) => combine::<f16>(acc, incoming, f16::max),
+        (DType::BF16, ReduceOp::Sum | ReduceOp::Average) => {
+            combine::<bf16>(acc, incoming, |a, b| {
+                bf16::from_f32(a.to_f32() + b.to_f32())
+            })
+        }
+        (DType::BF16, ReduceOp::Min) => combine::<bf16>(acc, incoming, bf16::min),
+        (DType::BF16, ReduceOp::Max) => combine::<bf16>(acc, incoming, bf16::max),
+    }
+}
+
+/// Divides every element by `divisor` (the last step of `Average`; integers truncate).
+pub fn divide(dtype: DType, buf: &mut [u8], divisor: usize) {
+    use half::{bf16, f16};
+    if divisor <= 1 {
+        return;
+    }
+    match dtype {
+        DType::F32 => map_in_place::<f32>(buf, |x| x / divisor as f32),
+        DType::F64 => map_in_place::<f64>(buf, |x| x / divisor as f64),
+        DType::I32 => map_in_place::<i32>(buf, |x| x / divisor as i32),
+        DType::I64 => map_in_place::<i64>(buf, |x| x / divisor as i64),
+        DType::F16 => map_in_place::<f16>(buf, |x| f16::from_f32(x.to_f32() / divisor as f32)),
+        DType::BF16 => map_in_place::<bf16>(buf, |x| bf16::from_f32(x.to_f32() / divisor as f32)),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn reduce_each_op_on_i32() {
+        let mut acc = Tensor::from_slice(&[1i32, 5, -3]);
+        let inc = Tensor::from_slice(&[2i32, 4, -7]);
+        let mut sum = acc.clone();
+        reduce_into(
+            DType::I32,
+            ReduceOp::Sum,
+            sum.as_bytes_mut(),
+            inc.as_bytes(),
+        );
+        assert_eq!(sum.to_vec::<i32>().unwrap(), vec![3, 9, -10]);
+        let mut min = acc.clone();
+        reduce_into(
+            DType::I32,
+            ReduceOp::Min,
+            min.as_bytes_mut(),
+            inc.as_bytes(),
+        );
+        assert_eq!(min.to_vec::<i32>().unwrap(), vec![1, 4, -7]);
+        reduce_into(
+            DType::I32,
+            ReduceOp::Max,
+            acc.as_bytes_mut(),
+            inc.as_bytes(),
+        );
+        assert_eq!(acc.to_vec::<i32>().unwrap(), vec![2, 5, -3]);
+        divide(DType::I32, sum.as_bytes_mut(), 2);
+        assert_eq!(sum.to_vec::<i32>().unwrap(), vec![1, 4, -5]);
+    }
+
+    #[test]
+    fn unaligned_views_reduce_like_aligned_ones() {
+        let a: Vec<f64> = vec![1.5, -2.25, 3.0];
+        let b: Vec<f64> = vec![0.5, 0.25, -1.0];
+        let mut raw = [0u8; 1 + 24];
+        raw[1..].copy_from_slice(bytemuck::cast_slice(&a));
+        reduce_into(
+            DType::F64,
+            ReduceOp::Sum,
+            &mut raw[1..],
+            bytemuck::cast_slice(&b),
+        );
+        let got: Vec<f64> = bytemuck::pod_collect_to_vec(&raw[1..]);
+        assert_eq!(got, vec![2.0, -2.0, 2.0]);
+    }
+
+    #[test]
+    fn tensor_rejects_wrong_length() {
+        assert!(Tensor::new(&[2, 3], &[1.0f32; 5]).is_none());
+        assert!(Tensor::new(&[2, 0], &[] as &[f32]).is_some());
+        assert!(Tensor::from_slice(&[1.0f32]).to_vec::<f64>().is_none());
+    }
+}

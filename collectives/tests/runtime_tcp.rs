@@ -1,0 +1,649 @@
+//! The runtime over real loopback TCP, one thread per rank in this process: every op and
+//! dtype against an independent reference, fusion on and off, hierarchical layouts, live
+//! knob changes, mismatches, a silent rank, the control socket and the timeline.
+//!
+//! Reference data are small integers (|x| ≤ 20), exactly representable in every dtype
+//! (f16 and bf16 included) with exact sums for up to 8 ranks, so the reduction order does
+//! not matter and results can be compared bitwise. `Average` on floats is computed as the
+//! runtime documents it: the exact sum divided by the world size in the tensor's dtype
+//! (f16/bf16 through f32, rounded once). The in-crate algorithm tests check random floats
+//! against the ring's own reduction order.
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+use std::sync::mpsc;
+use std::sync::{Arc, Barrier};
+use std::time::{Duration, Instant};
+
+use collectives::control::{
+    ClientMessage, ControlClient, KnobUpdate, ServerMessage, read_message, write_message,
+};
+use collectives::rendezvous::{RendezvousConfig, rendezvous};
+use collectives::runtime::RuntimeConfig;
+use collectives::{CollectiveError, DType, Knobs, ReduceOp, Runtime, Tensor};
+use half::{bf16, f16};
+
+const DTYPES: [DType; 6] = [
+    DType::F32,
+    DType::F64,
+    DType::I32,
+    DType::I64,
+    DType::F16,
+    DType::BF16,
+];
+const OPS: [ReduceOp; 4] = [
+    ReduceOp::Sum,
+    ReduceOp::Average,
+    ReduceOp::Min,
+    ReduceOp::Max,
+];
+
+fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+}
+
+fn config(rank: usize, n: usize, local_size: usize, port: u16) -> RuntimeConfig {
+    let mut c = RuntimeConfig::new(RendezvousConfig {
+        rank,
+        world_size: n,
+        local_rank: rank % local_size,
+        local_size,
+        master_addr: "127.0.0.1".into(),
+        master_port: port,
+        job_id: Some(format!("test-{port}")),
+        connect_timeout: Duration::from_secs(20),
+    });
+    c.timeout = Duration::from_secs(15);
+    c
+}
+
+/// Runs `body` on `n` ranks (threads) of one job; fails instead of hanging after `limit`.
+fn run_job<R: Send + 'static>(
+    n: usize,
+    local_size: usize,
+    limit: Duration,
+    adjust: impl Fn(&mut RuntimeConfig) + Send + Sync + 'static,
+    body: impl Fn(&Runtime) -> R + Send + Sync + 'static,
+) -> Vec<R> {
+    let port = free_port();
+    let adjust = Arc::new(adjust);
+    let body = Arc::new(body);
+    let (tx, rx) = mpsc::channel();
+    for rank in 0..n {
+        let (adjust, body, tx) = (adjust.clone(), body.clone(), tx.clone());
+        std::thread::spawn(move || {
+            let mut cfg = config(rank, n, local_size, port);
+            adjust(&mut cfg);
+            let rt = Runtime::new(cfg).unwrap();
+            let r = body(&rt);
+            rt.shutdown();
+            tx.send((rank, r)).unwrap();
+        });
+    }
+    let deadline = Instant::now() + limit;
+    let mut out: Vec<Option<R>> = (0..n).map(|_| None).collect();
+    for _ in 0..n {
+        let left = deadline.saturating_duration_since(Instant::now());
+        let (rank, r) = rx
+            .recv_timeout(left)
+            .expect("job did not finish in time (hang?)");
+        out[rank] = Some(r);
+    }
+    out.into_iter().map(Option::unwrap).collect()
+}
+
+fn value(rank: usize, i: usize, seed: usize) -> i64 {
+    ((rank * 31 + i * 17 + seed * 7) % 41) as i64 - 20
+}
+
+fn make(dtype: DType, shape: &[usize], vals: &[i64]) -> Tensor {
+    match dtype {
+        DType::F32 => Tensor::new(shape, &vals.iter().map(|&v| v as f32).collect::<Vec<_>>()),
+        DType::F64 => Tensor::new(shape, &vals.iter().map(|&v| v as f64).collect::<Vec<_>>()),
+        DType::I32 => Tensor::new(shape, &vals.iter().map(|&v| v as i32).collect::<Vec<_>>()),
+        DType::I64 => Tensor::new(shape, vals),
+        DType::F16 => Tensor::new(
+            shape,
+            &vals
+                .iter()
+                .map(|&v| f16::from_f32(v as f32))
+                .collect::<Vec<_>>(),
+        ),
+        DType::BF16 => Tensor::new(
+            shape,
+            &vals
+                .iter()
+                .map(|&v| bf16::from_f32(v as f32))
+                .collect::<Vec<_>>(),
+        ),
+    }
+    .unwrap()
+}
+
+fn input(dtype: DType, rank: usize, count: usize, seed: usize) -> Tensor {
+    let vals: Vec<i64> = (0..count).map(|i| value(rank, i, seed)).collect();
+    make(dtype, &[count], &vals)
+}
+
+/// The expected allreduce result, computed element by element from every rank's input.
+fn reference(dtype: DType, op: ReduceOp, n: usize, count: usize, seed: usize) -> Tensor {
+    let per_elem = |i: usize| -> Vec<i64> { (0..n).map(|r| value(r, i, seed)).collect() };
+    if op == ReduceOp::Average {
+        let sums: Vec<i64> = (0..count).map(|i| per_elem(i).iter().sum()).collect();
+        return match dtype {
+            DType::F32 => Tensor::from_slice(
+                &sums
+                    .iter()
+                    .map(|&s| s as f32 / n as f32)
+                    .collect::<Vec<_>>(),
+            ),
+            DType::F64 => Tensor::from_slice(
+                &sums
+                    .iter()
+                    .map(|&s| s as f64 / n as f64)
+                    .collect::<Vec<_>>(),
+            ),
+            DType::I32 => Tensor::from_slice(
+                &sums
+                    .iter()
+                    .map(|&s| (s / n as i64) as i32)
+                    .collect::<Vec<_>>(),
+            ),
+            DType::I64 => {
+                Tensor::from_slice(&sums.iter().map(|&s| s / n as i64).collect::<Vec<_>>())
+            }
+            DType::F16 => Tensor::from_slice(
+                &sums
+                    .iter()
+                    .map(|&s| f16::from_f32(s as f32 / n as f32))
+                    .collect::<Vec<_>>(),
+            ),
+            DType::BF16 => Tensor::from_slice(
+                &sums
+                    .iter()
+                    .map(|&s| bf16::from_f32(s as f32 / n as f32))
+                    .collect::<Vec<_>>(),
+            ),
+        };
+    }
+    let vals: Vec<i64> = (0..count)
+        .map(|i| {
+            let v = per_elem(i);
+            match op {
+                ReduceOp::Sum => v.iter().sum(),
+                ReduceOp::Min => *v.iter().min().unwrap(),
+                ReduceOp::Max => *v.iter().max().unwrap(),
+                ReduceOp::Average => unreachable!(),
+            }
+        })
+        .collect();
+    make(dtype, &[count], &vals)
+}
+
+fn sizes(n: usize) -> Vec<usize> {
+    vec![0, 1, n * 3, n * 3 + 1, 1031]
+}
+
+/// Enqueues every op × dtype × size at once, plus allgathers and broadcasts, and checks
+/// every result bitwise. Returns how many tensors were checked.
+fn check_everything(rt: &Runtime, seed: usize) -> usize {
+    let n = rt.world_size();
+    let rank = rt.rank();
+    let mut handles = Vec::new();
+    for dtype in DTYPES {
+        for op in OPS {
+            for count in sizes(n) {
+                let name = format!("ar.{dtype:?}.{op:?}.{count}.{seed}");
+                let h = rt
+                    .allreduce_async(&name, input(dtype, rank, count, seed), op)
+                    .unwrap();
+                handles.push((h, reference(dtype, op, n, count, seed)));
+            }
+        }
+    }
+    // Allgather: rank r contributes (r + seed) % 3 rows of width 3 (zero rows included).
+    for dtype in [DType::F32, DType::I64] {
+        let rows = |r: usize| (r + seed) % 3;
+        let mine: Vec<i64> = (0..rows(rank) * 3).map(|i| value(rank, i, seed)).collect();
+        let all: Vec<i64> = (0..n)
+            .flat_map(|r| (0..rows(r) * 3).map(move |i| value(r, i, seed)))
+            .collect();
+        let total: usize = (0..n).map(rows).sum();
+        let h = rt
+            .allgather_async(
+                &format!("ag.{dtype:?}.{seed}"),
+                make(dtype, &[rows(rank), 3], &mine),
+            )
+            .unwrap();
+        handles.push((h, make(dtype, &[total, 3], &all)));
+    }
+    // Broadcast from a root that moves with the seed.
+    let root = seed % n;
+    let count = 300_001;
+    let root_vals: Vec<i64> = (0..count).map(|i| value(root, i, seed)).collect();
+    let mine: Vec<i64> = if rank == root {
+        root_vals.clone()
+    } else {
+        vec![0; count]
+    };
+    let h = rt
+        .broadcast_async(
+            &format!("bc.{seed}"),
+            make(DType::F32, &[count], &mine),
+            root,
+        )
+        .unwrap();
+    handles.push((h, make(DType::F32, &[count], &root_vals)));
+    let checked = handles.len();
+    for (h, expected) in handles {
+        let name = h.name().to_string();
+        let got = h.wait_timeout(Duration::from_secs(60)).unwrap();
+        assert!(
+            got == expected,
+            "rank {rank}: {name} differs from the reference"
+        );
+    }
+    checked
+}
+
+#[test]
+fn every_op_and_dtype_matches_the_reference_for_world_sizes_1_to_8() {
+    for n in 1..=8 {
+        let checked = run_job(
+            n,
+            n,
+            Duration::from_secs(120),
+            |_| {},
+            |rt| check_everything(rt, rt.world_size()),
+        );
+        assert!(checked.iter().all(|&c| c == checked[0] && c > 100));
+    }
+}
+
+#[test]
+fn fusion_disabled_and_tiny_threshold_give_the_same_results() {
+    for threshold in [0u64, 100] {
+        run_job(
+            3,
+            3,
+            Duration::from_secs(120),
+            move |c| c.knobs.fusion_threshold_bytes = threshold,
+            |rt| check_everything(rt, 11),
+        );
+    }
+}
+
+#[test]
+fn hierarchical_layouts_2x2_2x3_3x2_and_fallback_are_correct() {
+    for (n, local_size) in [(4, 2), (6, 3), (6, 2), (5, 2)] {
+        // (5, 2) has nodes of unequal size: the runtime must fall back to the ring.
+        run_job(
+            n,
+            local_size,
+            Duration::from_secs(120),
+            |c| c.knobs.hierarchical_allreduce = true,
+            |rt| check_everything(rt, 5),
+        );
+    }
+}
+
+#[test]
+fn random_knob_changes_during_a_long_mixed_stream_change_no_result() {
+    let n = 4;
+    let results = run_job(
+        n,
+        2,
+        Duration::from_secs(120),
+        |_| {},
+        move |rt| {
+            let rank = rt.rank();
+            let mut rng = fastrand::Rng::with_seed(rank as u64 + 99);
+            let mut checked = 0;
+            for batch in 0..40 {
+                // Every rank asks for changes now and then; rank 0 orders them.
+                if rng.u32(0..3) == 0 {
+                    rt.set_knobs(KnobUpdate {
+                        fusion_threshold_bytes: Some(
+                            [0u64, 64, 4096, 1 << 20, 64 << 20][rng.usize(0..5)],
+                        ),
+                        cycle_time_us: Some(rng.u64(100..3000)),
+                        hierarchical_allreduce: Some(rng.bool()),
+                    });
+                }
+                let mut handles = Vec::new();
+                for k in 0..8 {
+                    // The same sequence on every rank: derived from batch and k, not rng.
+                    let dtype = DTYPES[(batch + k) % DTYPES.len()];
+                    let op = OPS[(batch * 3 + k) % OPS.len()];
+                    let count = [0usize, 1, 5, 64, 777, 4099][(batch + 2 * k) % 6];
+                    let seed = batch * 8 + k;
+                    let name = format!("s.{batch}.{k}");
+                    let h = rt
+                        .allreduce_async(&name, input(dtype, rank, count, seed), op)
+                        .unwrap();
+                    handles.push((h, reference(dtype, op, n, count, seed)));
+                }
+                for (h, expected) in handles {
+                    let name = h.name().to_string();
+                    assert!(h.wait().unwrap() == expected, "rank {rank}: {name} changed");
+                    checked += 1;
+                }
+            }
+            (checked, rt.knobs())
+        },
+    );
+    assert!(results.iter().all(|(c, _)| *c == 320));
+}
+
+#[test]
+fn mismatched_shapes_fail_on_every_rank_naming_tensor_and_ranks_and_the_job_goes_on() {
+    let results = run_job(
+        3,
+        3,
+        Duration::from_secs(60),
+        |_| {},
+        |rt| {
+            let rank = rt.rank();
+            let len = if rank == 1 { 5 } else { 4 };
+            let bad = rt
+                .allreduce_async("bad", Tensor::from_slice(&vec![1.0f32; len]), ReduceOp::Sum)
+                .unwrap();
+            let dtype_bad = if rank == 2 {
+                rt.allreduce_async("bad.dtype", Tensor::from_slice(&[1i32; 4]), ReduceOp::Sum)
+            } else {
+                rt.allreduce_async("bad.dtype", Tensor::from_slice(&[1.0f32; 4]), ReduceOp::Sum)
+            }
+            .unwrap();
+            let good = rt
+                .allreduce("good", Tensor::from_slice(&[rank as i64; 3]), ReduceOp::Sum)
+                .unwrap();
+            let e1 = bad.wait().unwrap_err();
+            let e2 = dtype_bad.wait().unwrap_err();
+            // The name is free again: the job continues with it.
+            let again = rt
+                .allreduce("bad", Tensor::from_slice(&[2.0f32; 4]), ReduceOp::Sum)
+                .unwrap();
+            (e1, e2, good, again)
+        },
+    );
+    for (e1, e2, good, again) in results {
+        let m1 = e1.to_string();
+        assert!(matches!(e1, CollectiveError::Mismatch { .. }), "{m1}");
+        assert!(
+            m1.contains("'bad'")
+                && m1.contains("[5] on ranks [1]")
+                && m1.contains("[4] on ranks [0, 2]"),
+            "{m1}"
+        );
+        let m2 = e2.to_string();
+        assert!(
+            m2.contains("'bad.dtype'") && m2.contains("I32 on ranks [2]"),
+            "{m2}"
+        );
+        assert_eq!(good.to_vec::<i64>().unwrap(), vec![3, 3, 3]);
+        assert_eq!(again.to_vec::<f32>().unwrap(), vec![6.0; 4]);
+    }
+}
+
+#[test]
+fn a_silent_rank_makes_every_other_rank_fail_within_the_timeout_naming_it() {
+    let n = 4;
+    let port = free_port();
+    let timeout = Duration::from_millis(1500);
+    let barrier = Arc::new(Barrier::new(n));
+    // Rank 2 joins, then never says anything.
+    let silent = {
+        let barrier = barrier.clone();
+        std::thread::spawn(move || {
+            let rv = rendezvous(&config(2, n, n, port).rendezvous, timeout).unwrap();
+            barrier.wait();
+            std::thread::sleep(Duration::from_secs(8));
+            drop(rv);
+        })
+    };
+    let mut handles = Vec::new();
+    for rank in [0, 1, 3] {
+        let barrier = barrier.clone();
+        handles.push(std::thread::spawn(move || {
+            let mut cfg = config(rank, n, n, port);
+            cfg.timeout = timeout;
+            let rt = Runtime::new(cfg).unwrap();
+            barrier.wait();
+            let started = Instant::now();
+            let err = rt
+                .allreduce("x", Tensor::from_slice(&[1.0f32; 1000]), ReduceOp::Sum)
+                .unwrap_err();
+            let elapsed = started.elapsed();
+            // Later calls fail at once.
+            let later = rt
+                .allreduce("y", Tensor::from_slice(&[1.0f32]), ReduceOp::Sum)
+                .unwrap_err();
+            (rank, err.to_string(), elapsed, later)
+        }));
+    }
+    for h in handles {
+        let (rank, err, elapsed, later) = h.join().unwrap();
+        assert!(
+            elapsed < Duration::from_secs(6),
+            "rank {rank} took {elapsed:?}"
+        );
+        assert!(err.contains("rank 2") || rank != 0, "rank {rank}: {err}");
+        assert!(err.contains("rank"), "rank {rank}: {err}");
+        assert!(
+            matches!(later, CollectiveError::JobFailed { .. }),
+            "{later}"
+        );
+    }
+    silent.join().unwrap();
+}
+
+fn runtime_dir(tag: &str) -> std::path::PathBuf {
+    let d = std::env::temp_dir().join(format!("rw-test-{tag}-{}", std::process::id()));
+    std::fs::create_dir_all(&d).unwrap();
+    d
+}
+
+#[test]
+fn control_socket_survives_malformed_clients_and_confirms_knob_changes() {
+    let dir = runtime_dir("control");
+    let dir2 = dir.clone();
+    let results = run_job(
+        2,
+        2,
+        Duration::from_secs(60),
+        move |c| {
+            c.control_socket = true;
+            c.runtime_dir = Some(dir2.clone());
+        },
+        |rt| {
+            let mut results = Vec::new();
+            let check = |rt: &Runtime, i: usize| {
+                let got = rt
+                    .allreduce(
+                        &format!("t{i}"),
+                        Tensor::from_slice(&[rt.rank() as i32 + i as i32; 10]),
+                        ReduceOp::Sum,
+                    )
+                    .unwrap();
+                assert_eq!(got.to_vec::<i32>().unwrap(), vec![1 + 2 * i as i32; 10]);
+            };
+            check(rt, 0);
+            let mut subscriber = if let Some(path) =
+                rt.control_socket_path().map(|p| p.to_path_buf())
+            {
+                // Garbage: a frame that is not JSON.
+                let mut raw = std::os::unix::net::UnixStream::connect(&path).unwrap();
+                raw.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
+                let hello: ServerMessage = read_message(&mut raw).unwrap();
+                assert!(matches!(hello, ServerMessage::Hello(_)));
+                std::io::Write::write_all(&mut raw, &[0, 0, 0, 3, b'{', b'x', b'}']).unwrap();
+                let answer: ServerMessage = read_message(&mut raw).unwrap();
+                assert!(matches!(answer, ServerMessage::Error { .. }), "{answer:?}");
+                // Oversized: a length past the limit.
+                let mut big = std::os::unix::net::UnixStream::connect(&path).unwrap();
+                big.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
+                let _: ServerMessage = read_message(&mut big).unwrap();
+                std::io::Write::write_all(&mut big, &u32::MAX.to_be_bytes()).unwrap();
+                let answer: ServerMessage = read_message(&mut big).unwrap();
+                assert!(
+                    matches!(&answer, ServerMessage::Error { message, .. } if message.contains("exceeds"))
+                );
+                // A well-behaved client, alongside a second one.
+                let mut client = ControlClient::connect(&path, Duration::from_secs(5)).unwrap();
+                let mut other = ControlClient::connect(&path, Duration::from_secs(5)).unwrap();
+                let hello = client.hello().clone();
+                assert_eq!(hello.world_size, 2);
+                assert_eq!(hello.ranks.len(), 2);
+                assert_eq!(hello.ranks[1].pid, std::process::id());
+                client.subscribe(true, true).unwrap();
+                let (knobs, _) = other.get_knobs(Duration::from_secs(5)).unwrap();
+                assert_eq!(knobs, Knobs::default());
+                let (knobs, applied) = client
+                    .set_knobs(
+                        KnobUpdate {
+                            fusion_threshold_bytes: Some(4096),
+                            ..Default::default()
+                        },
+                        Duration::from_secs(5),
+                    )
+                    .unwrap();
+                assert_eq!(knobs.fusion_threshold_bytes, 4096);
+                assert!(rt.knobs().1 >= applied);
+                results.push(applied);
+                write_message(&mut raw, &ClientMessage::GetKnobs { request_id: 1 }).ok();
+                Some(client)
+            } else {
+                None
+            };
+            for i in 1..20 {
+                check(rt, i);
+            }
+            if let Some(client) = &mut subscriber {
+                // Statistics and timeline events of the cycles above were streamed.
+                let (mut stats, mut timeline) = (false, false);
+                let deadline = Instant::now() + Duration::from_secs(10);
+                while !(stats && timeline) && Instant::now() < deadline {
+                    match client.next_message(Duration::from_millis(200)).unwrap() {
+                        Some(ServerMessage::CycleStats(s)) => {
+                            stats |= s.tensors > 0
+                                && s.bytes_reduced > 0
+                                && s.knobs.fusion_threshold_bytes == 4096;
+                        }
+                        Some(ServerMessage::Timeline { events }) => {
+                            timeline |= events.iter().any(|e| e.activity == "ALLREDUCE");
+                        }
+                        _ => {}
+                    }
+                }
+                assert!(stats && timeline, "stats {stats} timeline {timeline}");
+            }
+            // Every rank sees the new threshold (set on rank 0's socket) by now.
+            assert_eq!(rt.knobs().0.fusion_threshold_bytes, 4096);
+            results
+        },
+    );
+    assert_eq!(results[0].len(), 1);
+    std::fs::remove_dir_all(&dir).ok();
+}
+
+#[test]
+fn timeline_file_has_horovods_activities() {
+    let dir = runtime_dir("timeline");
+    let path = dir.join("timeline.json");
+    let p2 = path.clone();
+    run_job(
+        2,
+        2,
+        Duration::from_secs(60),
+        move |c| c.timeline_path = Some(p2.clone()),
+        |rt| {
+            let a = rt
+                .allreduce_async("a", Tensor::from_slice(&[1.0f32; 100]), ReduceOp::Sum)
+                .unwrap();
+            let b = rt
+                .allreduce_async("b", Tensor::from_slice(&[1.0f32; 100]), ReduceOp::Sum)
+                .unwrap();
+            a.wait().unwrap();
+            b.wait().unwrap();
+        },
+    );
+    let v: serde_json::Value = serde_json::from_slice(&std::fs::read(&path).unwrap()).unwrap();
+    let names: Vec<String> = v
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|e| e["name"].as_str().unwrap_or("").to_string())
+        .collect();
+    for activity in [
+        "NEGOTIATE_ALLREDUCE",
+        "QUEUE",
+        "ALLREDUCE",
+        "MEMCPY_IN_FUSION_BUFFER",
+        "MEMCPY_OUT_FUSION_BUFFER",
+    ] {
+        assert!(names.iter().any(|n| n == activity), "{activity} missing");
+    }
+    let algo = v
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|e| e["name"] == "ALLREDUCE" && e["ph"] == "B")
+        .unwrap();
+    assert_eq!(algo["args"]["algorithm"], "ring");
+    std::fs::remove_dir_all(&dir).ok();
+}
+
+#[test]
+fn fusion_threshold_never_changes_a_float_result_even_in_the_last_bit() {
+    // Random (not exactly representable) floats: sums round, so this checks that every
+    // element is reduced in the same order whatever the fusion layout.
+    let run = |threshold: u64, hierarchical: bool| {
+        run_job(
+            4,
+            2,
+            Duration::from_secs(60),
+            move |c| {
+                c.knobs.fusion_threshold_bytes = threshold;
+                c.knobs.hierarchical_allreduce = hierarchical;
+            },
+            |rt| {
+                let mut rng = fastrand::Rng::with_seed(rt.rank() as u64 + 1);
+                let counts = [1usize, 3, 1000, 0, 4097, 17, 65_536];
+                let handles: Vec<_> = counts
+                    .iter()
+                    .enumerate()
+                    .map(|(i, &c)| {
+                        let data: Vec<f32> = (0..c).map(|_| rng.f32() * 1e3 - 5e2).collect();
+                        let op = if i % 2 == 0 {
+                            ReduceOp::Sum
+                        } else {
+                            ReduceOp::Average
+                        };
+                        rt.allreduce_async(&format!("f{i}"), Tensor::from_slice(&data), op)
+                            .unwrap()
+                    })
+                    .collect();
+                handles
+                    .into_iter()
+                    .map(|h| h.wait().unwrap())
+                    .collect::<Vec<_>>()
+            },
+        )
+    };
+    for hierarchical in [false, true] {
+        let unfused = run(0, hierarchical);
+        for threshold in [64u64, 4096, 64 << 20] {
+            let fused = run(threshold, hierarchical);
+            for rank in 0..4 {
+                assert!(
+                    fused[rank] == unfused[rank],
+                    "threshold {threshold} hierarchical {hierarchical} rank {rank}"
+                );
+                assert!(fused[rank] == fused[0], "ranks disagree");
+            }
+        }
+    }
+}
