@@ -2,7 +2,8 @@
 //! a Matérn 5/2 kernel with one length scale per coordinate (ARD), a learned
 //! homoscedastic noise term plus optional per-observation noise (added to the
 //! diagonal), standardized outputs, and hyperparameters fitted by maximizing
-//! the log marginal likelihood with argmin's L-BFGS on log-parameters from
+//! the log marginal likelihood (plus weak log-normal priors on the
+//! log-parameters, i.e. MAP) with argmin's L-BFGS on log-parameters from
 //! several starts.
 //!
 //! It must never see knob names or runtime concepts: inputs are plain
@@ -63,6 +64,13 @@ const LOG_SIGNAL_MIN: f64 = -3.0; // ≈ 0.05
 const LOG_SIGNAL_MAX: f64 = 3.0; // ≈ 20
 const LOG_NOISE_MIN: f64 = -13.8; // ≈ 1e-6
 const LOG_NOISE_MAX: f64 = 0.7; // ≈ 2
+// Weak log-normal priors (MAP instead of plain maximum likelihood): with a
+// handful of points the likelihood alone is nearly flat in the length scales
+// and jumps between "everything matters at 0.03" and "nothing matters at 12",
+// which makes EI erratic. Means and standard deviations of the log-parameters.
+const PRIOR_LOG_LENGTH: (f64, f64) = (-0.9, 1.0); // median ℓ ≈ 0.4
+const PRIOR_LOG_SIGNAL: (f64, f64) = (0.0, 1.0);
+const PRIOR_LOG_NOISE: (f64, f64) = (-6.9, 3.0); // median σ_n² ≈ 1e-3, broad
 // Relative jitters tried, in order, when a Cholesky fails.
 const JITTERS: [f64; 6] = [0.0, 1e-10, 1e-8, 1e-6, 1e-4, 1e-2];
 const SQRT5: f64 = 2.236_067_977_499_79;
@@ -264,7 +272,9 @@ impl Gp {
         })
     }
 
-    /// A GP whose hyperparameters maximize the log marginal likelihood:
+    /// A GP whose hyperparameters maximize the log marginal likelihood plus
+    /// weak log-normal priors (median length scale 0.4 of the unit cube,
+    /// signal variance 1, noise variance 1e-3, all broad):
     /// L-BFGS on log-parameters from the default start, from `previous` (if
     /// any) and from `random_starts` random points of the parameter box.
     pub fn fit<R: Rng>(
@@ -296,7 +306,12 @@ impl Gp {
         for start in starts {
             let start_cost = problem.evaluate(&start).0;
             let mut candidate = (start_cost, start.clone());
-            let solver = LBFGS::new(MoreThuenteLineSearch::new(), 7);
+            // Changes of 1e-6 in the negative log posterior, or gradients
+            // below 1e-4, no longer move the hyperparameters meaningfully.
+            let solver = LBFGS::new(MoreThuenteLineSearch::new(), 7)
+                .with_tolerance_cost(1e-6)
+                .and_then(|s| s.with_tolerance_grad(1e-4))
+                .expect("tolerances are positive");
             let run = Executor::new(&problem, solver)
                 .configure(|s| s.param(start).max_iters(40))
                 .run();
@@ -541,9 +556,23 @@ impl<'a> Likelihood<'a> {
             }
         }
 
+        // Priors, on the clamped parameters.
+        let mut cost = nll;
+        for (i, t) in theta.iter().enumerate() {
+            let (mean, sd) = if i < d {
+                PRIOR_LOG_LENGTH
+            } else if i == d {
+                PRIOR_LOG_SIGNAL
+            } else {
+                PRIOR_LOG_NOISE
+            };
+            let z = (t - mean) / sd;
+            cost += 0.5 * z * z;
+            grad[i] += z / sd;
+        }
+
         // Penalty outside the box; clamped coordinates have no likelihood
         // gradient of their own.
-        let mut cost = nll;
         for (i, (raw, clamped)) in theta_raw.iter().zip(&theta).enumerate() {
             let outside = raw - clamped;
             if outside != 0.0 || !raw.is_finite() {

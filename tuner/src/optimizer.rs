@@ -324,6 +324,12 @@ impl Optimizer {
         Ok(())
     }
 
+    /// The GP hyperparameters fitted after the last observation (for logs
+    /// and diagnostics); `None` before the first observation.
+    pub fn hyperparameters(&self) -> Option<&Hyperparameters> {
+        self.gp.as_ref().map(Gp::hyperparameters)
+    }
+
     /// The recommendation: among observed points, the one with the highest
     /// posterior mean (so one lucky noisy sample does not win). `None`
     /// before the first observation.
