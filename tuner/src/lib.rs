@@ -2,4 +2,29 @@
 //!
 //! A pure library: it is given observations and returns suggestions. It never
 //! does I/O, reads a clock or starts threads, so the same observations (and
-//! seed) always give the same suggestions.
+//! seed) always give the same suggestions. The one exception is [`report`],
+//! which writes to a `Write` the caller hands it.
+//!
+//! Code map, in the order data flows:
+//! - [`space`]: the knobs, their bounds and kinds, the unit-cube encoding, and
+//!   the ready-made collective space ([`space::Space::collective`]).
+//! - [`gp`]: Gaussian-process regression (Matérn 5/2 ARD, learned noise,
+//!   per-observation noise hints), hyperparameters by L-BFGS (argmin).
+//! - [`acquisition`]: Expected Improvement and its maximization.
+//! - [`optimizer`]: the suggest/observe loop, recommendation, stopping rule.
+//! - [`report`]: the session as a polars DataFrame, CSV, Parquet and HTML.
+//!
+//! Invariants: the score is maximized; `tuner` knows nothing of sockets,
+//! processes or the agent; a refused observation changes nothing.
+
+pub mod acquisition;
+pub mod gp;
+pub mod optimizer;
+pub mod report;
+pub mod space;
+
+pub use optimizer::{Best, Observation, Optimizer, OptimizerConfig, OptimizerError, StopReason};
+pub use space::{
+    CollectiveKnobs, DEFAULT_CYCLE_TIME_MS, DEFAULT_FUSION_THRESHOLD_BYTES, Dim, DimKind, Point,
+    Space, SpaceError, Value,
+};

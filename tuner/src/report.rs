@@ -1,0 +1,547 @@
+//! The report of a tuning session: one row per sample as a polars DataFrame,
+//! written as CSV or Parquet, read back from Parquet, and rendered as a
+//! self-contained HTML page (inline SVG convergence plot, the table, the
+//! chosen knobs and the measured speedup over the starting knobs).
+//!
+//! It must never open files, read a clock or talk to anything: it writes to
+//! and reads from the `Write`/`Read` the caller hands it, and wall times come
+//! from the caller. Everything the HTML shows comes from the frame alone, so
+//! a Parquet file is enough to re-render the page.
+
+use std::fmt::Write as _;
+use std::io::{Read, Write};
+
+use polars::prelude::*;
+use thiserror::Error;
+
+use crate::optimizer::Optimizer;
+use crate::space::{DimKind, Point, Space, Value};
+
+/// Column: sample index, from 0.
+pub const COL_SAMPLE: &str = "sample";
+/// Column: measured score (higher is better).
+pub const COL_SCORE: &str = "score";
+/// Column: extra noise standard deviation hinted for the sample (score units).
+pub const COL_NOISE_HINT: &str = "noise_hint";
+/// Column: whether the measurement window was disturbed.
+pub const COL_DISTURBED: &str = "disturbed";
+/// Column: why it was disturbed (null when it was not).
+pub const COL_DISTURBED_REASON: &str = "disturbed_reason";
+/// Column: best undisturbed score so far (null before the first one).
+pub const COL_BEST_SO_FAR: &str = "best_so_far";
+/// Column: seconds since the session started, as the caller measured.
+pub const COL_WALL_TIME_S: &str = "wall_time_s";
+/// Column: whether this sample's knobs are the session's recommendation.
+pub const COL_CHOSEN: &str = "chosen";
+
+const FIXED_COLUMNS: [&str; 8] = [
+    COL_SAMPLE,
+    COL_SCORE,
+    COL_NOISE_HINT,
+    COL_DISTURBED,
+    COL_DISTURBED_REASON,
+    COL_BEST_SO_FAR,
+    COL_WALL_TIME_S,
+    COL_CHOSEN,
+];
+
+/// Why a report could not be built, written, read or rendered.
+#[derive(Debug, Error)]
+pub enum ReportError {
+    /// A knob is named like one of the report's own columns.
+    #[error("knob `{0}` clashes with a report column of the same name; rename the knob")]
+    ColumnClash(String),
+    /// A sample's knobs do not fit the space.
+    #[error("sample {index}: {source}")]
+    BadSample {
+        /// Index of the sample.
+        index: usize,
+        /// What is wrong with it.
+        source: crate::space::SpaceError,
+    },
+    /// Per-sample annotations and observations differ in number.
+    #[error("{observations} observations but {annotations} annotations; give one per sample")]
+    AnnotationCount {
+        /// Observations in the optimizer.
+        observations: usize,
+        /// Annotations given.
+        annotations: usize,
+    },
+    /// The chosen sample index is past the end.
+    #[error("chosen sample {chosen} does not exist (there are {samples} samples)")]
+    ChosenOutOfRange {
+        /// The index given.
+        chosen: usize,
+        /// Number of samples.
+        samples: usize,
+    },
+    /// The frame lacks a column the report needs, or has it with another type.
+    #[error("report frame: {0}")]
+    Frame(String),
+    /// polars failed (writing, reading or building the frame).
+    #[error("polars: {0}")]
+    Polars(#[from] PolarsError),
+    /// Reading the caller's reader failed.
+    #[error("reading the report: {0}")]
+    Io(#[from] std::io::Error),
+}
+
+/// One evaluated sample, as the caller (the agent) recorded it.
+#[derive(Debug, Clone, PartialEq)]
+pub struct SampleRecord {
+    /// The knobs evaluated.
+    pub knobs: Point,
+    /// The measured score.
+    pub score: f64,
+    /// Extra noise standard deviation hinted to the optimizer, if any.
+    pub noise_hint: Option<f64>,
+    /// Why the window was disturbed (`None` when it was clean).
+    pub disturbed: Option<String>,
+    /// Seconds since the session started when the sample was taken.
+    pub wall_time_s: f64,
+}
+
+/// What the caller knows about a sample beyond what the optimizer holds.
+#[derive(Debug, Clone, PartialEq, Default)]
+pub struct SampleAnnotation {
+    /// Seconds since the session started.
+    pub wall_time_s: f64,
+    /// Why the window was disturbed (`None` when it was clean).
+    pub disturbed: Option<String>,
+}
+
+/// The samples of an optimizer's session joined with the caller's
+/// annotations (one per observation, in order), and the index of the
+/// recommended sample ([`Optimizer::best`]).
+pub fn samples_from_optimizer(
+    optimizer: &Optimizer,
+    annotations: &[SampleAnnotation],
+) -> Result<(Vec<SampleRecord>, Option<usize>), ReportError> {
+    let observations = optimizer.observations();
+    if observations.len() != annotations.len() {
+        return Err(ReportError::AnnotationCount {
+            observations: observations.len(),
+            annotations: annotations.len(),
+        });
+    }
+    let samples = observations
+        .iter()
+        .zip(annotations)
+        .map(|(o, a)| SampleRecord {
+            knobs: o.point.clone(),
+            score: o.score,
+            noise_hint: (o.noise_sd > 0.0).then_some(o.noise_sd),
+            disturbed: a.disturbed.clone(),
+            wall_time_s: a.wall_time_s,
+        })
+        .collect();
+    Ok((samples, optimizer.best().map(|b| b.index)))
+}
+
+/// The session as a DataFrame: `sample`, one column per knob (Float64 for
+/// continuous, Int64 for integer, String for categorical, Boolean for
+/// boolean knobs), `score`, `noise_hint`, `disturbed`, `disturbed_reason`,
+/// `best_so_far` (running maximum of undisturbed scores), `wall_time_s`,
+/// `chosen`.
+pub fn session_frame(
+    space: &Space,
+    samples: &[SampleRecord],
+    chosen: Option<usize>,
+) -> Result<DataFrame, ReportError> {
+    for dim in space.dims() {
+        if FIXED_COLUMNS.contains(&dim.name.as_str()) {
+            return Err(ReportError::ColumnClash(dim.name.clone()));
+        }
+    }
+    if let Some(c) = chosen
+        && c >= samples.len()
+    {
+        return Err(ReportError::ChosenOutOfRange {
+            chosen: c,
+            samples: samples.len(),
+        });
+    }
+    for (index, s) in samples.iter().enumerate() {
+        space
+            .validate(&s.knobs)
+            .map_err(|source| ReportError::BadSample { index, source })?;
+    }
+    let n = samples.len();
+    let mut columns = vec![Column::new(
+        COL_SAMPLE.into(),
+        (0..n as i64).collect::<Vec<i64>>(),
+    )];
+    for (d, dim) in space.dims().iter().enumerate() {
+        let values = samples.iter().map(|s| s.knobs.0[d]);
+        let name: PlSmallStr = dim.name.as_str().into();
+        let column = match &dim.kind {
+            DimKind::Continuous { .. } => Column::new(
+                name,
+                values
+                    .map(|v| match v {
+                        Value::Real(x) => x,
+                        _ => f64::NAN,
+                    })
+                    .collect::<Vec<f64>>(),
+            ),
+            DimKind::Integer { .. } => Column::new(
+                name,
+                values
+                    .map(|v| match v {
+                        Value::Integer(x) => x,
+                        _ => 0,
+                    })
+                    .collect::<Vec<i64>>(),
+            ),
+            DimKind::Categorical { .. } => Column::new(
+                name,
+                values
+                    .map(|v| space.describe(d, &v))
+                    .collect::<Vec<String>>(),
+            ),
+            DimKind::Boolean => Column::new(
+                name,
+                values
+                    .map(|v| matches!(v, Value::Bool(true)))
+                    .collect::<Vec<bool>>(),
+            ),
+        };
+        columns.push(column);
+    }
+    let mut best = None::<f64>;
+    let best_so_far: Vec<Option<f64>> = samples
+        .iter()
+        .map(|s| {
+            if s.disturbed.is_none() {
+                best = Some(best.map_or(s.score, |b: f64| b.max(s.score)));
+            }
+            best
+        })
+        .collect();
+    columns.extend([
+        Column::new(
+            COL_SCORE.into(),
+            samples.iter().map(|s| s.score).collect::<Vec<f64>>(),
+        ),
+        Column::new(
+            COL_NOISE_HINT.into(),
+            samples
+                .iter()
+                .map(|s| s.noise_hint)
+                .collect::<Vec<Option<f64>>>(),
+        ),
+        Column::new(
+            COL_DISTURBED.into(),
+            samples
+                .iter()
+                .map(|s| s.disturbed.is_some())
+                .collect::<Vec<bool>>(),
+        ),
+        Column::new(
+            COL_DISTURBED_REASON.into(),
+            samples
+                .iter()
+                .map(|s| s.disturbed.clone())
+                .collect::<Vec<Option<String>>>(),
+        ),
+        Column::new(COL_BEST_SO_FAR.into(), best_so_far),
+        Column::new(
+            COL_WALL_TIME_S.into(),
+            samples.iter().map(|s| s.wall_time_s).collect::<Vec<f64>>(),
+        ),
+        Column::new(
+            COL_CHOSEN.into(),
+            (0..n).map(|i| Some(i) == chosen).collect::<Vec<bool>>(),
+        ),
+    ]);
+    Ok(DataFrame::new(n, columns)?)
+}
+
+/// Writes the frame as CSV with a header row.
+pub fn write_csv<W: Write>(frame: &DataFrame, writer: W) -> Result<(), ReportError> {
+    let mut frame = frame.clone();
+    CsvWriter::new(writer)
+        .include_header(true)
+        .finish(&mut frame)?;
+    Ok(())
+}
+
+/// Writes the frame as Parquet.
+pub fn write_parquet<W: Write>(frame: &DataFrame, writer: W) -> Result<(), ReportError> {
+    let mut frame = frame.clone();
+    ParquetWriter::new(writer).finish(&mut frame)?;
+    Ok(())
+}
+
+/// Reads a frame written by [`write_parquet`].
+pub fn read_parquet<R: Read>(mut reader: R) -> Result<DataFrame, ReportError> {
+    let mut bytes = Vec::new();
+    reader.read_to_end(&mut bytes)?;
+    Ok(ParquetReader::new(std::io::Cursor::new(bytes)).finish()?)
+}
+
+fn escape(text: &str) -> String {
+    let mut out = String::with_capacity(text.len());
+    for c in text.chars() {
+        match c {
+            '&' => out.push_str("&amp;"),
+            '<' => out.push_str("&lt;"),
+            '>' => out.push_str("&gt;"),
+            '"' => out.push_str("&quot;"),
+            '\'' => out.push_str("&#39;"),
+            _ => out.push(c),
+        }
+    }
+    out
+}
+
+fn cell(value: &AnyValue<'_>) -> String {
+    match value {
+        AnyValue::Null => String::new(),
+        AnyValue::String(s) => (*s).to_owned(),
+        AnyValue::StringOwned(s) => s.to_string(),
+        AnyValue::Float64(v) => format_number(*v),
+        other => other.to_string(),
+    }
+}
+
+/// Numbers for people: integers without a fraction, others to 4 significant
+/// digits.
+fn format_number(v: f64) -> String {
+    if v.is_finite() && v.fract() == 0.0 && v.abs() < 1e15 {
+        format!("{v:.0}")
+    } else if v != 0.0 && (v.abs() >= 1e6 || v.abs() < 1e-3) {
+        format!("{v:.3e}")
+    } else {
+        format!("{v:.4}")
+    }
+}
+
+fn f64_column(frame: &DataFrame, name: &str) -> Result<Vec<Option<f64>>, ReportError> {
+    let column = frame
+        .column(name)
+        .map_err(|_| ReportError::Frame(format!("missing column `{name}`")))?;
+    let values = column
+        .f64()
+        .map_err(|_| ReportError::Frame(format!("column `{name}` is not Float64")))?;
+    Ok((0..values.len()).map(|i| values.get(i)).collect())
+}
+
+fn bool_column(frame: &DataFrame, name: &str) -> Result<Vec<bool>, ReportError> {
+    let column = frame
+        .column(name)
+        .map_err(|_| ReportError::Frame(format!("missing column `{name}`")))?;
+    let values = column
+        .bool()
+        .map_err(|_| ReportError::Frame(format!("column `{name}` is not Boolean")))?;
+    Ok((0..values.len())
+        .map(|i| values.get(i).unwrap_or(false))
+        .collect())
+}
+
+/// The convergence plot: every score (clean as dots, disturbed as crosses)
+/// and the best-so-far step line, against the sample index.
+fn convergence_svg(scores: &[f64], best: &[Option<f64>], disturbed: &[bool]) -> String {
+    let (w, h, left, right, top, bottom) = (720.0, 320.0, 70.0, 20.0, 20.0, 40.0);
+    let mut svg = String::new();
+    let _ = write!(
+        svg,
+        r#"<svg xmlns="http://www.w3.org/2000/svg" width="{w}" height="{h}" viewBox="0 0 {w} {h}" role="img" aria-label="convergence plot">"#
+    );
+    if scores.is_empty() {
+        svg.push_str(r#"<text x="20" y="40">no samples</text></svg>"#);
+        return svg;
+    }
+    let lo = scores.iter().copied().fold(f64::INFINITY, f64::min);
+    let hi = scores.iter().copied().fold(f64::NEG_INFINITY, f64::max);
+    let (lo, hi) = if hi > lo {
+        let pad = 0.05 * (hi - lo);
+        (lo - pad, hi + pad)
+    } else {
+        (lo - 1.0, hi + 1.0)
+    };
+    let n = scores.len();
+    let px = |i: usize| {
+        left + (w - left - right)
+            * if n > 1 {
+                i as f64 / (n - 1) as f64
+            } else {
+                0.5
+            }
+    };
+    let py = |v: f64| top + (h - top - bottom) * (1.0 - (v - lo) / (hi - lo));
+    // Axes and labels.
+    let _ = write!(
+        svg,
+        r##"<g stroke="#888" stroke-width="1"><line x1="{left}" y1="{t}" x2="{left}" y2="{b}"/><line x1="{left}" y1="{b}" x2="{r}" y2="{b}"/></g>"##,
+        t = top,
+        b = h - bottom,
+        r = w - right
+    );
+    for frac in [0.0, 0.5, 1.0] {
+        let v = lo + frac * (hi - lo);
+        let _ = write!(
+            svg,
+            r#"<text x="{x}" y="{y}" font-size="11" text-anchor="end">{label}</text>"#,
+            x = left - 6.0,
+            y = py(v) + 4.0,
+            label = escape(&format_number(v))
+        );
+    }
+    let _ = write!(
+        svg,
+        r#"<text x="{x}" y="{y}" font-size="11" text-anchor="middle">sample</text><text x="{l}" y="{y}" font-size="11">0</text><text x="{r}" y="{y}" font-size="11" text-anchor="end">{last}</text>"#,
+        x = (left + w - right) / 2.0,
+        y = h - 10.0,
+        l = left,
+        r = w - right,
+        last = n - 1
+    );
+    // Best-so-far as a step line.
+    let mut path = String::new();
+    let mut prev: Option<f64> = None;
+    for (i, b) in best.iter().enumerate() {
+        if let Some(b) = b {
+            match prev {
+                None => {
+                    let _ = write!(path, "M{:.1},{:.1}", px(i), py(*b));
+                }
+                Some(p) => {
+                    let _ = write!(
+                        path,
+                        " L{:.1},{:.1} L{:.1},{:.1}",
+                        px(i),
+                        py(p),
+                        px(i),
+                        py(*b)
+                    );
+                }
+            }
+            prev = Some(*b);
+        }
+    }
+    if !path.is_empty() {
+        let _ = write!(
+            svg,
+            r##"<path d="{path}" fill="none" stroke="#1f77b4" stroke-width="2"><title>best so far</title></path>"##
+        );
+    }
+    for (i, (&s, &d)) in scores.iter().zip(disturbed).enumerate() {
+        let (x, y) = (px(i), py(s));
+        if d {
+            let _ = write!(
+                svg,
+                r##"<path d="M{a:.1},{b:.1} L{c:.1},{e:.1} M{a:.1},{e:.1} L{c:.1},{b:.1}" stroke="#d62728" stroke-width="2"><title>sample {i}: {v} (disturbed)</title></path>"##,
+                a = x - 4.0,
+                b = y - 4.0,
+                c = x + 4.0,
+                e = y + 4.0,
+                v = escape(&format_number(s))
+            );
+        } else {
+            let _ = write!(
+                svg,
+                r##"<circle cx="{x:.1}" cy="{y:.1}" r="3.5" fill="#ff7f0e"><title>sample {i}: {v}</title></circle>"##,
+                v = escape(&format_number(s))
+            );
+        }
+    }
+    svg.push_str("</svg>");
+    svg
+}
+
+/// A self-contained HTML page of a session frame (as built by
+/// [`session_frame`] or read back by [`read_parquet`]): the convergence
+/// plot, the chosen knobs with the measured speedup over the starting knobs
+/// (sample 0), and the full table. No script, no external resource.
+pub fn render_html(frame: &DataFrame, title: &str) -> Result<String, ReportError> {
+    let scores: Vec<f64> = f64_column(frame, COL_SCORE)?
+        .into_iter()
+        .map(|v| v.unwrap_or(f64::NAN))
+        .collect();
+    let best = f64_column(frame, COL_BEST_SO_FAR)?;
+    let disturbed = bool_column(frame, COL_DISTURBED)?;
+    let chosen = bool_column(frame, COL_CHOSEN)?;
+    let names: Vec<String> = frame
+        .get_column_names()
+        .iter()
+        .map(|n| n.to_string())
+        .collect();
+    let knobs: Vec<&String> = names
+        .iter()
+        .filter(|n| !FIXED_COLUMNS.contains(&n.as_str()))
+        .collect();
+
+    let mut html = String::new();
+    let _ = write!(
+        html,
+        "<!DOCTYPE html>\n<html lang=\"en\"><head><meta charset=\"utf-8\"><title>{t}</title>\
+<style>body{{font-family:system-ui,sans-serif;margin:2em;color:#222}}\
+table{{border-collapse:collapse;font-size:13px}}td,th{{border:1px solid #ccc;padding:3px 8px;text-align:right}}\
+tr.chosen{{background:#e6f4ea;font-weight:bold}}tr.disturbed{{color:#a33}}\
+.summary td{{text-align:left}}</style></head><body><h1>{t}</h1>\n",
+        t = escape(title)
+    );
+    let _ = write!(
+        html,
+        "<h2>Convergence</h2>\n{}\n<p>Dots: measured score per sample; crosses: disturbed windows; line: best undisturbed score so far.</p>\n",
+        convergence_svg(&scores, &best, &disturbed)
+    );
+
+    html.push_str("<h2>Chosen knobs</h2>\n");
+    match chosen.iter().position(|&c| c) {
+        Some(row) => {
+            html.push_str("<table class=\"summary\">");
+            for name in &knobs {
+                let start = cell(&frame.column(name)?.get(0)?);
+                let pick = cell(&frame.column(name)?.get(row)?);
+                let _ = write!(
+                    html,
+                    "<tr><th>{}</th><td>{}</td><td>(start: {})</td></tr>",
+                    escape(name),
+                    escape(&pick),
+                    escape(&start)
+                );
+            }
+            let (start_score, chosen_score) = (scores[0], scores[row]);
+            let _ = write!(
+                html,
+                "<tr><th>score</th><td>{}</td><td>(start: {})</td></tr>",
+                format_number(chosen_score),
+                format_number(start_score)
+            );
+            if start_score > 0.0 && chosen_score.is_finite() {
+                let _ = write!(
+                    html,
+                    "<tr><th>speedup</th><td>{:.3}×</td><td>measured: chosen sample {row} over sample 0 (the starting knobs)</td></tr>",
+                    chosen_score / start_score
+                );
+            }
+            html.push_str("</table>\n");
+        }
+        None => html.push_str("<p>No knobs were chosen in this session.</p>\n"),
+    }
+
+    html.push_str("<h2>Samples</h2>\n<table><thead><tr>");
+    for name in &names {
+        let _ = write!(html, "<th>{}</th>", escape(name));
+    }
+    html.push_str("</tr></thead><tbody>\n");
+    let columns = frame.columns();
+    for row in 0..frame.height() {
+        let class = if chosen[row] {
+            " class=\"chosen\""
+        } else if disturbed[row] {
+            " class=\"disturbed\""
+        } else {
+            ""
+        };
+        let _ = write!(html, "<tr{class}>");
+        for column in columns {
+            let _ = write!(html, "<td>{}</td>", escape(&cell(&column.get(row)?)));
+        }
+        html.push_str("</tr>\n");
+    }
+    html.push_str("</tbody></table>\n</body></html>\n");
+    Ok(html)
+}
