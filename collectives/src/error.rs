@@ -84,6 +84,20 @@ pub enum CollectiveError {
         message: String,
     },
 
+    /// Another rank's process went away (seen on the fault channel); `detail` is what this
+    /// rank itself saw.
+    #[error("rank {rank}: rank {dead} is gone ({how}); here: {detail}")]
+    RankLost {
+        /// The rank reporting the error.
+        rank: usize,
+        /// The rank that went away.
+        dead: usize,
+        /// How it was noticed.
+        how: String,
+        /// The failure this rank saw (often a neighbour giving up after `dead`).
+        detail: String,
+    },
+
     /// The job failed earlier (another rank died, a link broke); this operation cannot run.
     #[error("rank {rank}: the job has failed: {cause}")]
     JobFailed {

@@ -41,7 +41,9 @@
 //!   by exactly one rank, and copied to the others.
 //! - Knobs change only at a cycle boundary decided by rank 0 and carried in its response, so
 //!   all ranks run the same knobs on the same fused buffers. A knob never changes a result.
-//! - Nothing blocks forever: every wait on a peer has a timeout that names the peer.
+//! - Nothing blocks forever: every wait on a peer has a timeout that names the peer, and
+//!   the rendezvous connections stay open as a fault channel through which rank 0 tells
+//!   every rank which process went away, so survivors name the rank that died.
 
 pub mod algorithms;
 pub mod control;

@@ -166,6 +166,9 @@ pub struct Rendezvous {
     pub ranks: Vec<RankInfo>,
     /// The job's id (the same on every rank).
     pub job_id: String,
+    /// The rendezvous connections, kept open as the fault channel: on rank 0 one per other
+    /// rank (`fault_links[r]`), elsewhere one to rank 0 (`fault_links[0]`).
+    pub fault_links: Vec<Option<TcpStream>>,
 }
 
 /// This machine's host name.
@@ -213,6 +216,7 @@ pub fn rendezvous(cfg: &RendezvousConfig, op_timeout: Duration) -> Result<Rendez
             transport: TcpTransport::new(0, 1, vec![None], op_timeout)?,
             ranks: vec![me],
             job_id,
+            fault_links: vec![None],
         });
     }
     let deadline = Instant::now() + cfg.connect_timeout;
@@ -228,7 +232,7 @@ pub fn rendezvous(cfg: &RendezvousConfig, op_timeout: Duration) -> Result<Rendez
         .port();
     let master = resolve(&cfg.master_addr, cfg.master_port).map_err(&err)?;
 
-    let (job_id, peers) = if cfg.rank == 0 {
+    let (job_id, peers, fault_links) = if cfg.rank == 0 {
         serve_rendezvous(cfg, me, data_port, deadline)?
     } else {
         join_rendezvous(cfg, me, data_port, master, deadline)?
@@ -302,6 +306,7 @@ pub fn rendezvous(cfg: &RendezvousConfig, op_timeout: Duration) -> Result<Rendez
         transport,
         ranks: peers.into_iter().map(|p| p.info).collect(),
         job_id,
+        fault_links,
     })
 }
 
@@ -339,7 +344,7 @@ fn serve_rendezvous(
     me: RankInfo,
     data_port: u16,
     deadline: Instant,
-) -> Result<(String, Vec<Peer>)> {
+) -> Result<(String, Vec<Peer>, Vec<Option<TcpStream>>)> {
     let err = |message: String| CollectiveError::Rendezvous { rank: 0, message };
     let listener = TcpListener::bind(("0.0.0.0", cfg.master_port)).map_err(|e| {
         err(format!(
@@ -429,20 +434,20 @@ fn serve_rendezvous(
         ip: None,
         data_port,
     }];
-    let mut streams = Vec::new();
+    let mut streams: Vec<Option<TcpStream>> = vec![None];
     for (s, p) in joined.into_iter().flatten() {
-        streams.push(s);
+        streams.push(Some(s));
         peers.push(p);
     }
     let reply = JoinReply::Ok {
         job_id: job_id.clone(),
         peers,
     };
-    for s in &mut streams {
+    for s in streams.iter_mut().flatten() {
         write_message(s, &reply).map_err(|e| err(format!("cannot answer a rank: {e}")))?;
     }
     match reply {
-        JoinReply::Ok { job_id, peers } => Ok((job_id, peers)),
+        JoinReply::Ok { job_id, peers } => Ok((job_id, peers, streams)),
         JoinReply::Refused { message } => Err(err(message)),
     }
 }
@@ -453,7 +458,7 @@ fn join_rendezvous(
     data_port: u16,
     master: SocketAddr,
     deadline: Instant,
-) -> Result<(String, Vec<Peer>)> {
+) -> Result<(String, Vec<Peer>, Vec<Option<TcpStream>>)> {
     let err = |message: String| CollectiveError::Rendezvous {
         rank: cfg.rank,
         message,
@@ -479,7 +484,9 @@ fn join_rendezvous(
             if peers.len() != cfg.world_size {
                 return Err(err(format!("rank 0 sent {} ranks", peers.len())));
             }
-            Ok((job_id, peers))
+            let mut links: Vec<Option<TcpStream>> = (0..cfg.world_size).map(|_| None).collect();
+            links[0] = Some(s);
+            Ok((job_id, peers, links))
         }
         Ok(JoinReply::Refused { message }) => Err(err(format!("rank 0 refused: {message}"))),
         Err(e) => Err(err(format!(

@@ -8,6 +8,7 @@
 //! fails every pending handle with an error that names the rank or tensor.
 
 pub mod coordinator;
+mod faults;
 mod server;
 
 use std::collections::{BTreeMap, HashMap, HashSet};
@@ -32,6 +33,7 @@ use crate::tensor::{AlignedBuf, ReduceOp, Tensor};
 use crate::timeline::{TimelineFile, activity, now_us};
 use crate::transport::{MAX_FRAME_BYTES, Transport, recv_frame, send_frame};
 use coordinator::{Coordinator, Item, OpKind, Request, Response, TensorRequest};
+use faults::FaultChannel;
 use server::{ControlServer, ServerState};
 
 /// How long a tensor may wait for some ranks before rank 0 logs a stall warning.
@@ -181,6 +183,7 @@ pub struct Runtime {
     ranks: Vec<RankInfo>,
     job_id: String,
     control_path: Option<PathBuf>,
+    faults: Option<Arc<FaultChannel>>,
 }
 
 impl std::fmt::Debug for Runtime {
@@ -202,7 +205,14 @@ impl Runtime {
     /// Meets the other ranks and starts the cycle thread.
     pub fn new(config: RuntimeConfig) -> Result<Self> {
         let rv = rendezvous(&config.rendezvous, config.timeout)?;
-        Self::with_transport(config, Arc::new(rv.transport), rv.ranks, rv.job_id)
+        let faults = FaultChannel::start(rv.transport.rank(), rv.fault_links);
+        Self::start(
+            config,
+            Arc::new(rv.transport),
+            rv.ranks,
+            rv.job_id,
+            Some(Arc::new(faults)),
+        )
     }
 
     /// Starts on an already connected transport (tests use the in-memory mesh).
@@ -212,6 +222,16 @@ impl Runtime {
         transport: Arc<dyn Transport>,
         ranks: Vec<RankInfo>,
         job_id: String,
+    ) -> Result<Self> {
+        Self::start(config, transport, ranks, job_id, None)
+    }
+
+    fn start(
+        config: RuntimeConfig,
+        transport: Arc<dyn Transport>,
+        ranks: Vec<RankInfo>,
+        job_id: String,
+        faults: Option<Arc<FaultChannel>>,
     ) -> Result<Self> {
         let rank = transport.rank();
         let world_size = transport.world_size();
@@ -282,6 +302,7 @@ impl Runtime {
             timeline,
             server,
             warned_fallback: false,
+            faults: faults.clone(),
         };
         let thread = std::thread::Builder::new()
             .name(format!("ringwatch-cycle-{rank}"))
@@ -299,6 +320,7 @@ impl Runtime {
             ranks,
             job_id,
             control_path,
+            faults,
         })
     }
 
@@ -454,6 +476,9 @@ impl Runtime {
         if let Some(t) = self.thread.take() {
             let _ = t.join();
         }
+        if let Some(f) = &self.faults {
+            f.close();
+        }
     }
 }
 
@@ -501,6 +526,7 @@ struct CycleThread {
     timeline: Option<TimelineFile>,
     server: Option<Arc<ControlServer>>,
     warned_fallback: bool,
+    faults: Option<Arc<FaultChannel>>,
 }
 
 /// Timeline events of one cycle; builds nothing when disabled.
@@ -563,9 +589,24 @@ impl CycleThread {
         let error = match outcome {
             Ok(()) => CollectiveError::ShutDown { rank: self.rank },
             Err(e) => {
-                tracing::error!(rank = self.rank, error = %e, "collective job failed");
                 // Break every link so that peers fail now, not after their timeout.
                 self.transport.abort();
+                // What this rank saw may be a neighbour giving up; name the rank that died
+                // if rank 0 knows (it hears at once when a process goes away).
+                let lost = self
+                    .faults
+                    .as_ref()
+                    .and_then(|f| f.lost_rank(Duration::from_millis(500)));
+                let e = match lost {
+                    Some((dead, how)) => CollectiveError::RankLost {
+                        rank: self.rank,
+                        dead,
+                        how,
+                        detail: e.to_string(),
+                    },
+                    None => e,
+                };
+                tracing::error!(rank = self.rank, error = %e, "collective job failed");
                 e
             }
         };
@@ -852,9 +893,9 @@ impl CycleThread {
                     },
                 );
                 if let Err(e) = outcome {
-                    // These entries are out of `pending`: fail them here with the cause.
+                    // Back into `pending`, so that they fail with the job's final error.
                     for entry in entries {
-                        entry.finish(Err(e.clone()));
+                        self.pending.insert(entry.request.name.clone(), entry);
                     }
                     return Err(e);
                 }
@@ -887,7 +928,7 @@ impl CycleThread {
                 out.as_mut_slice()[blocks[self.rank].clone()]
                     .copy_from_slice(entry.tensor.as_bytes());
                 if let Err(e) = ring_allgather(&*self.transport, out.as_mut_slice(), &blocks) {
-                    entry.finish(Err(e.clone()));
+                    self.pending.insert(name, entry);
                     return Err(e);
                 }
                 let mut out_shape = shape;
@@ -916,7 +957,7 @@ impl CycleThread {
                 );
                 if let Err(e) = chain_broadcast(&*self.transport, root, entry.tensor.as_bytes_mut())
                 {
-                    entry.finish(Err(e.clone()));
+                    self.pending.insert(name, entry);
                     return Err(e);
                 }
                 events.add(&name, activity::BROADCAST, Phase::End, &[]);
