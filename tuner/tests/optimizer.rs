@@ -335,3 +335,27 @@ fn finds_the_optimum_over_categorical_and_integer_knobs() {
     assert_eq!(best.point.values()[0], Value::Choice(1), "{best:?}");
     assert!(f(&best.point) > 0.95, "{best:?} scores {}", f(&best.point));
 }
+
+#[test]
+fn re_measuring_the_same_knobs_many_times_is_absorbed() {
+    // The agent re-measures windows; identical points (and identical scores)
+    // make the kernel matrix singular without the noise term and jitter.
+    let mut optimizer = Optimizer::new(
+        Space::collective(),
+        OptimizerConfig {
+            seed: 9,
+            ..OptimizerConfig::default()
+        },
+    )
+    .unwrap();
+    let point = CollectiveKnobs::default().to_point();
+    for _ in 0..12 {
+        optimizer.observe(point.clone(), 3.0, None).unwrap();
+    }
+    optimizer.observe(point.clone(), 3.3, Some(0.1)).unwrap();
+    let best = optimizer.best().unwrap();
+    assert_eq!(best.point, point);
+    assert!((best.predicted_score - 3.0).abs() < 0.05, "{best:?}");
+    let next = optimizer.suggest();
+    optimizer.space().validate(&next).unwrap();
+}
