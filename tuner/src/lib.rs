@@ -17,6 +17,8 @@
 //! Invariants: the score is maximized; `tuner` knows nothing of sockets,
 //! processes or the agent; a refused observation changes nothing.
 
+#![warn(missing_docs)]
+
 pub mod acquisition;
 pub mod gp;
 pub mod optimizer;

@@ -287,3 +287,75 @@ fn bad_configurations_are_refused() {
         Err(OptimizerError::PointOutsideSpace(_))
     ));
 }
+
+#[test]
+fn finds_the_optimum_over_categorical_and_integer_knobs() {
+    // Best: algorithm "tree", chunks = 7, x = 0.3.
+    let space = Space::new(vec![
+        Dim {
+            name: "algorithm".into(),
+            kind: DimKind::Categorical {
+                choices: vec!["ring".into(), "tree".into(), "halving".into()],
+            },
+        },
+        Dim {
+            name: "chunks".into(),
+            kind: DimKind::Integer {
+                low: 1,
+                high: 16,
+                log_scale: false,
+            },
+        },
+        unit("x"),
+    ])
+    .unwrap();
+    let f = |p: &Point| {
+        let (algorithm, chunks) = match (p.values()[0], p.values()[1]) {
+            (Value::Choice(a), Value::Integer(c)) => (a, c),
+            other => panic!("unexpected values {other:?}"),
+        };
+        let bonus = [0.0, 1.0, 0.4][algorithm];
+        bonus - 0.02 * ((chunks - 7) as f64).powi(2) - (real(p, 2) - 0.3).powi(2)
+    };
+    let mut optimizer = Optimizer::new(
+        space,
+        OptimizerConfig {
+            seed: 6,
+            budget: 20,
+            ..OptimizerConfig::default()
+        },
+    )
+    .unwrap();
+    let suggested = run(&mut optimizer, 20, f);
+    // Every suggestion is a valid point: whole chunks, a real choice.
+    for p in &suggested {
+        optimizer.space().validate(p).unwrap();
+    }
+    let best = optimizer.best().unwrap();
+    assert_eq!(best.point.values()[0], Value::Choice(1), "{best:?}");
+    assert!(f(&best.point) > 0.95, "{best:?} scores {}", f(&best.point));
+}
+
+#[test]
+fn re_measuring_the_same_knobs_many_times_is_absorbed() {
+    // The agent re-measures windows; identical points (and identical scores)
+    // make the kernel matrix singular without the noise term and jitter.
+    let mut optimizer = Optimizer::new(
+        Space::collective(),
+        OptimizerConfig {
+            seed: 9,
+            ..OptimizerConfig::default()
+        },
+    )
+    .unwrap();
+    let point = CollectiveKnobs::default().to_point();
+    for _ in 0..12 {
+        optimizer.observe(point.clone(), 3.0, None).unwrap();
+    }
+    optimizer.observe(point.clone(), 3.3, Some(0.1)).unwrap();
+    let best = optimizer.best().unwrap();
+    assert_eq!(best.point, point);
+    assert!((best.predicted_score - 3.0).abs() < 0.05, "{best:?}");
+    let next = optimizer.suggest();
+    optimizer.space().validate(&next).unwrap();
+}
