@@ -1,12 +1,18 @@
 //! `ringwatch-agent`: the node daemon of ringwatch.
 //!
-//! The pipeline runs one way: `probes` (load and attach BPF) → `events`
-//! (decode ring-buffer records) → `model` (per-thread state) → the commands
-//! that show it. The agent only observes: it is never on a job's data path.
+//! The pipeline runs one way: `discovery` (what to watch) → `probes` (load
+//! and attach BPF) → `events` (decode ring-buffer records) → `model`
+//! (bounded per-thread and per-connection series) → the commands that show
+//! it (`watch`, `top`); `session` wires them together, `lock` keeps one
+//! agent per node. The agent only observes: it is never on a job's data path.
 
+mod discovery;
 mod events;
+mod lock;
 mod model;
 mod probes;
+mod session;
+mod top;
 mod watch;
 
 use anyhow::Result;
@@ -43,6 +49,10 @@ enum Command {
     /// Count context switches of the given processes for a while, then print
     /// them (what the agent does when no subcommand is given).
     Watch(watch::WatchArgs),
+    /// Live per-process and per-thread view (CPU %, run-queue p50/p99,
+    /// off-CPU %, TCP bytes/s, retransmits, NCCL calls/s), refreshed every
+    /// second.
+    Top(top::TopArgs),
 }
 
 fn main() -> std::process::ExitCode {
@@ -57,6 +67,7 @@ fn main() -> std::process::ExitCode {
             runtime.block_on(async move {
                 match cli.command {
                     Some(Command::Watch(args)) => watch::run(args).await,
+                    Some(Command::Top(args)) => top::run(args).await,
                     None => watch::run(cli.watch).await,
                 }
             })
