@@ -34,6 +34,19 @@ static __always_inline void rw_count(__u32 slot)
 		*value += 1;
 }
 
+/* Wake the agent only once this much is waiting: a wakeup per record costs
+ * more than the record (an irq_work and a reschedule of the reader). The
+ * agent also drains on a short timer, so records never wait long. */
+#define RW_WAKEUP_BYTES (256 * 1024)
+
+static __always_inline void rw_submit(void *record)
+{
+	__u64 flags = bpf_ringbuf_query(&events, BPF_RB_AVAIL_DATA) >= RW_WAKEUP_BYTES
+			      ? BPF_RB_FORCE_WAKEUP
+			      : BPF_RB_NO_WAKEUP;
+	bpf_ringbuf_submit(record, flags);
+}
+
 static __always_inline bool rw_is_watched(__u32 tgid)
 {
 	return tgid != 0 && bpf_map_lookup_elem(&watched_tgids, &tgid) != NULL;

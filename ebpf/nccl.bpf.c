@@ -69,7 +69,7 @@ int rw_nccl_return(struct pt_regs *ctx)
 		event->count = pending->count;
 		event->entry_ns = pending->entry_ns;
 		event->return_ns = event->hdr.ts_ns;
-		bpf_ringbuf_submit(event, 0);
+		rw_submit(event);
 	} else {
 		rw_count(RW_COUNTER_RINGBUF_DROPS);
 	}

@@ -91,7 +91,7 @@ static __always_inline void rw_send_interval(__u32 tgid, __u32 tid, __u32 interv
 	event->duration_ns = duration;
 	event->interval = interval;
 	event->cause = cause;
-	bpf_ringbuf_submit(event, 0);
+	rw_submit(event);
 }
 
 static __always_inline struct rw_thread_state *rw_thread(__u32 tid, __u32 tgid)
@@ -175,7 +175,7 @@ int BPF_PROG(rw_sched_switch, bool preempt, struct task_struct *prev,
 	event->prev_watched = prev_watched;
 	event->next_watched = next_watched;
 	event->_pad = 0;
-	bpf_ringbuf_submit(event, 0);
+	rw_submit(event);
 	return 0;
 }
 
@@ -239,6 +239,6 @@ int BPF_PROG(rw_sched_process_exit, struct task_struct *p)
 	rw_fill_header(&event->hdr, RW_EVENT_THREAD_EXIT);
 	event->tgid = tgid;
 	event->tid = tid;
-	bpf_ringbuf_submit(event, 0);
+	rw_submit(event);
 	return 0;
 }

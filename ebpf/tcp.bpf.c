@@ -142,7 +142,7 @@ int BPF_PROG(rw_tcp_retransmit_skb, struct sock *sk)
 	event->sock = key;
 	event->tgid = stats->tgid;
 	event->_pad = 0;
-	bpf_ringbuf_submit(event, 0);
+	rw_submit(event);
 	return 0;
 }
 
@@ -185,7 +185,7 @@ int BPF_PROG(rw_inet_sock_set_state, struct sock *sk, int oldstate, int newstate
 		rw_fill_header(&event->hdr, RW_EVENT_TCP_CLOSE);
 		event->sock = key;
 		__builtin_memcpy(&event->stats, stats, sizeof(event->stats));
-		bpf_ringbuf_submit(event, 0);
+		rw_submit(event);
 	} else {
 		rw_count(RW_COUNTER_RINGBUF_DROPS);
 	}

@@ -72,6 +72,9 @@ pub fn monotonic_ns() -> u64 {
     ts.tv_sec as u64 * 1_000_000_000 + ts.tv_nsec as u64
 }
 
+/// How often the ring buffer is drained without a wakeup from the kernel.
+const DRAIN_PERIOD: Duration = Duration::from_millis(10);
+
 /// Why a session's loop stopped early.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Stop {
@@ -222,11 +225,19 @@ impl Session {
         self.model.update_sockets(&socks);
     }
 
-    /// Processes ring-buffer records until `until`, or a signal.
+    /// Processes ring-buffer records until `until`, or a signal. The kernel
+    /// wakes us only when a batch is waiting, so we also drain on a short
+    /// timer.
     pub async fn pump(&mut self, until: tokio::time::Instant) -> Result<Option<Stop>> {
+        let mut tick = tokio::time::interval(DRAIN_PERIOD);
+        tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         loop {
             tokio::select! {
-                () = tokio::time::sleep_until(until) => return Ok(None),
+                () = tokio::time::sleep_until(until) => {
+                    self.drain_now();
+                    return Ok(None);
+                }
+                _ = tick.tick() => self.drain_now(),
                 _ = tokio::signal::ctrl_c() => return Ok(Some(Stop::Interrupted)),
                 _ = self.sigterm.recv() => return Ok(Some(Stop::Terminated)),
                 guard = self.ring.readable_mut() => {
