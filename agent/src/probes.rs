@@ -236,10 +236,20 @@ impl Probes {
         out
     }
 
-    /// Deletes the histogram buckets of threads the model forgot.
+    /// Deletes the histogram buckets and traffic counters of threads the
+    /// model forgot, so the kernel maps stay bounded on a long run.
     pub fn forget_threads(&mut self, tids: &[u32]) {
         if tids.is_empty() {
             return;
+        }
+        let doomed_net: Vec<PodThreadKey> = self
+            .thread_net
+            .keys()
+            .flatten()
+            .filter(|k| tids.contains(&k.0.tid))
+            .collect();
+        for key in doomed_net {
+            let _ = self.thread_net.remove(&key);
         }
         let doomed: Vec<PodHistKey> = self
             .hist

@@ -83,14 +83,15 @@ fn finish_load(mut load: Load) -> Result<f64> {
 }
 
 /// (round trips per second summed over the loads, agent figures if watched)
-fn one_run(sib: &Sibling, cli: &Cli, watched: bool) -> Result<(f64, Option<AgentRun>)> {
+fn one_run(sib: &Sibling, cli: &Cli, watched: Option<&str>) -> Result<(f64, Option<AgentRun>)> {
     let mut loads = (0..cli.loads)
         .map(|_| start_load(sib, cli.rounds))
         .collect::<Result<Vec<_>>>()?;
-    let agent = if watched {
+    let agent = if let Some(min_interval) = watched {
         let pids: Vec<String> = loads.iter().map(|l| l.pid.to_string()).collect();
         let mut child = Command::new(&sib.agent)
             .args(["--pid", &pids.join(","), "--duration", "120s", "--json"])
+            .args(["--min-interval", min_interval])
             .env(
                 "RINGWATCH_LOCK_FILE",
                 std::env::temp_dir().join(format!("ringwatch-bench-{}.lock", std::process::id())),
@@ -192,42 +193,44 @@ fn main() -> Result<()> {
         bail!("ringwatch-bench runs the agent, which loads eBPF: run it as root");
     }
     let sib = Sibling::find()?;
+    // Watched with every record, and bounded: intervals under 100 µs only
+    // in the histograms.
+    let variants = ["0s", "100us"];
     let mut base = Vec::new();
-    let mut watched = Vec::new();
-    let mut runs = Vec::new();
+    let mut watched: Vec<Vec<f64>> = vec![Vec::new(); variants.len()];
+    let mut runs: Vec<Vec<AgentRun>> = variants.iter().map(|_| Vec::new()).collect();
     // Warm-up, not counted.
-    one_run(&sib, &cli, false)?;
+    one_run(&sib, &cli, None)?;
     for _ in 0..cli.pairs {
-        base.push(one_run(&sib, &cli, false)?.0);
-        let (rate, agent) = one_run(&sib, &cli, true)?;
-        watched.push(rate);
-        runs.extend(agent);
+        for (i, v) in variants.iter().enumerate() {
+            base.push(one_run(&sib, &cli, None)?.0);
+            let (rate, agent) = one_run(&sib, &cli, Some(v))?;
+            watched[i].push(rate);
+            runs[i].extend(agent);
+        }
     }
-    let b = median(&mut base.clone());
-    let w = median(&mut watched.clone());
+    let b = median(&mut base);
     println!(
-        "ringwatch probes benchmark: {} ping-pong load(s) x {} round trips, {} A/B pairs",
+        "ringwatch probes benchmark: {} ping-pong load(s) x {} round trips, {} A/B pairs per variant",
         cli.loads, cli.rounds, cli.pairs
     );
     println!();
-    println!("| run | round trips/s (median) | slowdown |");
-    println!("|---|---:|---:|");
-    println!("| unwatched | {b:.0} | |");
     println!(
-        "| watched by ringwatch-agent | {w:.0} | {:.1} % |",
-        100.0 * (b - w) / b
+        "| run | round trips/s (median) | slowdown | records/s (median) | ring-buffer drops (sum) | agent CPU % (median) | agent peak RSS MiB (max) |"
     );
-    println!();
-    println!("| watched run | records/s | ring-buffer drops | agent CPU % | agent peak RSS MiB |");
-    println!("|---|---:|---:|---:|---:|");
-    for (i, r) in runs.iter().enumerate() {
+    println!("|---|---:|---:|---:|---:|---:|---:|");
+    println!("| unwatched | {b:.0} | | | | | |");
+    for (i, v) in variants.iter().enumerate() {
+        let w = median(&mut watched[i]);
+        let mut rates: Vec<f64> = runs[i].iter().map(|r| r.events as f64 / r.load_s).collect();
+        let mut cpu: Vec<f64> = runs[i].iter().map(|r| r.cpu_pct).collect();
+        let drops: u64 = runs[i].iter().map(|r| r.drops).sum();
+        let rss = runs[i].iter().map(|r| r.peak_rss_mib).fold(0.0, f64::max);
         println!(
-            "| {} | {:.0} | {} | {:.1} | {:.1} |",
-            i + 1,
-            r.events as f64 / r.load_s,
-            r.drops,
-            r.cpu_pct,
-            r.peak_rss_mib
+            "| watched, --min-interval {v} | {w:.0} | {:.1} % | {:.0} | {drops} | {:.1} | {rss:.1} |",
+            100.0 * (b - w) / b,
+            median(&mut rates),
+            median(&mut cpu),
         );
     }
     Ok(())
