@@ -512,3 +512,36 @@ fn top_prints_bounded_json_frames_for_busy_threads() {
     assert!(cpu > 30.0, "busy process at {cpu}%: {last:#}");
     assert!(cpu <= 100.0 * 2.0 + 1.0, "{last:#}");
 }
+
+#[test]
+fn watching_by_comm_and_cgroup_finds_the_process() {
+    if skip_unless_privileged() {
+        return;
+    }
+    let mut load = Testload::start(&["sleep", "--count", "10", "--interval", "30ms"]);
+    let pid = load.pid();
+    let comm = std::fs::read_to_string(format!("/proc/{pid}/comm")).unwrap();
+    let cgroup = std::fs::read_to_string(format!("/proc/{pid}/cgroup")).unwrap();
+    let cgroup = cgroup
+        .lines()
+        .find_map(|l| l.strip_prefix("0::"))
+        .map(str::to_owned);
+    let mut args = vec![
+        "--comm".to_owned(),
+        comm.trim().to_owned(),
+        "--duration".to_owned(),
+        "2s".to_owned(),
+        "--json".to_owned(),
+    ];
+    if let Some(cg) = &cgroup {
+        args.extend(["--cgroup".to_owned(), cg.clone()]);
+    }
+    let args: Vec<&str> = args.iter().map(String::as_str).collect();
+    let agent = Agent::start(&args);
+    load.go();
+    load.wait();
+    let summary = agent.finish(Duration::from_secs(30));
+    let p = process(&summary, pid);
+    assert!(u(&p["switched_out"]) >= 10, "{p:#}");
+    assert_eq!(summary["ended_because"], "duration elapsed");
+}
