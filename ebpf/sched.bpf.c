@@ -5,11 +5,14 @@
  * hash lookup per side. Per watched thread it keeps where the thread is
  * (on CPU, runnable, blocked) since when, fills log2 histograms of run-queue
  * waits and off-CPU (blocked) time, and sends finished intervals of at least
- * rw_min_interval_ns; shorter ones are only counted (never silently lost).
+ * rw_min_interval_ns, at most rw_max_intervals_per_s per thread; the others
+ * are only counted (never silently lost) and are still in the histograms.
  */
 
 /* Set by the agent at load time (aya's set_global); 0 sends every interval. */
 const volatile __u64 rw_min_interval_ns = 0;
+/* At most this many interval records per thread per second; 0: no limit. */
+const volatile __u32 rw_max_intervals_per_s = 0;
 
 /* __state of a task making its last switch (include/linux/sched.h). */
 #define RW_TASK_DEAD 0x80
@@ -19,10 +22,12 @@ struct rw_thread_state {
 	__u64 on_ts;     /* switched in at (valid while on_cpu) */
 	__u64 off_ts;    /* switched out at */
 	__u64 runq_ts;   /* became runnable at; 0 when not waiting */
+	__u64 rate_window_ns; /* start of the current one-second rate window */
+	__u32 rate_count;     /* records sent in it */
 	__u32 tgid;
 	__u8 on_cpu;
 	__u8 runq_cause; /* enum rw_interval_cause */
-	__u8 _pad[2];
+	__u8 _pad[6];
 };
 
 struct {
@@ -69,13 +74,25 @@ static __always_inline void rw_hist_add(__u32 tid, __u16 kind, __u64 duration_ns
 	__sync_fetch_and_add(count, 1);
 }
 
-static __always_inline void rw_send_interval(__u32 tgid, __u32 tid, __u32 interval,
-					     __u32 cause, __u64 start_ns, __u64 end_ns)
+static __always_inline void rw_send_interval(struct rw_thread_state *state, __u32 tgid,
+					     __u32 tid, __u32 interval, __u32 cause,
+					     __u64 start_ns, __u64 end_ns)
 {
 	__u64 duration = end_ns - start_ns;
 	if (duration < rw_min_interval_ns) {
 		rw_count(RW_COUNTER_INTERVALS_SKIPPED);
 		return;
+	}
+	if (rw_max_intervals_per_s) {
+		if (end_ns - state->rate_window_ns >= 1000000000ULL) {
+			state->rate_window_ns = end_ns;
+			state->rate_count = 0;
+		}
+		if (state->rate_count >= rw_max_intervals_per_s) {
+			rw_count(RW_COUNTER_INTERVALS_RATE_LIMITED);
+			return;
+		}
+		state->rate_count++;
 	}
 	struct rw_sched_interval_event *event =
 		bpf_ringbuf_reserve(&events, sizeof(*event), 0);
@@ -133,7 +150,7 @@ int BPF_PROG(rw_sched_switch, bool preempt, struct task_struct *prev,
 			 * queue from now on; otherwise it blocked until woken. */
 			bool runnable = preempt || prev_state == 0;
 			if (state->on_cpu)
-				rw_send_interval(prev_tgid, tid, RW_INTERVAL_ON_CPU,
+				rw_send_interval(state, prev_tgid, tid, RW_INTERVAL_ON_CPU,
 						 runnable ? RW_CAUSE_PREEMPTED : RW_CAUSE_BLOCKED,
 						 state->on_ts, now);
 			state->on_cpu = 0;
@@ -149,7 +166,7 @@ int BPF_PROG(rw_sched_switch, bool preempt, struct task_struct *prev,
 			if (state->runq_ts) {
 				__u64 wait = now - state->runq_ts;
 				rw_hist_add(tid, RW_HIST_RUN_QUEUE, wait);
-				rw_send_interval(next_tgid, tid, RW_INTERVAL_RUN_QUEUE,
+				rw_send_interval(state, next_tgid, tid, RW_INTERVAL_RUN_QUEUE,
 						 state->runq_cause, state->runq_ts, now);
 			}
 			state->runq_ts = 0;
@@ -201,7 +218,7 @@ static __always_inline void rw_woken(struct task_struct *p, bool new_thread)
 		if (!state->off_ts)
 			return; /* first seen now: we do not know when it blocked */
 		rw_hist_add(tid, RW_HIST_OFF_CPU, now - state->off_ts);
-		rw_send_interval(tgid, tid, RW_INTERVAL_OFF_CPU, RW_CAUSE_BLOCKED,
+		rw_send_interval(state, tgid, tid, RW_INTERVAL_OFF_CPU, RW_CAUSE_BLOCKED,
 				 state->off_ts, now);
 		state->runq_cause = RW_CAUSE_WOKEN;
 	}

@@ -98,6 +98,9 @@ static __always_inline void rw_sock_io(struct sock *sk, int ret, int flags, bool
 
 	struct rw_sock_stats *stats = rw_sock_entry(sk, tgid, now);
 	if (stats) {
+		/* Seen first at connect(), before the local port was chosen. */
+		if (!stats->sport)
+			stats->sport = BPF_CORE_READ(sk, __sk_common.skc_num);
 		if (tx) {
 			__sync_fetch_and_add(&stats->tx_bytes, ret);
 			__sync_fetch_and_add(&stats->tx_calls, 1);

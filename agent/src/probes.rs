@@ -42,6 +42,9 @@ pub struct ProbeConfig {
     /// Intervals shorter than this are only counted (and in the histograms),
     /// not sent as records: bounds the event rate.
     pub min_interval_ns: u64,
+    /// At most this many interval records per thread per second (0: no
+    /// limit); the rest are counted and in the histograms only.
+    pub max_intervals_per_s: u32,
 }
 
 /// A log2 histogram of one thread: `buckets[slot]` counts durations in
@@ -83,6 +86,11 @@ impl Probes {
         let mut ebpf = EbpfLoader::new()
             .btf(Some(&btf))
             .set_global(names::GLOBAL_MIN_INTERVAL_NS, &config.min_interval_ns, true)
+            .set_global(
+                names::GLOBAL_MAX_INTERVALS_PER_S,
+                &config.max_intervals_per_s,
+                true,
+            )
             .load(ebpf::bpf_object())
             .context("loading ringwatch's BPF object into the kernel")?;
         for (program, tracepoint) in [

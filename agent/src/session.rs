@@ -52,6 +52,11 @@ pub struct TargetArgs {
     #[arg(long, default_value = "0s", value_parser = humantime::parse_duration, env = "RINGWATCH_MIN_INTERVAL")]
     pub min_interval: Duration,
 
+    /// At most this many interval records per thread per second leave the
+    /// kernel (0: no limit); the rest are counted and in the histograms.
+    #[arg(long, default_value_t = 0, env = "RINGWATCH_MAX_INTERVAL_RATE")]
+    pub max_interval_rate: u32,
+
     /// At most this many intervals (and NCCL calls) kept per thread.
     #[arg(long, default_value_t = 100_000)]
     pub max_intervals_per_thread: usize,
@@ -132,7 +137,10 @@ impl Session {
         let lock = AgentLock::acquire(&args.lock_file)?;
         tracing::debug!(lock = %lock.path().display(), "holding the agent lock");
         let min_interval_ns = u64::try_from(args.min_interval.as_nanos()).unwrap_or(u64::MAX);
-        let mut probes = Probes::load(ProbeConfig { min_interval_ns })?;
+        let mut probes = Probes::load(ProbeConfig {
+            min_interval_ns,
+            max_intervals_per_s: args.max_interval_rate,
+        })?;
         let ring = probes.take_events()?;
         // SAFETY: the RingBuf owns its map's file descriptor, which stays
         // open and unchanged until the RingBuf (inside the AsyncFd) is dropped.

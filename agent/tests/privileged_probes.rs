@@ -195,8 +195,8 @@ fn more_busy_threads_than_cores_wait_on_the_run_queue() {
 struct NetnsPair {
     a: String,
     b: String,
+    addr_a: String,
     addr_b: String,
-    veth_b: String,
 }
 
 fn ip(args: &[&str]) {
@@ -219,29 +219,20 @@ impl NetnsPair {
         let pair = Self {
             a: format!("rw-a-{id}"),
             b: format!("rw-b-{id}"),
+            addr_a: format!("10.254.{net}.1"),
             addr_b: format!("10.254.{net}.2"),
-            veth_b: format!("rwb{id}"),
         };
         let veth_a = format!("rwa{id}");
+        let veth_b = format!("rwb{id}");
         ip(&["netns", "add", &pair.a]);
         ip(&["netns", "add", &pair.b]);
         ip(&[
-            "link",
-            "add",
-            &veth_a,
-            "netns",
-            &pair.a,
-            "type",
-            "veth",
-            "peer",
-            "name",
-            &pair.veth_b,
-            "netns",
-            &pair.b,
+            "link", "add", &veth_a, "netns", &pair.a, "type", "veth", "peer", "name", &veth_b,
+            "netns", &pair.b,
         ]);
         for (ns, dev, addr) in [
-            (&pair.a, &veth_a, format!("10.254.{net}.1/24")),
-            (&pair.b, &pair.veth_b, format!("{}/24", pair.addr_b)),
+            (&pair.a, &veth_a, format!("{}/24", pair.addr_a)),
+            (&pair.b, &veth_b, format!("{}/24", pair.addr_b)),
         ] {
             ip(&["-n", ns, "addr", "add", &addr, "dev", dev]);
             ip(&["-n", ns, "link", "set", dev, "up"]);
@@ -298,12 +289,14 @@ fn a_retransmission_between_two_namespaces_is_counted() {
     let agent = Agent::start(&["--pid", &spid.to_string(), "--duration", "25s", "--json"]);
     receiver.go();
     sender.go();
-    // Cut the receiver's side off for a moment: segments in flight are lost
-    // and TCP must retransmit them (RTO >= 200 ms).
+    // Black-hole the receiver's route back for a moment: its ACKs are lost,
+    // so the sender must retransmit (RTO >= 200 ms). This machine has no
+    // netem or tc drop actions; a route is enough.
     std::thread::sleep(Duration::from_millis(150));
-    ip(&["-n", &net.b, "link", "set", &net.veth_b, "down"]);
+    let blackhole = format!("{}/32", net.addr_a);
+    ip(&["-n", &net.b, "route", "add", "blackhole", &blackhole]);
     std::thread::sleep(Duration::from_millis(800));
-    ip(&["-n", &net.b, "link", "set", &net.veth_b, "up"]);
+    ip(&["-n", &net.b, "route", "del", "blackhole", &blackhole]);
     let received = receiver.wait_output();
     sender.wait();
     let summary = agent.finish(Duration::from_secs(40));
@@ -313,6 +306,10 @@ fn a_retransmission_between_two_namespaces_is_counted() {
     assert_eq!(u(&s["sched"]["tcp_tx_bytes"]), N, "{s:#}");
     let conn = &s["connections"][0];
     assert_eq!(conn["remote"], format!("{}:{port}", net.addr_b));
+    assert!(
+        !conn["local"].as_str().unwrap().ends_with(":0"),
+        "local port read: {conn:#}"
+    );
     assert!(u(&conn["retransmits"]) >= 1, "{conn:#}");
 }
 
@@ -544,4 +541,51 @@ fn watching_by_comm_and_cgroup_finds_the_process() {
     let p = process(&summary, pid);
     assert!(u(&p["switched_out"]) >= 10, "{p:#}");
     assert_eq!(summary["ended_because"], "duration elapsed");
+}
+
+#[test]
+fn the_per_thread_rate_limit_bounds_records_but_not_histograms() {
+    if skip_unless_privileged() {
+        return;
+    }
+    const LIMIT: u64 = 5;
+    let cores = std::thread::available_parallelism().unwrap().get();
+    let threads = (2 * cores + 1).to_string();
+    let mut load = Testload::start(&["busy", "--threads", &threads, "--duration", "1s"]);
+    let pid = load.pid();
+    let agent = Agent::start(&[
+        "--pid",
+        &pid.to_string(),
+        "--duration",
+        "20s",
+        "--json",
+        "--max-interval-rate",
+        &LIMIT.to_string(),
+    ]);
+    load.go();
+    load.wait();
+    let summary = agent.finish(Duration::from_secs(40));
+    let windows = summary["duration_s"].as_f64().unwrap().ceil() as u64 + 1;
+    let p = process(&summary, pid);
+    let mut hist = 0;
+    let mut records = 0;
+    for t in p["threads"].as_array().unwrap() {
+        let s = &t["sched"];
+        let sent =
+            u(&s["on_cpu_intervals"]) + u(&s["run_queue_waits"]) + u(&s["off_cpu_intervals"]);
+        assert!(
+            sent <= LIMIT * windows,
+            "{sent} records for one thread: {t:#}"
+        );
+        records += u(&s["run_queue_waits"]);
+        hist += hist_total(&t["histograms"]["run_queue"]);
+    }
+    assert!(
+        hist > records,
+        "histograms {hist} vs records {records}: {p:#}"
+    );
+    assert!(
+        u(&summary["kernel_counters"]["IntervalsRateLimited"]) > 0,
+        "{summary:#}"
+    );
 }

@@ -31,6 +31,9 @@ enum rw_counter {
 	/* a map (thread state, histogram, socket, thread traffic, NCCL
 	 * pending call) was full: that thread/socket/call is not accounted */
 	RW_COUNTER_MAP_FULL = 3,
+	/* interval records not sent because their thread reached
+	 * rw_max_intervals_per_s (they are still in the histograms) */
+	RW_COUNTER_INTERVALS_RATE_LIMITED = 4,
 	RW_COUNTER_MAX = 16,
 };
 

@@ -69,6 +69,8 @@ pub mod names {
     pub const MAP_SOCK_STATS: &str = "sock_stats";
     /// `.rodata` global: minimum interval length sent as a record, ns.
     pub const GLOBAL_MIN_INTERVAL_NS: &str = "rw_min_interval_ns";
+    /// `.rodata` global (`u32`): interval records per thread per second, 0 = no limit.
+    pub const GLOBAL_MAX_INTERVALS_PER_S: &str = "rw_max_intervals_per_s";
 }
 
 /// `enum rw_event_kind`: the first field after the timestamp in every record.
@@ -117,15 +119,19 @@ pub enum Counter {
     IntervalsSkipped = 2,
     /// A kernel map was full: a thread, socket or call went unaccounted.
     MapFull = 3,
+    /// Interval records not sent because their thread hit the per-second
+    /// limit (still in the histograms).
+    IntervalsRateLimited = 4,
 }
 
 impl Counter {
     /// Every counter, for reports.
-    pub const ALL: [Counter; 4] = [
+    pub const ALL: [Counter; 5] = [
         Counter::RingbufDrops,
         Counter::SchedSwitchSeen,
         Counter::IntervalsSkipped,
         Counter::MapFull,
+        Counter::IntervalsRateLimited,
     ];
 }
 
@@ -705,6 +711,10 @@ mod layout {
             ("RW_NCCL_BROADCAST", NcclFunc::Broadcast as u32),
             ("RW_NCCL_GROUP_START", NcclFunc::GroupStart as u32),
             ("RW_NCCL_GROUP_END", NcclFunc::GroupEnd as u32),
+            (
+                "RW_COUNTER_INTERVALS_RATE_LIMITED",
+                Counter::IntervalsRateLimited as u32,
+            ),
             ("RW_COUNTER_MAX", COUNTER_SLOTS),
         ];
         assert_eq!(rust, C_CONSTANTS.to_vec());

@@ -122,6 +122,7 @@ int main(void)
 	printf("    (\"RW_NCCL_BROADCAST\", %u),\n", RW_NCCL_BROADCAST);
 	printf("    (\"RW_NCCL_GROUP_START\", %u),\n", RW_NCCL_GROUP_START);
 	printf("    (\"RW_NCCL_GROUP_END\", %u),\n", RW_NCCL_GROUP_END);
+	printf("    (\"RW_COUNTER_INTERVALS_RATE_LIMITED\", %u),\n", RW_COUNTER_INTERVALS_RATE_LIMITED);
 	printf("    (\"RW_COUNTER_MAX\", %u),\n", RW_COUNTER_MAX);
 	printf("];\n");
 	return 0;
