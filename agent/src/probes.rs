@@ -36,9 +36,22 @@ unsafe impl Pod for PodThreadNet {}
 // SAFETY: as above.
 unsafe impl Pod for PodSockStats {}
 
+/// Groups of probes that can be switched on and off.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum ProbeSet {
+    /// sched_switch, sched_wakeup(_new), sched_process_exit.
+    Sched,
+    /// sock_send/recv_length, tcp_retransmit_skb, tcp_probe, inet_sock_set_state.
+    Tcp,
+    /// uprobes on libnccl.so.
+    Nccl,
+}
+
 /// How the kernel side should behave; fixed at load time.
-#[derive(Debug, Clone, Copy, Default)]
+#[derive(Debug, Clone, Default)]
 pub struct ProbeConfig {
+    /// Which probe groups to attach.
+    pub sets: Vec<ProbeSet>,
     /// Intervals shorter than this are only counted (and in the histograms),
     /// not sent as records: bounds the event rate.
     pub min_interval_ns: u64,
@@ -73,6 +86,7 @@ pub struct Probes {
     thread_net: BpfHashMap<MapData, PodThreadKey, PodThreadNet>,
     sock_stats: BpfHashMap<MapData, u64, PodSockStats>,
     nccl_attached: BTreeSet<u32>,
+    nccl_enabled: bool,
 }
 
 impl Probes {
@@ -93,18 +107,44 @@ impl Probes {
             )
             .load(ebpf::bpf_object())
             .context("loading ringwatch's BPF object into the kernel")?;
-        for (program, tracepoint) in [
-            (names::PROG_SCHED_SWITCH, "sched_switch"),
-            (names::PROG_SCHED_WAKEUP, "sched_wakeup"),
-            (names::PROG_SCHED_WAKEUP_NEW, "sched_wakeup_new"),
-            (names::PROG_SCHED_PROCESS_EXIT, "sched_process_exit"),
-            (names::PROG_SOCK_SEND_LENGTH, "sock_send_length"),
-            (names::PROG_SOCK_RECV_LENGTH, "sock_recv_length"),
-            (names::PROG_TCP_RETRANSMIT_SKB, "tcp_retransmit_skb"),
-            (names::PROG_TCP_PROBE, "tcp_probe"),
-            (names::PROG_INET_SOCK_SET_STATE, "inet_sock_set_state"),
+        for (set, program, tracepoint) in [
+            (ProbeSet::Sched, names::PROG_SCHED_SWITCH, "sched_switch"),
+            (ProbeSet::Sched, names::PROG_SCHED_WAKEUP, "sched_wakeup"),
+            (
+                ProbeSet::Sched,
+                names::PROG_SCHED_WAKEUP_NEW,
+                "sched_wakeup_new",
+            ),
+            (
+                ProbeSet::Sched,
+                names::PROG_SCHED_PROCESS_EXIT,
+                "sched_process_exit",
+            ),
+            (
+                ProbeSet::Tcp,
+                names::PROG_SOCK_SEND_LENGTH,
+                "sock_send_length",
+            ),
+            (
+                ProbeSet::Tcp,
+                names::PROG_SOCK_RECV_LENGTH,
+                "sock_recv_length",
+            ),
+            (
+                ProbeSet::Tcp,
+                names::PROG_TCP_RETRANSMIT_SKB,
+                "tcp_retransmit_skb",
+            ),
+            (ProbeSet::Tcp, names::PROG_TCP_PROBE, "tcp_probe"),
+            (
+                ProbeSet::Tcp,
+                names::PROG_INET_SOCK_SET_STATE,
+                "inet_sock_set_state",
+            ),
         ] {
-            attach_btf_tracepoint(&mut ebpf, &btf, program, tracepoint)?;
+            if config.sets.contains(&set) {
+                attach_btf_tracepoint(&mut ebpf, &btf, program, tracepoint)?;
+            }
         }
         for program in names::NCCL_ENTRY_PROGS
             .iter()
@@ -138,6 +178,7 @@ impl Probes {
             thread_net,
             sock_stats,
             nccl_attached: BTreeSet::new(),
+            nccl_enabled: config.sets.contains(&ProbeSet::Nccl),
         })
     }
 
@@ -162,7 +203,7 @@ impl Probes {
     /// Attaches the NCCL uprobes to `library` (a libnccl.so) for process
     /// `pid` only. Returns how many entry points were found; once per pid.
     pub fn attach_nccl(&mut self, pid: u32, library: &Path) -> Result<usize> {
-        if !self.nccl_attached.insert(pid) {
+        if !self.nccl_enabled || !self.nccl_attached.insert(pid) {
             return Ok(0);
         }
         let target = i32::try_from(pid).context("pid out of range")?;

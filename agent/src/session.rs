@@ -19,7 +19,7 @@ use crate::discovery::{self, ByCgroup, ByComm, Discovery, FixedPids};
 use crate::events::decode;
 use crate::lock::{AgentLock, DEFAULT_LOCK_FILE};
 use crate::model::Model;
-use crate::probes::{ProbeConfig, Probes};
+use crate::probes::{ProbeConfig, ProbeSet, Probes};
 
 /// What to watch and how much to keep: shared by every command.
 #[derive(Debug, Clone, Args)]
@@ -56,6 +56,16 @@ pub struct TargetArgs {
     /// kernel (0: no limit); the rest are counted and in the histograms.
     #[arg(long, default_value_t = 0, env = "RINGWATCH_MAX_INTERVAL_RATE")]
     pub max_interval_rate: u32,
+
+    /// Which probe groups to attach (comma-separated).
+    #[arg(
+        long,
+        value_enum,
+        value_delimiter = ',',
+        default_value = "sched,tcp,nccl",
+        env = "RINGWATCH_PROBES"
+    )]
+    pub probes: Vec<ProbeSet>,
 
     /// At most this many intervals (and NCCL calls) kept per thread.
     #[arg(long, default_value_t = 100_000)]
@@ -138,6 +148,7 @@ impl Session {
         tracing::debug!(lock = %lock.path().display(), "holding the agent lock");
         let min_interval_ns = u64::try_from(args.min_interval.as_nanos()).unwrap_or(u64::MAX);
         let mut probes = Probes::load(ProbeConfig {
+            sets: args.probes.clone(),
             min_interval_ns,
             max_intervals_per_s: args.max_interval_rate,
         })?;

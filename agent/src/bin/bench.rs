@@ -87,8 +87,13 @@ fn one_run(sib: &Sibling, cli: &Cli, watched: Option<&str>) -> Result<(f64, Opti
     let mut loads = (0..cli.loads)
         .map(|_| start_load(sib, cli.rounds))
         .collect::<Result<Vec<_>>>()?;
-    let agent = if let Some(min_interval) = watched {
-        let pids: Vec<String> = loads.iter().map(|l| l.pid.to_string()).collect();
+    let agent = if let Some(variant) = watched {
+        // "unwatched": the agent runs with every probe attached but watches
+        // only this benchmark process, not the load.
+        let (min_interval, pids): (&str, Vec<String>) = match variant {
+            "unwatched" => ("0s", vec![std::process::id().to_string()]),
+            v => (v, loads.iter().map(|l| l.pid.to_string()).collect()),
+        };
         let mut child = Command::new(&sib.agent)
             .args(["--pid", &pids.join(","), "--duration", "120s", "--json"])
             .args(["--min-interval", min_interval])
@@ -193,9 +198,9 @@ fn main() -> Result<()> {
         bail!("ringwatch-bench runs the agent, which loads eBPF: run it as root");
     }
     let sib = Sibling::find()?;
-    // Watched with every record, and bounded: intervals under 100 µs only
-    // in the histograms.
-    let variants = ["0s", "100us"];
+    // Agent attached but the load not watched; watched with every record;
+    // and bounded: intervals under 100 µs only in the histograms.
+    let variants = ["unwatched", "0s", "100us"];
     let mut base = Vec::new();
     let mut watched: Vec<Vec<f64>> = vec![Vec::new(); variants.len()];
     let mut runs: Vec<Vec<AgentRun>> = variants.iter().map(|_| Vec::new()).collect();
@@ -219,15 +224,19 @@ fn main() -> Result<()> {
         "| run | round trips/s (median) | slowdown | records/s (median) | ring-buffer drops (sum) | agent CPU % (median) | agent peak RSS MiB (max) |"
     );
     println!("|---|---:|---:|---:|---:|---:|---:|");
-    println!("| unwatched | {b:.0} | | | | | |");
+    println!("| no agent | {b:.0} | | | | | |");
     for (i, v) in variants.iter().enumerate() {
         let w = median(&mut watched[i]);
         let mut rates: Vec<f64> = runs[i].iter().map(|r| r.events as f64 / r.load_s).collect();
         let mut cpu: Vec<f64> = runs[i].iter().map(|r| r.cpu_pct).collect();
         let drops: u64 = runs[i].iter().map(|r| r.drops).sum();
         let rss = runs[i].iter().map(|r| r.peak_rss_mib).fold(0.0, f64::max);
+        let label = match *v {
+            "unwatched" => "agent running, load not watched".to_owned(),
+            v => format!("watched, --min-interval {v}"),
+        };
         println!(
-            "| watched, --min-interval {v} | {w:.0} | {:.1} % | {:.0} | {drops} | {:.1} | {rss:.1} |",
+            "| {label} | {w:.0} | {:.1} % | {:.0} | {drops} | {:.1} | {rss:.1} |",
             100.0 * (b - w) / b,
             median(&mut rates),
             median(&mut cpu),
