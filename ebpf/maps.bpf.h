@@ -5,12 +5,17 @@
  */
 #pragma once
 
-/* Processes (thread-group ids) the agent asked us to watch; value unused. */
+/* Processes (thread-group ids) the agent asked us to watch, as a bitmap:
+ * bit (tgid % 64) of element (tgid / 64). An array lookup is inlined by the
+ * verifier (no helper call), which matters: sched_switch runs this test for
+ * every context switch on the machine, watched or not. Covers every pid up
+ * to PID_MAX_LIMIT (2^22). */
+#define RW_WATCHED_WORDS (1 << 16)
 struct {
-	__uint(type, BPF_MAP_TYPE_HASH);
-	__uint(max_entries, 8192);
+	__uint(type, BPF_MAP_TYPE_ARRAY);
+	__uint(max_entries, RW_WATCHED_WORDS);
 	__type(key, __u32);
-	__type(value, __u8);
+	__type(value, __u64);
 } watched_tgids SEC(".maps");
 
 /* Every record leaves the kernel through this ring buffer. */
@@ -49,7 +54,9 @@ static __always_inline void rw_submit(void *record)
 
 static __always_inline bool rw_is_watched(__u32 tgid)
 {
-	return tgid != 0 && bpf_map_lookup_elem(&watched_tgids, &tgid) != NULL;
+	__u32 word = tgid >> 6;
+	__u64 *bits = bpf_map_lookup_elem(&watched_tgids, &word);
+	return tgid != 0 && bits && (*bits >> (tgid & 63)) & 1;
 }
 
 static __always_inline void rw_fill_header(struct rw_event_header *hdr, __u32 kind)

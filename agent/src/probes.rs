@@ -8,7 +8,7 @@ use std::collections::{BTreeMap, BTreeSet};
 use std::path::Path;
 
 use anyhow::{Context, Result, bail};
-use aya::maps::{HashMap as BpfHashMap, MapData, PerCpuArray, RingBuf};
+use aya::maps::{Array, HashMap as BpfHashMap, MapData, PerCpuArray, RingBuf};
 use aya::programs::{BtfTracePoint, UProbe};
 use aya::{Btf, Ebpf, EbpfLoader, Pod};
 use ebpf::{Counter, HistKey, HistKind, SockStats, ThreadKey, ThreadNet, names};
@@ -80,7 +80,7 @@ pub struct ThreadHistograms {
 /// The loaded and attached BPF programs of one agent.
 pub struct Probes {
     ebpf: Ebpf,
-    watched: BpfHashMap<MapData, u32, u8>,
+    watched: Array<MapData, u64>,
     counters: PerCpuArray<MapData, u64>,
     hist: BpfHashMap<MapData, PodHistKey, u64>,
     thread_net: BpfHashMap<MapData, PodThreadKey, PodThreadNet>,
@@ -160,7 +160,7 @@ impl Probes {
                 .with_context(|| format!("loading uprobe {program} (the verifier refused it)"))?;
         }
 
-        let watched = BpfHashMap::try_from(take_map(&mut ebpf, names::MAP_WATCHED_TGIDS)?)
+        let watched = Array::try_from(take_map(&mut ebpf, names::MAP_WATCHED_TGIDS)?)
             .context("map watched_tgids has an unexpected type")?;
         let counters = PerCpuArray::try_from(take_map(&mut ebpf, names::MAP_COUNTERS)?)
             .context("map counters has an unexpected type")?;
@@ -187,17 +187,27 @@ impl Probes {
         if tgid == 0 {
             bail!("pid 0 is the idle task; give the pid of a real process");
         }
-        self.watched
-            .insert(tgid, 1, 0)
+        self.set_watched_bit(tgid, true)
             .with_context(|| format!("adding pid {tgid} to the watched set"))
     }
 
     /// Stops reporting process `tgid` (no error if it was not watched).
     pub fn unwatch(&mut self, tgid: u32) -> Result<()> {
-        match self.watched.remove(&tgid) {
-            Ok(()) | Err(aya::maps::MapError::KeyNotFound) => Ok(()),
-            Err(e) => Err(e).with_context(|| format!("removing pid {tgid} from the watched set")),
+        self.set_watched_bit(tgid, false)
+            .with_context(|| format!("removing pid {tgid} from the watched set"))
+    }
+
+    /// Only this agent writes the bitmap, so read-modify-write is safe.
+    fn set_watched_bit(&mut self, tgid: u32, on: bool) -> Result<()> {
+        let word = tgid / 64;
+        if word >= ebpf::WATCHED_WORDS {
+            bail!("pid {tgid} is above the kernel's largest pid (2^22)");
         }
+        let bits = self.watched.get(&word, 0)?;
+        let mask = 1u64 << (tgid % 64);
+        let bits = if on { bits | mask } else { bits & !mask };
+        self.watched.set(word, bits, 0)?;
+        Ok(())
     }
 
     /// Attaches the NCCL uprobes to `library` (a libnccl.so) for process

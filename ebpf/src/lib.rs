@@ -24,7 +24,8 @@ pub fn bpf_object() -> &'static [u8] {
 
 /// Names of the maps and programs in the object, as the C sources spell them.
 pub mod names {
-    /// `HASH` map: thread-group ids to watch (key `u32`, value `u8`).
+    /// `ARRAY` of `u64`: bitmap of thread-group ids to watch (bit
+    /// `tgid % 64` of element `tgid / 64`), [`crate::WATCHED_WORDS`] elements.
     pub const MAP_WATCHED_TGIDS: &str = "watched_tgids";
     /// `RINGBUF` map every record leaves the kernel through.
     pub const MAP_EVENTS: &str = "events";
@@ -240,6 +241,9 @@ impl NcclFunc {
         }
     }
 }
+
+/// Elements of the `watched_tgids` bitmap (`RW_WATCHED_WORDS`): pids up to 2^22.
+pub const WATCHED_WORDS: u32 = 1 << 16;
 
 /// Number of slots in the `counters` map (`RW_COUNTER_MAX`).
 pub const COUNTER_SLOTS: u32 = 16;
