@@ -5,12 +5,17 @@
  */
 #pragma once
 
-/* Processes (thread-group ids) the agent asked us to watch; value unused. */
+/* Processes (thread-group ids) the agent asked us to watch, as a bitmap:
+ * bit (tgid % 64) of element (tgid / 64). An array lookup is inlined by the
+ * verifier (no helper call), which matters: sched_switch runs this test for
+ * every context switch on the machine, watched or not. Covers every pid up
+ * to PID_MAX_LIMIT (2^22). */
+#define RW_WATCHED_WORDS (1 << 16)
 struct {
-	__uint(type, BPF_MAP_TYPE_HASH);
-	__uint(max_entries, 8192);
+	__uint(type, BPF_MAP_TYPE_ARRAY);
+	__uint(max_entries, RW_WATCHED_WORDS);
 	__type(key, __u32);
-	__type(value, __u8);
+	__type(value, __u64);
 } watched_tgids SEC(".maps");
 
 /* Every record leaves the kernel through this ring buffer. */
@@ -34,9 +39,24 @@ static __always_inline void rw_count(__u32 slot)
 		*value += 1;
 }
 
+/* Wake the agent only once this much is waiting: a wakeup per record costs
+ * more than the record (an irq_work and a reschedule of the reader). The
+ * agent also drains on a short timer, so records never wait long. */
+#define RW_WAKEUP_BYTES (256 * 1024)
+
+static __always_inline void rw_submit(void *record)
+{
+	__u64 flags = bpf_ringbuf_query(&events, BPF_RB_AVAIL_DATA) >= RW_WAKEUP_BYTES
+			      ? BPF_RB_FORCE_WAKEUP
+			      : BPF_RB_NO_WAKEUP;
+	bpf_ringbuf_submit(record, flags);
+}
+
 static __always_inline bool rw_is_watched(__u32 tgid)
 {
-	return tgid != 0 && bpf_map_lookup_elem(&watched_tgids, &tgid) != NULL;
+	__u32 word = tgid >> 6;
+	__u64 *bits = bpf_map_lookup_elem(&watched_tgids, &word);
+	return tgid != 0 && bits && (*bits >> (tgid & 63)) & 1;
 }
 
 static __always_inline void rw_fill_header(struct rw_event_header *hdr, __u32 kind)

@@ -7,14 +7,18 @@
 #include <stdbool.h>
 #include <linux/types.h>
 #include <linux/bpf.h>
+#include <asm/ptrace.h>
 #include <bpf/bpf_helpers.h>
 #include <bpf/bpf_tracing.h>
 #include <bpf/bpf_core_read.h>
+#include <bpf/bpf_endian.h>
 
 #include "kernel.h"
 #include "ringwatch.h"
 #include "maps.bpf.h"
 
 #include "sched.bpf.c"
+#include "tcp.bpf.c"
+#include "nccl.bpf.c"
 
 char LICENSE[] SEC("license") = "Dual BSD/GPL";

@@ -3,13 +3,26 @@
 //! Pure decoding: no state, no I/O. Unknown or short records are reported as
 //! such, never guessed at.
 
-use ebpf::{EventHeader, EventKind, SchedSwitchEvent, read_record};
+use ebpf::{
+    EventHeader, EventKind, NcclCallEvent, SchedIntervalEvent, SchedSwitchEvent, TcpCloseEvent,
+    TcpRetransmitEvent, ThreadExitEvent, read_record,
+};
 
 /// A decoded kernel record.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Event {
     /// A context switch involving a watched process.
     SchedSwitch(SchedSwitchEvent),
+    /// A finished on-CPU, run-queue or off-CPU interval.
+    SchedInterval(SchedIntervalEvent),
+    /// A watched thread exited.
+    ThreadExit(ThreadExitEvent),
+    /// A segment of a watched connection was retransmitted.
+    TcpRetransmit(TcpRetransmitEvent),
+    /// A watched connection closed, with its final figures.
+    TcpClose(TcpCloseEvent),
+    /// An NCCL call returned.
+    NcclCall(NcclCallEvent),
 }
 
 /// Why a ring-buffer item could not be decoded.
@@ -42,6 +55,15 @@ pub fn decode(bytes: &[u8]) -> Result<Event, DecodeError> {
         Some(EventKind::SchedSwitch) => {
             read_record(bytes).map(Event::SchedSwitch).ok_or_else(short)
         }
+        Some(EventKind::SchedInterval) => read_record(bytes)
+            .map(Event::SchedInterval)
+            .ok_or_else(short),
+        Some(EventKind::ThreadExit) => read_record(bytes).map(Event::ThreadExit).ok_or_else(short),
+        Some(EventKind::TcpRetransmit) => read_record(bytes)
+            .map(Event::TcpRetransmit)
+            .ok_or_else(short),
+        Some(EventKind::TcpClose) => read_record(bytes).map(Event::TcpClose).ok_or_else(short),
+        Some(EventKind::NcclCall) => read_record(bytes).map(Event::NcclCall).ok_or_else(short),
         None => Err(DecodeError::UnknownKind(header.kind)),
     }
 }
@@ -64,7 +86,9 @@ mod tests {
 
     #[test]
     fn decodes_a_sched_switch() {
-        let Event::SchedSwitch(e) = decode(&switch_bytes()).unwrap();
+        let Event::SchedSwitch(e) = decode(&switch_bytes()).unwrap() else {
+            panic!("not a switch")
+        };
         assert_eq!((e.hdr.ts_ns, e.hdr.cpu), (123, 3));
         assert_eq!(
             (e.prev_tgid, e.prev_tid, e.next_tgid, e.next_tid),
@@ -93,5 +117,34 @@ mod tests {
         let mut unknown = bytes.clone();
         unknown[8..12].copy_from_slice(&99u32.to_ne_bytes());
         assert_eq!(decode(&unknown), Err(DecodeError::UnknownKind(99)));
+    }
+
+    #[test]
+    fn decodes_an_interval() {
+        let mut bytes = Vec::new();
+        bytes.extend_from_slice(&500u64.to_ne_bytes());
+        bytes.extend_from_slice(&2u32.to_ne_bytes());
+        bytes.extend_from_slice(&0u32.to_ne_bytes());
+        for v in [7u32, 8] {
+            bytes.extend_from_slice(&v.to_ne_bytes());
+        }
+        for v in [100u64, 400] {
+            bytes.extend_from_slice(&v.to_ne_bytes());
+        }
+        for v in [3u32, 0] {
+            bytes.extend_from_slice(&v.to_ne_bytes());
+        }
+        let Event::SchedInterval(e) = decode(&bytes).unwrap() else {
+            panic!("not an interval")
+        };
+        assert_eq!((e.tgid, e.tid, e.start_ns, e.duration_ns), (7, 8, 100, 400));
+        assert_eq!((e.interval, e.cause), (3, 0));
+        assert!(matches!(
+            decode(&bytes[..30]),
+            Err(DecodeError::Short {
+                len: 30,
+                kind: Some(2)
+            })
+        ));
     }
 }

@@ -1,17 +1,24 @@
 //! `ringwatch-agent`: the node daemon of ringwatch.
 //!
-//! The pipeline runs one way: `probes` (load and attach BPF) → `events`
-//! (decode ring-buffer records) → `model` (per-thread state) → the commands
-//! that show it. The agent only observes: it is never on a job's data path.
+//! The pipeline runs one way: `discovery` (what to watch) → `probes` (load
+//! and attach BPF) → `events` (decode ring-buffer records) → `model`
+//! (bounded per-thread and per-connection series) → the commands that show
+//! it (`watch`, `top`); `session` wires them together, `lock` keeps one
+//! agent per node; `api` (with `timeline`, `metrics`, `gpu`) serves what
+//! the agent knows over HTTP (`serve`). The agent only observes: it is never on a job's data path.
 
 mod api;
+mod discovery;
 mod events;
 mod gpu;
+mod lock;
 mod metrics;
 mod model;
 mod probes;
 mod serve;
+mod session;
 mod timeline;
+mod top;
 mod watch;
 
 use anyhow::Result;
@@ -48,11 +55,15 @@ enum Command {
     /// Count context switches of the given processes for a while, then print
     /// them (what the agent does when no subcommand is given).
     Watch(watch::WatchArgs),
+    /// Live per-process and per-thread view (CPU %, run-queue p50/p99,
+    /// off-CPU %, TCP bytes/s, retransmits, NCCL calls/s), refreshed every
+    /// second.
+    Top(top::TopArgs),
     /// Print this node's NVIDIA GPUs as NVML reports them (or why there are
     /// none), as JSON.
     Gpus,
-    /// Run as the node daemon: serve the HTTP API and Prometheus metrics
-    /// until SIGINT/SIGTERM.
+    /// Run as the node daemon: serve the HTTP API, the timeline viewer and
+    /// Prometheus metrics until SIGINT/SIGTERM.
     Serve(serve::ServeArgs),
 }
 
@@ -68,6 +79,7 @@ fn main() -> std::process::ExitCode {
             runtime.block_on(async move {
                 match cli.command {
                     Some(Command::Watch(args)) => watch::run(args).await,
+                    Some(Command::Top(args)) => top::run(args).await,
                     Some(Command::Gpus) => print_gpus(),
                     Some(Command::Serve(args)) => serve::run(args).await,
                     None => watch::run(cli.watch).await,

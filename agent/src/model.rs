@@ -1,9 +1,17 @@
-//! `model`: per-thread state built from decoded events.
+//! `model`: per-thread and per-connection state built from decoded events
+//! and from the kernel's aggregate maps.
 //!
-//! Pure bookkeeping over events: no BPF, no I/O, so it is tested with
-//! synthetic events.
+//! Pure bookkeeping: no BPF, no I/O, no clock (time is always passed in, in
+//! `CLOCK_MONOTONIC` ns like the kernel's records), so it is tested with
+//! synthetic events. Memory is bounded: series older than the retention
+//! window are pruned, and each thread keeps at most a fixed number of
+//! intervals and NCCL calls (what is pruned early is counted).
+//! [`Model`] is what the commands and the HTTP API query.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet, VecDeque};
+
+use ebpf::{IntervalCause, IntervalKind, NcclFunc, SockStats, ThreadKey, ThreadNet};
+use serde::Serialize;
 
 use crate::events::Event;
 
@@ -30,7 +38,9 @@ pub struct SwitchCounts {
 impl SwitchCounts {
     /// Accounts one event.
     pub fn record(&mut self, event: &Event) {
-        let Event::SchedSwitch(e) = event;
+        let Event::SchedSwitch(e) = event else {
+            return;
+        };
         self.events += 1;
         if e.prev_watched != 0 {
             let thread = self.thread(e.prev_tgid, e.prev_tid);
@@ -68,6 +78,645 @@ impl SwitchCounts {
             total.preempted += t.preempted;
         }
         total
+    }
+}
+
+/// One finished interval of a thread.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+pub struct Interval {
+    /// Start, `CLOCK_MONOTONIC` ns.
+    pub start_ns: u64,
+    /// Length, ns.
+    pub duration_ns: u64,
+    /// What it measured.
+    #[serde(serialize_with = "ser_kind")]
+    pub kind: IntervalKind,
+    /// Why (preempted, blocked, woken, new).
+    #[serde(serialize_with = "ser_cause")]
+    pub cause: IntervalCause,
+}
+
+fn ser_kind<S: serde::Serializer>(k: &IntervalKind, s: S) -> Result<S::Ok, S::Error> {
+    s.serialize_str(match k {
+        IntervalKind::OnCpu => "on_cpu",
+        IntervalKind::RunQueue => "run_queue",
+        IntervalKind::OffCpu => "off_cpu",
+    })
+}
+
+fn ser_cause<S: serde::Serializer>(c: &IntervalCause, s: S) -> Result<S::Ok, S::Error> {
+    s.serialize_str(match c {
+        IntervalCause::Blocked => "blocked",
+        IntervalCause::Preempted => "preempted",
+        IntervalCause::Woken => "woken",
+        IntervalCause::New => "new",
+    })
+}
+
+/// One NCCL call of a thread.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+pub struct NcclCall {
+    /// The entry point (`ncclAllReduce`, …).
+    pub func: &'static str,
+    /// Elements.
+    pub count: u64,
+    /// `ncclDataType_t`.
+    pub datatype: u32,
+    /// `ncclRedOp_t`, or the root for broadcast.
+    pub op: u32,
+    /// `ncclResult_t`.
+    pub result: i32,
+    /// Entry, ns.
+    pub entry_ns: u64,
+    /// Return, ns.
+    pub return_ns: u64,
+}
+
+/// Totals of one thread since the agent first saw it (never pruned).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize)]
+pub struct ThreadTotals {
+    /// On-CPU time of finished on-CPU intervals, ns.
+    pub on_cpu_ns: u64,
+    /// Finished on-CPU intervals.
+    pub on_cpu_intervals: u64,
+    /// Run-queue waiting time, ns.
+    pub run_queue_ns: u64,
+    /// Run-queue waits.
+    pub run_queue_waits: u64,
+    /// Of which after a preemption.
+    pub run_queue_waits_after_preemption: u64,
+    /// Off-CPU (blocked) time, ns.
+    pub off_cpu_ns: u64,
+    /// Off-CPU intervals.
+    pub off_cpu_intervals: u64,
+    /// TCP bytes sent (exact, from the kernel's per-thread counters).
+    pub tcp_tx_bytes: u64,
+    /// TCP bytes received.
+    pub tcp_rx_bytes: u64,
+    /// TCP send calls.
+    pub tcp_tx_calls: u64,
+    /// TCP receive calls.
+    pub tcp_rx_calls: u64,
+    /// NCCL calls returned.
+    pub nccl_calls: u64,
+}
+
+impl ThreadTotals {
+    fn add(&mut self, o: &ThreadTotals) {
+        self.on_cpu_ns += o.on_cpu_ns;
+        self.on_cpu_intervals += o.on_cpu_intervals;
+        self.run_queue_ns += o.run_queue_ns;
+        self.run_queue_waits += o.run_queue_waits;
+        self.run_queue_waits_after_preemption += o.run_queue_waits_after_preemption;
+        self.off_cpu_ns += o.off_cpu_ns;
+        self.off_cpu_intervals += o.off_cpu_intervals;
+        self.tcp_tx_bytes += o.tcp_tx_bytes;
+        self.tcp_rx_bytes += o.tcp_rx_bytes;
+        self.tcp_tx_calls += o.tcp_tx_calls;
+        self.tcp_rx_calls += o.tcp_rx_calls;
+        self.nccl_calls += o.nccl_calls;
+    }
+}
+
+#[derive(Debug)]
+struct ThreadSeries {
+    tgid: u32,
+    totals: ThreadTotals,
+    intervals: VecDeque<Interval>,
+    nccl: VecDeque<NcclCall>,
+    /// (time, cumulative counters) samples of the kernel's thread_net map.
+    net: VecDeque<(u64, ThreadNet)>,
+    on_cpu_since: Option<u64>,
+    exited_ns: Option<u64>,
+    last_ns: u64,
+}
+
+impl ThreadSeries {
+    fn new(tgid: u32, now: u64) -> Self {
+        Self {
+            tgid,
+            totals: ThreadTotals::default(),
+            intervals: VecDeque::new(),
+            nccl: VecDeque::new(),
+            net: VecDeque::new(),
+            on_cpu_since: None,
+            exited_ns: None,
+            last_ns: now,
+        }
+    }
+}
+
+/// One TCP connection of a watched process.
+#[derive(Debug, Clone, Serialize)]
+pub struct Connection {
+    /// Owning process.
+    pub pid: u32,
+    /// `local_addr:port`.
+    pub local: String,
+    /// `remote_addr:port`.
+    pub remote: String,
+    /// Bytes sent.
+    pub tx_bytes: u64,
+    /// Bytes received.
+    pub rx_bytes: u64,
+    /// Segments retransmitted.
+    pub retransmits: u64,
+    /// Smoothed RTT, µs (0: no ACK seen yet).
+    pub srtt_us: u32,
+    /// Congestion window, segments.
+    pub cwnd: u32,
+    /// Opened (or first seen), ns.
+    pub opened_ns: u64,
+    /// Closed, ns; `None` while open.
+    pub closed_ns: Option<u64>,
+}
+
+impl Connection {
+    fn from_stats(s: &SockStats, closed_ns: Option<u64>) -> Self {
+        Self {
+            pid: s.tgid,
+            local: endpoint(s.family, &s.saddr, s.sport),
+            remote: endpoint(s.family, &s.daddr, s.dport),
+            tx_bytes: s.tx_bytes,
+            rx_bytes: s.rx_bytes,
+            retransmits: s.retransmits,
+            srtt_us: s.srtt_us,
+            cwnd: s.cwnd,
+            opened_ns: s.opened_ns,
+            closed_ns,
+        }
+    }
+}
+
+fn endpoint(family: u16, addr: &[u8; 16], port: u16) -> String {
+    if family == 10 {
+        format!("[{}]:{port}", std::net::Ipv6Addr::from(*addr))
+    } else {
+        let v4 = std::net::Ipv4Addr::new(addr[0], addr[1], addr[2], addr[3]);
+        format!("{v4}:{port}")
+    }
+}
+
+/// Figures of one thread over a time window, as `top` and the API show them.
+#[derive(Debug, Clone, Serialize)]
+pub struct ThreadSnapshot {
+    /// Thread id.
+    pub tid: u32,
+    /// On-CPU share of the window, percent of one CPU.
+    pub cpu_pct: f64,
+    /// Off-CPU (blocked) share of the window, percent.
+    pub off_cpu_pct: f64,
+    /// Run-queue wait median in the window, µs (`None`: no waits).
+    pub run_queue_p50_us: Option<f64>,
+    /// Run-queue wait 99th percentile in the window, µs.
+    pub run_queue_p99_us: Option<f64>,
+    /// TCP bytes sent per second over the window.
+    pub tcp_tx_bytes_per_s: f64,
+    /// TCP bytes received per second over the window.
+    pub tcp_rx_bytes_per_s: f64,
+    /// NCCL calls returned per second over the window.
+    pub nccl_calls_per_s: f64,
+    /// Totals since first seen.
+    pub totals: ThreadTotals,
+    /// Whether the thread has exited.
+    pub exited: bool,
+}
+
+/// Figures of one process over a time window.
+#[derive(Debug, Clone, Serialize)]
+pub struct ProcessSnapshot {
+    /// Process id.
+    pub pid: u32,
+    /// Sum of its threads' CPU shares, percent of one CPU.
+    pub cpu_pct: f64,
+    /// Mean of its threads' off-CPU shares, percent.
+    pub off_cpu_pct: f64,
+    /// Run-queue wait median over all its threads, µs.
+    pub run_queue_p50_us: Option<f64>,
+    /// Run-queue wait 99th percentile over all its threads, µs.
+    pub run_queue_p99_us: Option<f64>,
+    /// TCP bytes sent per second.
+    pub tcp_tx_bytes_per_s: f64,
+    /// TCP bytes received per second.
+    pub tcp_rx_bytes_per_s: f64,
+    /// Retransmits in the window.
+    pub retransmits_in_window: u64,
+    /// Retransmits since first seen (open and closed connections).
+    pub retransmits_total: u64,
+    /// NCCL calls per second.
+    pub nccl_calls_per_s: f64,
+    /// Totals since first seen.
+    pub totals: ThreadTotals,
+    /// Per thread.
+    pub threads: Vec<ThreadSnapshot>,
+}
+
+/// What the model holds and how much it dropped to stay bounded.
+#[derive(Debug, Clone, Copy, Default, Serialize)]
+pub struct ModelStats {
+    /// Threads known (live or within retention).
+    pub threads: usize,
+    /// Intervals held.
+    pub intervals: usize,
+    /// Intervals dropped before the retention window because a thread hit
+    /// its cap.
+    pub intervals_dropped_for_memory: u64,
+    /// Connections known.
+    pub connections: usize,
+}
+
+/// Bounded in-memory series of everything watched: per thread (intervals,
+/// NCCL calls, traffic samples) and per connection.
+#[derive(Debug)]
+pub struct Model {
+    retention_ns: u64,
+    max_intervals_per_thread: usize,
+    threads: BTreeMap<u32, ThreadSeries>,
+    live_conns: BTreeMap<u64, SockStats>,
+    closed_conns: VecDeque<Connection>,
+    closed_keys: BTreeSet<(u64, u64)>,
+    retransmits: VecDeque<(u64, u32)>,
+    intervals_dropped: u64,
+    /// Context-switch counts (what the `watch` command reports).
+    pub switches: SwitchCounts,
+}
+
+impl Model {
+    /// A model keeping `retention_ns` of history and at most
+    /// `max_intervals_per_thread` intervals per thread.
+    pub fn new(retention_ns: u64, max_intervals_per_thread: usize) -> Self {
+        Self {
+            retention_ns,
+            max_intervals_per_thread: max_intervals_per_thread.max(1),
+            threads: BTreeMap::new(),
+            live_conns: BTreeMap::new(),
+            closed_conns: VecDeque::new(),
+            closed_keys: BTreeSet::new(),
+            retransmits: VecDeque::new(),
+            intervals_dropped: 0,
+            switches: SwitchCounts::default(),
+        }
+    }
+
+    fn thread(&mut self, tgid: u32, tid: u32, now: u64) -> &mut ThreadSeries {
+        let t = self
+            .threads
+            .entry(tid)
+            .or_insert_with(|| ThreadSeries::new(tgid, now));
+        t.last_ns = t.last_ns.max(now);
+        t
+    }
+
+    /// Accounts one kernel record.
+    pub fn record(&mut self, event: &Event) {
+        match event {
+            Event::SchedSwitch(e) => {
+                self.switches.record(event);
+                let now = e.hdr.ts_ns;
+                if e.prev_watched != 0 {
+                    self.thread(e.prev_tgid, e.prev_tid, now).on_cpu_since = None;
+                }
+                if e.next_watched != 0 {
+                    self.thread(e.next_tgid, e.next_tid, now).on_cpu_since = Some(now);
+                }
+            }
+            Event::SchedInterval(e) => {
+                let (Some(kind), Some(cause)) = (
+                    IntervalKind::from_raw(e.interval),
+                    IntervalCause::from_raw(e.cause),
+                ) else {
+                    tracing::warn!(interval = e.interval, cause = e.cause, "unknown interval");
+                    return;
+                };
+                let cap = self.max_intervals_per_thread;
+                let t = self.thread(e.tgid, e.tid, e.hdr.ts_ns);
+                let totals = &mut t.totals;
+                match kind {
+                    IntervalKind::OnCpu => {
+                        totals.on_cpu_ns += e.duration_ns;
+                        totals.on_cpu_intervals += 1;
+                    }
+                    IntervalKind::RunQueue => {
+                        totals.run_queue_ns += e.duration_ns;
+                        totals.run_queue_waits += 1;
+                        if cause == IntervalCause::Preempted {
+                            totals.run_queue_waits_after_preemption += 1;
+                        }
+                    }
+                    IntervalKind::OffCpu => {
+                        totals.off_cpu_ns += e.duration_ns;
+                        totals.off_cpu_intervals += 1;
+                    }
+                }
+                t.intervals.push_back(Interval {
+                    start_ns: e.start_ns,
+                    duration_ns: e.duration_ns,
+                    kind,
+                    cause,
+                });
+                if t.intervals.len() > cap {
+                    t.intervals.pop_front();
+                    self.intervals_dropped += 1;
+                }
+            }
+            Event::ThreadExit(e) => {
+                let t = self.thread(e.tgid, e.tid, e.hdr.ts_ns);
+                t.exited_ns = Some(e.hdr.ts_ns);
+                t.on_cpu_since = None;
+            }
+            Event::TcpRetransmit(e) => self.retransmits.push_back((e.hdr.ts_ns, e.tgid)),
+            Event::TcpClose(e) => {
+                self.live_conns.remove(&e.sock);
+                self.closed_keys.insert((e.sock, e.stats.opened_ns));
+                self.closed_conns
+                    .push_back(Connection::from_stats(&e.stats, Some(e.hdr.ts_ns)));
+            }
+            Event::NcclCall(e) => {
+                let Some(func) = NcclFunc::from_raw(e.func) else {
+                    tracing::warn!(func = e.func, "unknown NCCL function id");
+                    return;
+                };
+                let cap = self.max_intervals_per_thread;
+                let t = self.thread(e.tgid, e.tid, e.return_ns);
+                t.totals.nccl_calls += 1;
+                t.nccl.push_back(NcclCall {
+                    func: func.symbol(),
+                    count: e.count,
+                    datatype: e.datatype,
+                    op: e.op,
+                    result: e.result,
+                    entry_ns: e.entry_ns,
+                    return_ns: e.return_ns,
+                });
+                if t.nccl.len() > cap {
+                    t.nccl.pop_front();
+                }
+            }
+        }
+    }
+
+    /// Takes a reading of the kernel's per-thread TCP counters (cumulative).
+    pub fn update_thread_net(&mut self, now: u64, entries: &[(ThreadKey, ThreadNet)]) {
+        for (key, net) in entries {
+            let t = self.thread(key.tgid, key.tid, now);
+            t.totals.tcp_tx_bytes = net.tx_bytes;
+            t.totals.tcp_rx_bytes = net.rx_bytes;
+            t.totals.tcp_tx_calls = net.tx_calls;
+            t.totals.tcp_rx_calls = net.rx_calls;
+            if t.net.back().is_none_or(|(_, last)| last != net) || t.net.len() < 2 {
+                t.net.push_back((now, *net));
+            } else if let Some(last) = t.net.back_mut() {
+                last.0 = now;
+            }
+        }
+    }
+
+    /// Takes a reading of the kernel's open-connection table (key: the
+    /// struct sock address).
+    pub fn update_sockets(&mut self, entries: &[(u64, SockStats)]) {
+        for (sock, stats) in entries {
+            if !self.closed_keys.contains(&(*sock, stats.opened_ns)) {
+                self.live_conns.insert(*sock, *stats);
+            }
+        }
+    }
+
+    /// Forgets what is older than the retention window before `now`: old
+    /// intervals and calls, threads that exited before it, closed
+    /// connections. Returns the tids forgotten (their kernel histograms can
+    /// be deleted).
+    pub fn prune(&mut self, now: u64) -> Vec<u32> {
+        let horizon = now.saturating_sub(self.retention_ns);
+        let mut gone = Vec::new();
+        for (&tid, t) in &mut self.threads {
+            while t
+                .intervals
+                .front()
+                .is_some_and(|i| i.start_ns + i.duration_ns < horizon)
+            {
+                t.intervals.pop_front();
+            }
+            while t.nccl.front().is_some_and(|c| c.return_ns < horizon) {
+                t.nccl.pop_front();
+            }
+            while t.net.len() > 2 && t.net.get(1).is_some_and(|(ts, _)| *ts < horizon) {
+                t.net.pop_front();
+            }
+            if t.exited_ns.is_some_and(|x| x < horizon) || t.last_ns < horizon {
+                gone.push(tid);
+            }
+        }
+        for tid in &gone {
+            self.threads.remove(tid);
+        }
+        while self
+            .closed_conns
+            .front()
+            .is_some_and(|c| c.closed_ns.is_some_and(|x| x < horizon))
+        {
+            self.closed_conns.pop_front();
+        }
+        if self.closed_conns.is_empty() {
+            self.closed_keys.clear();
+        }
+        while self
+            .retransmits
+            .front()
+            .is_some_and(|(ts, _)| *ts < horizon)
+        {
+            self.retransmits.pop_front();
+        }
+        gone
+    }
+
+    /// Processes known, ascending.
+    pub fn pids(&self) -> Vec<u32> {
+        let set: BTreeSet<u32> = self.threads.values().map(|t| t.tgid).collect();
+        set.into_iter().collect()
+    }
+
+    /// Threads of `pid` known, ascending.
+    pub fn tids(&self, pid: u32) -> Vec<u32> {
+        self.threads
+            .iter()
+            .filter(|(_, t)| t.tgid == pid)
+            .map(|(&tid, _)| tid)
+            .collect()
+    }
+
+    /// Totals of one thread since first seen.
+    pub fn thread_totals(&self, tid: u32) -> Option<ThreadTotals> {
+        self.threads.get(&tid).map(|t| t.totals)
+    }
+
+    /// Totals of one process (its known threads) since first seen.
+    pub fn process_totals(&self, pid: u32) -> ThreadTotals {
+        let mut total = ThreadTotals::default();
+        for t in self.threads.values().filter(|t| t.tgid == pid) {
+            total.add(&t.totals);
+        }
+        total
+    }
+
+    /// Intervals of thread `tid` that overlap `[from_ns, to_ns)`, oldest first.
+    pub fn intervals(&self, tid: u32, from_ns: u64, to_ns: u64) -> Vec<Interval> {
+        self.threads.get(&tid).map_or_else(Vec::new, |t| {
+            t.intervals
+                .iter()
+                .filter(|i| i.start_ns < to_ns && i.start_ns + i.duration_ns > from_ns)
+                .copied()
+                .collect()
+        })
+    }
+
+    /// NCCL calls of thread `tid` that returned in `[from_ns, to_ns)`.
+    pub fn nccl_calls(&self, tid: u32, from_ns: u64, to_ns: u64) -> Vec<NcclCall> {
+        self.threads.get(&tid).map_or_else(Vec::new, |t| {
+            t.nccl
+                .iter()
+                .filter(|c| c.return_ns >= from_ns && c.return_ns < to_ns)
+                .copied()
+                .collect()
+        })
+    }
+
+    /// Connections of `pid` (open and closed within retention); every
+    /// process's when `pid` is `None`.
+    pub fn connections(&self, pid: Option<u32>) -> Vec<Connection> {
+        self.live_conns
+            .values()
+            .map(|s| Connection::from_stats(s, None))
+            .chain(self.closed_conns.iter().cloned())
+            .filter(|c| pid.is_none_or(|p| c.pid == p))
+            .collect()
+    }
+
+    /// How big the model is.
+    pub fn stats(&self) -> ModelStats {
+        ModelStats {
+            threads: self.threads.len(),
+            intervals: self.threads.values().map(|t| t.intervals.len()).sum(),
+            intervals_dropped_for_memory: self.intervals_dropped,
+            connections: self.live_conns.len() + self.closed_conns.len(),
+        }
+    }
+
+    /// Figures of one thread over `[from_ns, to_ns)`.
+    pub fn thread_snapshot(&self, tid: u32, from_ns: u64, to_ns: u64) -> Option<ThreadSnapshot> {
+        let t = self.threads.get(&tid)?;
+        let window = to_ns.saturating_sub(from_ns).max(1) as f64;
+        let overlap = |i: &Interval| {
+            let start = i.start_ns.max(from_ns);
+            let end = (i.start_ns + i.duration_ns).min(to_ns);
+            end.saturating_sub(start)
+        };
+        let mut on_cpu: u64 = 0;
+        let mut off_cpu: u64 = 0;
+        let mut waits = Vec::new();
+        for i in self.intervals(tid, from_ns, to_ns) {
+            match i.kind {
+                IntervalKind::OnCpu => on_cpu += overlap(&i),
+                IntervalKind::OffCpu => off_cpu += overlap(&i),
+                IntervalKind::RunQueue => waits.push(i.duration_ns),
+            }
+        }
+        if let Some(since) = t.on_cpu_since {
+            on_cpu += to_ns.saturating_sub(since.max(from_ns));
+        }
+        let (p50, p99) = percentiles(&mut waits);
+        let (tx, rx) = net_rate(&t.net, from_ns, to_ns);
+        let nccl = t
+            .nccl
+            .iter()
+            .filter(|c| c.return_ns >= from_ns && c.return_ns < to_ns)
+            .count();
+        Some(ThreadSnapshot {
+            tid,
+            cpu_pct: (100.0 * on_cpu as f64 / window).min(100.0),
+            off_cpu_pct: (100.0 * off_cpu as f64 / window).min(100.0),
+            run_queue_p50_us: p50,
+            run_queue_p99_us: p99,
+            tcp_tx_bytes_per_s: tx,
+            tcp_rx_bytes_per_s: rx,
+            nccl_calls_per_s: nccl as f64 * 1e9 / window,
+            totals: t.totals,
+            exited: t.exited_ns.is_some(),
+        })
+    }
+
+    /// Figures of one process over `[from_ns, to_ns)`.
+    pub fn process_snapshot(&self, pid: u32, from_ns: u64, to_ns: u64) -> ProcessSnapshot {
+        let threads: Vec<ThreadSnapshot> = self
+            .tids(pid)
+            .into_iter()
+            .filter_map(|tid| self.thread_snapshot(tid, from_ns, to_ns))
+            .collect();
+        let mut waits: Vec<u64> = self
+            .tids(pid)
+            .into_iter()
+            .flat_map(|tid| self.intervals(tid, from_ns, to_ns))
+            .filter(|i| i.kind == IntervalKind::RunQueue)
+            .map(|i| i.duration_ns)
+            .collect();
+        let (p50, p99) = percentiles(&mut waits);
+        let live: Vec<&ThreadSnapshot> = threads.iter().filter(|t| !t.exited).collect();
+        let retransmits_total = self
+            .connections(Some(pid))
+            .iter()
+            .map(|c| c.retransmits)
+            .sum();
+        ProcessSnapshot {
+            pid,
+            cpu_pct: threads.iter().map(|t| t.cpu_pct).sum(),
+            off_cpu_pct: if live.is_empty() {
+                0.0
+            } else {
+                live.iter().map(|t| t.off_cpu_pct).sum::<f64>() / live.len() as f64
+            },
+            run_queue_p50_us: p50,
+            run_queue_p99_us: p99,
+            tcp_tx_bytes_per_s: threads.iter().map(|t| t.tcp_tx_bytes_per_s).sum(),
+            tcp_rx_bytes_per_s: threads.iter().map(|t| t.tcp_rx_bytes_per_s).sum(),
+            retransmits_in_window: self
+                .retransmits
+                .iter()
+                .filter(|(ts, p)| *p == pid && *ts >= from_ns && *ts < to_ns)
+                .count() as u64,
+            retransmits_total,
+            nccl_calls_per_s: threads.iter().map(|t| t.nccl_calls_per_s).sum(),
+            totals: self.process_totals(pid),
+            threads,
+        }
+    }
+}
+
+/// (p50, p99) in µs of durations in ns (nearest rank).
+fn percentiles(values: &mut [u64]) -> (Option<f64>, Option<f64>) {
+    if values.is_empty() {
+        return (None, None);
+    }
+    values.sort_unstable();
+    let rank = |q: f64| {
+        let idx = ((q * values.len() as f64).ceil() as usize).clamp(1, values.len()) - 1;
+        values[idx] as f64 / 1000.0
+    };
+    (Some(rank(0.50)), Some(rank(0.99)))
+}
+
+/// Bytes/s sent and received between the samples bracketing the window.
+fn net_rate(samples: &VecDeque<(u64, ThreadNet)>, from_ns: u64, to_ns: u64) -> (f64, f64) {
+    let before = samples.iter().rev().find(|(ts, _)| *ts <= from_ns);
+    let start = before.or_else(|| samples.front());
+    let end = samples.iter().rev().find(|(ts, _)| *ts <= to_ns);
+    match (start, end) {
+        (Some((t0, a)), Some((t1, b))) if t1 > t0 => {
+            let secs = (t1 - t0) as f64 / 1e9;
+            (
+                b.tx_bytes.saturating_sub(a.tx_bytes) as f64 / secs,
+                b.rx_bytes.saturating_sub(a.rx_bytes) as f64 / secs,
+            )
+        }
+        _ => (0.0, 0.0),
     }
 }
 
@@ -115,5 +764,124 @@ mod tests {
         assert_eq!(counts.process_total(10).switched_out, 2);
         assert_eq!(counts.process_total(10).switched_in, 2);
         assert_eq!(counts.events, 3);
+    }
+
+    fn interval(tgid: u32, tid: u32, kind: u32, cause: u32, start: u64, dur: u64) -> Event {
+        Event::SchedInterval(ebpf::SchedIntervalEvent {
+            hdr: EventHeader {
+                ts_ns: start + dur,
+                kind: 2,
+                cpu: 0,
+            },
+            tgid,
+            tid,
+            start_ns: start,
+            duration_ns: dur,
+            interval: kind,
+            cause,
+        })
+    }
+
+    const MS: u64 = 1_000_000;
+
+    #[test]
+    fn totals_snapshots_and_time_ranges() {
+        let mut model = Model::new(10_000 * MS, 1000);
+        // thread 11: on CPU 0..100ms, blocked 100..600ms, waits 1ms, on 601..700.
+        model.record(&interval(10, 11, 1, 0, 0, 100 * MS));
+        model.record(&interval(10, 11, 3, 0, 100 * MS, 500 * MS));
+        model.record(&interval(10, 11, 2, 2, 600 * MS, MS));
+        model.record(&interval(10, 11, 1, 1, 601 * MS, 99 * MS));
+        model.record(&interval(10, 11, 2, 1, 700 * MS, 3 * MS));
+        let t = model.thread_totals(11).unwrap();
+        assert_eq!(t.on_cpu_ns, 199 * MS);
+        assert_eq!(t.off_cpu_ns, 500 * MS);
+        assert_eq!(
+            (t.run_queue_waits, t.run_queue_waits_after_preemption),
+            (2, 1)
+        );
+        assert_eq!(model.intervals(11, 550 * MS, 650 * MS).len(), 3);
+        let snap = model.thread_snapshot(11, 0, 1000 * MS).unwrap();
+        assert!((snap.cpu_pct - 19.9).abs() < 1e-9, "{snap:?}");
+        assert!((snap.off_cpu_pct - 50.0).abs() < 1e-9);
+        assert_eq!(snap.run_queue_p50_us, Some(1000.0));
+        assert_eq!(snap.run_queue_p99_us, Some(3000.0));
+        let p = model.process_snapshot(10, 0, 1000 * MS);
+        assert_eq!(p.threads.len(), 1);
+        assert_eq!(p.totals.on_cpu_ns, 199 * MS);
+    }
+
+    #[test]
+    fn traffic_rates_and_connections() {
+        let mut model = Model::new(10_000 * MS, 1000);
+        let key = ThreadKey { tgid: 5, tid: 6 };
+        let net = |tx| ThreadNet {
+            tx_bytes: tx,
+            rx_bytes: 0,
+            tx_calls: 1,
+            rx_calls: 0,
+        };
+        model.update_thread_net(0, &[(key, net(0))]);
+        model.update_thread_net(1000 * MS, &[(key, net(5000))]);
+        model.update_thread_net(2000 * MS, &[(key, net(15000))]);
+        let snap = model.thread_snapshot(6, 1000 * MS, 2000 * MS).unwrap();
+        assert!((snap.tcp_tx_bytes_per_s - 10000.0).abs() < 1e-6, "{snap:?}");
+        assert_eq!(model.process_totals(5).tcp_tx_bytes, 15000);
+
+        let mut stats = SockStats {
+            tgid: 5,
+            family: 2,
+            sport: 40000,
+            dport: 80,
+            tx_bytes: 7,
+            opened_ns: 3,
+            ..SockStats::default()
+        };
+        stats.saddr[..4].copy_from_slice(&[127, 0, 0, 1]);
+        stats.daddr[..4].copy_from_slice(&[127, 0, 0, 2]);
+        model.update_sockets(&[(0xabc, stats)]);
+        let conns = model.connections(Some(5));
+        assert_eq!(conns.len(), 1);
+        assert_eq!(conns[0].local, "127.0.0.1:40000");
+        assert_eq!(conns[0].remote, "127.0.0.2:80");
+        stats.tx_bytes = 9;
+        stats.retransmits = 2;
+        model.record(&Event::TcpClose(ebpf::TcpCloseEvent {
+            hdr: EventHeader {
+                ts_ns: 50,
+                kind: 5,
+                cpu: 0,
+            },
+            sock: 0xabc,
+            stats,
+        }));
+        // A stale reading taken before the close must not bring it back.
+        model.update_sockets(&[(0xabc, stats)]);
+        let conns = model.connections(None);
+        assert_eq!(conns.len(), 1);
+        assert_eq!((conns[0].tx_bytes, conns[0].closed_ns), (9, Some(50)));
+        assert_eq!(model.process_snapshot(5, 0, 100).retransmits_total, 2);
+    }
+
+    #[test]
+    fn memory_is_bounded_by_cap_and_retention() {
+        let mut model = Model::new(1000 * MS, 10);
+        for i in 0..100 {
+            model.record(&interval(1, 2, 1, 0, i * MS, MS));
+        }
+        assert_eq!(model.stats().intervals, 10);
+        assert_eq!(model.stats().intervals_dropped_for_memory, 90);
+        model.record(&Event::ThreadExit(ebpf::ThreadExitEvent {
+            hdr: EventHeader {
+                ts_ns: 101 * MS,
+                kind: 3,
+                cpu: 0,
+            },
+            tgid: 1,
+            tid: 2,
+        }));
+        assert!(model.prune(500 * MS).is_empty());
+        assert_eq!(model.prune(2000 * MS), vec![2]);
+        assert_eq!(model.stats().threads, 0);
     }
 }

@@ -1,43 +1,184 @@
 //! `probes`: loads the embedded BPF object with aya, attaches its programs
-//! and owns the maps the agent writes (the watched set) and reads (counters).
+//! and owns the maps the agent writes (the watched set) and reads (counters,
+//! histograms, per-thread and per-connection traffic).
 //!
 //! It never interprets records: decoding is `events`, state is `model`.
 
+use std::collections::{BTreeMap, BTreeSet};
+use std::path::Path;
+
 use anyhow::{Context, Result, bail};
-use aya::maps::{HashMap as BpfHashMap, MapData, PerCpuArray, RingBuf};
-use aya::programs::BtfTracePoint;
-use aya::{Btf, Ebpf};
-use ebpf::{Counter, names};
+use aya::maps::{Array, HashMap as BpfHashMap, MapData, PerCpuArray, RingBuf};
+use aya::programs::{BtfTracePoint, UProbe};
+use aya::{Btf, Ebpf, EbpfLoader, Pod};
+use ebpf::{Counter, HistKey, HistKind, SockStats, ThreadKey, ThreadNet, names};
+
+/// Plain-old-data wrappers so aya can read the kernel's map keys/values.
+#[repr(transparent)]
+#[derive(Clone, Copy)]
+struct PodHistKey(HistKey);
+#[repr(transparent)]
+#[derive(Clone, Copy)]
+struct PodThreadKey(ThreadKey);
+#[repr(transparent)]
+#[derive(Clone, Copy)]
+struct PodThreadNet(ThreadNet);
+#[repr(transparent)]
+#[derive(Clone, Copy)]
+struct PodSockStats(SockStats);
+// SAFETY: each wraps a #[repr(C)] struct of integers (ebpf crate, layout
+// checked against the C header), valid for every bit pattern.
+unsafe impl Pod for PodHistKey {}
+// SAFETY: as above.
+unsafe impl Pod for PodThreadKey {}
+// SAFETY: as above.
+unsafe impl Pod for PodThreadNet {}
+// SAFETY: as above.
+unsafe impl Pod for PodSockStats {}
+
+/// Groups of probes that can be switched on and off.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum ProbeSet {
+    /// sched_switch, sched_wakeup(_new), sched_process_exit.
+    Sched,
+    /// sock_send/recv_length, tcp_retransmit_skb, tcp_probe, inet_sock_set_state.
+    Tcp,
+    /// uprobes on libnccl.so.
+    Nccl,
+}
+
+/// How the kernel side should behave; fixed at load time.
+#[derive(Debug, Clone, Default)]
+pub struct ProbeConfig {
+    /// Which probe groups to attach.
+    pub sets: Vec<ProbeSet>,
+    /// Intervals shorter than this are only counted (and in the histograms),
+    /// not sent as records: bounds the event rate.
+    pub min_interval_ns: u64,
+    /// At most this many interval records per thread per second (0: no
+    /// limit); the rest are counted and in the histograms only.
+    pub max_intervals_per_s: u32,
+}
+
+/// A log2 histogram of one thread: `buckets[slot]` counts durations in
+/// `[2^slot, 2^(slot+1))` ns.
+#[derive(Debug, Clone, Default, PartialEq, Eq, serde::Serialize)]
+pub struct Log2Histogram {
+    /// slot → count (only non-empty slots).
+    pub buckets: BTreeMap<u16, u64>,
+}
+
+/// Histograms of one thread.
+#[derive(Debug, Clone, Default, PartialEq, Eq, serde::Serialize)]
+pub struct ThreadHistograms {
+    /// Run-queue waits.
+    pub run_queue: Log2Histogram,
+    /// Off-CPU (blocked) intervals.
+    pub off_cpu: Log2Histogram,
+}
 
 /// The loaded and attached BPF programs of one agent.
 pub struct Probes {
     ebpf: Ebpf,
-    watched: BpfHashMap<MapData, u32, u8>,
+    watched: Array<MapData, u64>,
     counters: PerCpuArray<MapData, u64>,
+    hist: BpfHashMap<MapData, PodHistKey, u64>,
+    thread_net: BpfHashMap<MapData, PodThreadKey, PodThreadNet>,
+    sock_stats: BpfHashMap<MapData, u64, PodSockStats>,
+    nccl_attached: BTreeSet<u32>,
+    nccl_enabled: bool,
 }
 
 impl Probes {
-    /// Loads the object and attaches every program. Needs root, or
-    /// CAP_BPF + CAP_PERFMON, and a kernel with BTF (`/sys/kernel/btf/vmlinux`).
-    pub fn load() -> Result<Self> {
+    /// Loads the object and attaches every tracepoint program. Needs root,
+    /// or CAP_BPF + CAP_PERFMON, and a kernel with BTF.
+    pub fn load(config: ProbeConfig) -> Result<Self> {
         check_privileges()?;
         let btf = Btf::from_sys_fs().context(
             "reading the kernel's BTF from /sys/kernel/btf/vmlinux (ringwatch needs a kernel built with CONFIG_DEBUG_INFO_BTF=y, Linux >= 5.15)",
         )?;
-        let mut ebpf = Ebpf::load(ebpf::bpf_object())
+        let mut ebpf = EbpfLoader::new()
+            .btf(Some(&btf))
+            .set_global(names::GLOBAL_MIN_INTERVAL_NS, &config.min_interval_ns, true)
+            .set_global(
+                names::GLOBAL_MAX_INTERVALS_PER_S,
+                &config.max_intervals_per_s,
+                true,
+            )
+            .load(ebpf::bpf_object())
             .context("loading ringwatch's BPF object into the kernel")?;
-        attach_btf_tracepoint(&mut ebpf, &btf, names::PROG_SCHED_SWITCH, "sched_switch")?;
+        for (set, program, tracepoint) in [
+            (ProbeSet::Sched, names::PROG_SCHED_SWITCH, "sched_switch"),
+            (ProbeSet::Sched, names::PROG_SCHED_WAKEUP, "sched_wakeup"),
+            (
+                ProbeSet::Sched,
+                names::PROG_SCHED_WAKEUP_NEW,
+                "sched_wakeup_new",
+            ),
+            (
+                ProbeSet::Sched,
+                names::PROG_SCHED_PROCESS_EXIT,
+                "sched_process_exit",
+            ),
+            (
+                ProbeSet::Tcp,
+                names::PROG_SOCK_SEND_LENGTH,
+                "sock_send_length",
+            ),
+            (
+                ProbeSet::Tcp,
+                names::PROG_SOCK_RECV_LENGTH,
+                "sock_recv_length",
+            ),
+            (
+                ProbeSet::Tcp,
+                names::PROG_TCP_RETRANSMIT_SKB,
+                "tcp_retransmit_skb",
+            ),
+            (ProbeSet::Tcp, names::PROG_TCP_PROBE, "tcp_probe"),
+            (
+                ProbeSet::Tcp,
+                names::PROG_INET_SOCK_SET_STATE,
+                "inet_sock_set_state",
+            ),
+        ] {
+            if config.sets.contains(&set) {
+                attach_btf_tracepoint(&mut ebpf, &btf, program, tracepoint)?;
+            }
+        }
+        for program in names::NCCL_ENTRY_PROGS
+            .iter()
+            .map(|(p, _)| *p)
+            .chain([names::PROG_NCCL_RETURN])
+        {
+            let prog: &mut UProbe = ebpf
+                .program_mut(program)
+                .with_context(|| format!("the BPF object has no program named {program}"))?
+                .try_into()
+                .with_context(|| format!("program {program} is not a uprobe"))?;
+            prog.load()
+                .with_context(|| format!("loading uprobe {program} (the verifier refused it)"))?;
+        }
 
-        let watched = take_map(&mut ebpf, names::MAP_WATCHED_TGIDS)?;
-        let watched =
-            BpfHashMap::try_from(watched).context("map watched_tgids has an unexpected type")?;
-        let counters = take_map(&mut ebpf, names::MAP_COUNTERS)?;
-        let counters =
-            PerCpuArray::try_from(counters).context("map counters has an unexpected type")?;
+        let watched = Array::try_from(take_map(&mut ebpf, names::MAP_WATCHED_TGIDS)?)
+            .context("map watched_tgids has an unexpected type")?;
+        let counters = PerCpuArray::try_from(take_map(&mut ebpf, names::MAP_COUNTERS)?)
+            .context("map counters has an unexpected type")?;
+        let hist = BpfHashMap::try_from(take_map(&mut ebpf, names::MAP_SCHED_HIST)?)
+            .context("map sched_hist has an unexpected type")?;
+        let thread_net = BpfHashMap::try_from(take_map(&mut ebpf, names::MAP_THREAD_NET)?)
+            .context("map thread_net has an unexpected type")?;
+        let sock_stats = BpfHashMap::try_from(take_map(&mut ebpf, names::MAP_SOCK_STATS)?)
+            .context("map sock_stats has an unexpected type")?;
         Ok(Self {
             ebpf,
             watched,
             counters,
+            hist,
+            thread_net,
+            sock_stats,
+            nccl_attached: BTreeSet::new(),
+            nccl_enabled: config.sets.contains(&ProbeSet::Nccl),
         })
     }
 
@@ -46,17 +187,68 @@ impl Probes {
         if tgid == 0 {
             bail!("pid 0 is the idle task; give the pid of a real process");
         }
-        self.watched
-            .insert(tgid, 1, 0)
+        self.set_watched_bit(tgid, true)
             .with_context(|| format!("adding pid {tgid} to the watched set"))
     }
 
     /// Stops reporting process `tgid` (no error if it was not watched).
     pub fn unwatch(&mut self, tgid: u32) -> Result<()> {
-        match self.watched.remove(&tgid) {
-            Ok(()) | Err(aya::maps::MapError::KeyNotFound) => Ok(()),
-            Err(e) => Err(e).with_context(|| format!("removing pid {tgid} from the watched set")),
+        self.set_watched_bit(tgid, false)
+            .with_context(|| format!("removing pid {tgid} from the watched set"))
+    }
+
+    /// Only this agent writes the bitmap, so read-modify-write is safe.
+    fn set_watched_bit(&mut self, tgid: u32, on: bool) -> Result<()> {
+        let word = tgid / 64;
+        if word >= ebpf::WATCHED_WORDS {
+            bail!("pid {tgid} is above the kernel's largest pid (2^22)");
         }
+        let bits = self.watched.get(&word, 0)?;
+        let mask = 1u64 << (tgid % 64);
+        let bits = if on { bits | mask } else { bits & !mask };
+        self.watched.set(word, bits, 0)?;
+        Ok(())
+    }
+
+    /// Attaches the NCCL uprobes to `library` (a libnccl.so) for process
+    /// `pid` only. Returns how many entry points were found; once per pid.
+    pub fn attach_nccl(&mut self, pid: u32, library: &Path) -> Result<usize> {
+        if !self.nccl_enabled || !self.nccl_attached.insert(pid) {
+            return Ok(0);
+        }
+        let target = i32::try_from(pid).context("pid out of range")?;
+        let mut attached = 0;
+        for (program, symbol) in names::NCCL_ENTRY_PROGS {
+            let entry: &mut UProbe = self
+                .ebpf
+                .program_mut(program)
+                .with_context(|| format!("the BPF object has no program named {program}"))?
+                .try_into()
+                .with_context(|| format!("program {program} is not a uprobe"))?;
+            match entry.attach(Some(symbol), 0, library, Some(target)) {
+                Ok(_) => {}
+                Err(error) => {
+                    tracing::debug!(%error, symbol, pid, library = %library.display(), "NCCL symbol not attached");
+                    continue;
+                }
+            }
+            let ret: &mut UProbe = self
+                .ebpf
+                .program_mut(names::PROG_NCCL_RETURN)
+                .context("the BPF object has no NCCL return program")?
+                .try_into()
+                .context("the NCCL return program is not a uprobe")?;
+            ret.attach(Some(symbol), 0, library, Some(target))
+                .with_context(|| {
+                    format!(
+                        "attaching the return probe of {symbol} in {} for pid {pid}",
+                        library.display()
+                    )
+                })?;
+            attached += 1;
+        }
+        tracing::info!(pid, library = %library.display(), attached, "NCCL uprobes attached");
+        Ok(attached)
     }
 
     /// The ring buffer the programs write records into. Can be taken once.
@@ -72,6 +264,79 @@ impl Probes {
             .get(&(counter as u32), 0)
             .with_context(|| format!("reading counter {counter:?}"))?;
         Ok(per_cpu.iter().sum())
+    }
+
+    /// Every counter by name.
+    pub fn counters(&self) -> Result<BTreeMap<String, u64>> {
+        Counter::ALL
+            .iter()
+            .map(|&c| Ok((format!("{c:?}"), self.counter(c)?)))
+            .collect()
+    }
+
+    /// The histograms of the given threads, as the kernel holds them now.
+    pub fn histograms(&self, tids: &BTreeSet<u32>) -> BTreeMap<u32, ThreadHistograms> {
+        let mut out: BTreeMap<u32, ThreadHistograms> = BTreeMap::new();
+        for entry in self.hist.iter() {
+            let Ok((PodHistKey(key), count)) = entry else {
+                continue; // an entry deleted while iterating
+            };
+            if !tids.contains(&key.tid) {
+                continue;
+            }
+            let h = out.entry(key.tid).or_default();
+            let bucket = if key.kind == HistKind::RunQueue as u16 {
+                &mut h.run_queue
+            } else {
+                &mut h.off_cpu
+            };
+            *bucket.buckets.entry(key.slot).or_default() += count;
+        }
+        out
+    }
+
+    /// Deletes the histogram buckets and traffic counters of threads the
+    /// model forgot, so the kernel maps stay bounded on a long run.
+    pub fn forget_threads(&mut self, tids: &[u32]) {
+        if tids.is_empty() {
+            return;
+        }
+        let doomed_net: Vec<PodThreadKey> = self
+            .thread_net
+            .keys()
+            .flatten()
+            .filter(|k| tids.contains(&k.0.tid))
+            .collect();
+        for key in doomed_net {
+            let _ = self.thread_net.remove(&key);
+        }
+        let doomed: Vec<PodHistKey> = self
+            .hist
+            .keys()
+            .flatten()
+            .filter(|k| tids.contains(&k.0.tid))
+            .collect();
+        for key in doomed {
+            let _ = self.hist.remove(&key);
+        }
+    }
+
+    /// TCP bytes and calls per thread (cumulative, exact).
+    pub fn thread_net(&self) -> Vec<(ThreadKey, ThreadNet)> {
+        self.thread_net
+            .iter()
+            .flatten()
+            .map(|(k, v)| (k.0, v.0))
+            .collect()
+    }
+
+    /// Open TCP connections of watched processes (key: struct sock address).
+    pub fn sockets(&self) -> Vec<(u64, SockStats)> {
+        self.sock_stats
+            .iter()
+            .flatten()
+            .map(|(k, v)| (k, v.0))
+            .collect()
     }
 }
 

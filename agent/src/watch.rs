@@ -1,39 +1,31 @@
 //! `watch`: the one-shot command: watch given processes for a duration and
-//! print their context switches (per process and thread), plus drops.
+//! print, per process and thread, context switches, on-CPU / run-queue /
+//! off-CPU totals and histograms, TCP traffic and connections, NCCL calls,
+//! plus every drop counter.
 //!
-//! It owns no state beyond one run; the long-running daemon reuses
-//! `probes`/`events`/`model`, not this.
+//! It owns no state beyond one run; the long-running commands reuse
+//! `session`/`model`, not this.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 use std::time::{Duration, Instant};
 
-use anyhow::{Context, Result, bail};
-use aya::maps::{MapData, RingBuf};
+use anyhow::{Context, Result};
 use clap::Args;
-use ebpf::Counter;
 use serde::Serialize;
-use tokio::io::Interest;
-use tokio::io::unix::AsyncFd;
-use tokio::signal::unix::{SignalKind, signal};
 
-use crate::events::decode;
-use crate::model::{SwitchCounts, ThreadSwitches};
-use crate::probes::Probes;
+use crate::model::{Connection, ModelStats, NcclCall, ThreadSwitches, ThreadTotals};
+use crate::probes::ThreadHistograms;
+use crate::session::{Session, Stop, TargetArgs};
 
 /// Which processes to watch, and for how long.
 #[derive(Debug, Clone, Args)]
 pub struct WatchArgs {
-    /// Process to watch (all its threads); repeat for several.
-    #[arg(
-        long = "pid",
-        value_name = "PID",
-        env = "RINGWATCH_PID",
-        value_delimiter = ','
-    )]
-    pub pids: Vec<u32>,
+    #[command(flatten)]
+    pub targets: TargetArgs,
 
     /// How long to watch, e.g. `5s`, `1m30s`. Ends early when every watched
-    /// process has exited; Ctrl-C ends it too. Without it, runs until Ctrl-C.
+    /// process (given by --pid) has exited; Ctrl-C ends it too. Without it,
+    /// runs until Ctrl-C.
     #[arg(long, value_parser = humantime::parse_duration)]
     pub duration: Option<Duration>,
 
@@ -51,6 +43,8 @@ struct Summary {
     events: u64,
     undecodable_records: u64,
     ringbuf_drops: u64,
+    kernel_counters: BTreeMap<String, u64>,
+    model: ModelStats,
 }
 
 #[derive(Debug, Serialize)]
@@ -59,6 +53,9 @@ struct ProcessSummary {
     comm: String,
     #[serde(flatten)]
     total: ThreadSwitches,
+    sched: ThreadTotals,
+    retransmits: u64,
+    connections: Vec<Connection>,
     threads: Vec<ThreadSummary>,
 }
 
@@ -68,86 +65,62 @@ struct ThreadSummary {
     comm: String,
     #[serde(flatten)]
     switches: ThreadSwitches,
+    sched: ThreadTotals,
+    histograms: ThreadHistograms,
+    nccl_calls: Vec<NcclCall>,
 }
 
 /// Runs the command.
 pub async fn run(args: WatchArgs) -> Result<()> {
-    if args.pids.is_empty() {
-        bail!("nothing to watch: give --pid PID (see --help)");
-    }
-    for &pid in &args.pids {
-        if !process_exists(pid) {
-            bail!("no process with pid {pid} (is it running, and in this PID namespace?)");
-        }
-    }
-    let mut probes = Probes::load()?;
-    let ring = probes.take_events()?;
-    for &pid in &args.pids {
-        probes.watch(pid)?;
-    }
-    // SAFETY: the RingBuf owns its map's file descriptor, which stays open and
-    // unchanged until the RingBuf (inside the AsyncFd) is dropped.
-    let mut ring = unsafe { AsyncFd::register_with_interest(ring, Interest::READABLE) }
-        .map_err(std::io::Error::from)
-        .context("registering the ring buffer with tokio")?;
-    let mut sigterm = signal(SignalKind::terminate()).context("installing the SIGTERM handler")?;
+    let mut session = Session::start(&args.targets)?;
     let started = Instant::now();
     eprintln!(
-        "ringwatch-agent: watching pid {} {}",
-        args.pids
-            .iter()
-            .map(u32::to_string)
-            .collect::<Vec<_>>()
-            .join(","),
+        "ringwatch-agent: watching {} {}",
+        session.describe(),
         args.duration.map_or_else(
             || "until Ctrl-C".to_owned(),
             |d| format!("for {}", humantime::format_duration(d))
         )
     );
-
     let deadline = args.duration.map(|d| tokio::time::Instant::now() + d);
-    let mut exit_check = tokio::time::interval(Duration::from_millis(100));
-    let mut counts = SwitchCounts::default();
-    let mut undecodable = 0u64;
-    let mut names = Names::default();
+    let mut seen: BTreeSet<u32> = session.watched().clone();
     let ended_because = loop {
-        tokio::select! {
-            () = sleep_until(deadline) => break "duration elapsed",
-            _ = tokio::signal::ctrl_c() => break "interrupted",
-            _ = sigterm.recv() => break "terminated",
-            _ = exit_check.tick() => {
-                if args.pids.iter().all(|&pid| !process_exists(pid)) {
-                    break "every watched process exited";
-                }
-            }
-            guard = ring.readable_mut() => {
-                let mut guard = guard.context("waiting on the ring buffer")?;
-                drain(guard.get_inner_mut(), &mut counts, &mut undecodable);
-                guard.clear_ready();
-                names.learn(&counts);
-            }
+        let step = tokio::time::Instant::now() + Duration::from_millis(100);
+        let until = deadline.map_or(step, |d| d.min(step));
+        match session.pump(until).await? {
+            Some(Stop::Interrupted) => break "interrupted",
+            Some(Stop::Terminated) => break "terminated",
+            None => {}
+        }
+        session.refresh()?;
+        seen.extend(session.watched().iter().copied());
+        if deadline.is_some_and(|d| tokio::time::Instant::now() >= d) {
+            break "duration elapsed";
+        }
+        if session.all_fixed_targets_exited() {
+            break "every watched process exited";
         }
     };
     // Records already in the buffer belong to the window we report.
-    drain(ring.get_mut(), &mut counts, &mut undecodable);
-    names.learn(&counts);
+    session.drain_now();
+    session.poll_maps();
     let duration = started.elapsed();
-    for &pid in &args.pids {
-        probes.unwatch(pid)?;
-    }
 
+    let mut processes = Vec::new();
+    for pid in seen {
+        processes.push(summarize(&session, pid));
+    }
     let summary = Summary {
         duration_s: duration.as_secs_f64(),
         ended_because,
-        processes: args
-            .pids
-            .iter()
-            .map(|&pid| summarize(pid, &counts, &names))
-            .collect(),
-        events: counts.events,
-        undecodable_records: undecodable,
-        ringbuf_drops: probes.counter(Counter::RingbufDrops)?,
+        processes,
+        events: session.events,
+        undecodable_records: session.undecodable,
+        ringbuf_drops: session.probes().counter(ebpf::Counter::RingbufDrops)?,
+        kernel_counters: session.probes().counters()?,
+        model: session.model.stats(),
     };
+    session.detach()?;
     if args.json {
         println!(
             "{}",
@@ -159,67 +132,39 @@ pub async fn run(args: WatchArgs) -> Result<()> {
     Ok(())
 }
 
-async fn sleep_until(deadline: Option<tokio::time::Instant>) {
-    match deadline {
-        Some(deadline) => tokio::time::sleep_until(deadline).await,
-        None => std::future::pending().await,
-    }
-}
-
-fn drain(ring: &mut RingBuf<MapData>, counts: &mut SwitchCounts, undecodable: &mut u64) {
-    while let Some(item) = ring.next() {
-        match decode(&item) {
-            Ok(event) => counts.record(&event),
-            Err(error) => {
-                *undecodable += 1;
-                tracing::warn!(%error, "skipping a ring-buffer record");
-            }
-        }
-    }
-}
-
-/// Thread names, read from /proc while the threads live (they are gone by
-/// the time a short-lived workload's summary is printed).
-#[derive(Default)]
-struct Names {
-    threads: BTreeMap<(u32, u32), String>,
-}
-
-impl Names {
-    fn learn(&mut self, counts: &SwitchCounts) {
-        for (&pid, threads) in &counts.processes {
-            for &tid in threads.keys() {
-                self.threads
-                    .entry((pid, tid))
-                    .or_insert_with(|| read_comm(&format!("/proc/{pid}/task/{tid}/comm")));
-            }
-        }
-    }
-
-    fn get(&self, pid: u32, tid: u32) -> String {
-        self.threads
-            .get(&(pid, tid))
-            .cloned()
-            .unwrap_or_else(|| read_comm(&format!("/proc/{pid}/task/{tid}/comm")))
-    }
-}
-
-fn summarize(pid: u32, counts: &SwitchCounts, names: &Names) -> ProcessSummary {
-    let threads: BTreeMap<u32, ThreadSwitches> =
-        counts.processes.get(&pid).cloned().unwrap_or_default();
+fn summarize(session: &Session, pid: u32) -> ProcessSummary {
+    let model = &session.model;
+    let switch_threads = model.switches.processes.get(&pid);
+    let mut tids: BTreeSet<u32> = model.tids(pid).into_iter().collect();
+    tids.extend(switch_threads.into_iter().flat_map(|t| t.keys().copied()));
+    let histograms = session.probes().histograms(&tids);
+    let connections = model.connections(Some(pid));
     ProcessSummary {
         pid,
-        comm: names.get(pid, pid),
-        total: counts.process_total(pid),
-        threads: threads
+        comm: session.thread_name(pid, pid),
+        total: model.switches.process_total(pid),
+        sched: model.process_totals(pid),
+        retransmits: connections.iter().map(|c| c.retransmits).sum(),
+        connections,
+        threads: tids
             .into_iter()
-            .map(|(tid, switches)| ThreadSummary {
+            .map(|tid| ThreadSummary {
                 tid,
-                comm: names.get(pid, tid),
-                switches,
+                comm: session.thread_name(pid, tid),
+                switches: switch_threads
+                    .and_then(|t| t.get(&tid))
+                    .copied()
+                    .unwrap_or_default(),
+                sched: model.thread_totals(tid).unwrap_or_default(),
+                histograms: histograms.get(&tid).cloned().unwrap_or_default(),
+                nccl_calls: model.nccl_calls(tid, 0, u64::MAX),
             })
             .collect(),
     }
+}
+
+fn ms(ns: u64) -> f64 {
+    ns as f64 / 1e6
 }
 
 fn print_table(summary: &Summary) {
@@ -229,26 +174,67 @@ fn print_table(summary: &Summary) {
     );
     for process in &summary.processes {
         println!(
-            "pid {} ({}): {} context switches out ({} preempted), {} in",
+            "pid {} ({}): {} context switches out ({} preempted), {} in; tcp tx {} B rx {} B, {} retransmits",
             process.pid,
             process.comm,
             process.total.switched_out,
             process.total.preempted,
-            process.total.switched_in
+            process.total.switched_in,
+            process.sched.tcp_tx_bytes,
+            process.sched.tcp_rx_bytes,
+            process.retransmits,
         );
         println!(
-            "  {:>8}  {:<16} {:>10} {:>10} {:>10}",
-            "tid", "comm", "out", "preempted", "in"
+            "  {:>8}  {:<16} {:>8} {:>9} {:>8} {:>10} {:>10} {:>10} {:>10} {:>10} {:>6}",
+            "tid",
+            "comm",
+            "out",
+            "preempted",
+            "in",
+            "on-cpu ms",
+            "runq ms",
+            "off-cpu ms",
+            "tx B",
+            "rx B",
+            "nccl"
         );
-        for thread in &process.threads {
+        for t in &process.threads {
             println!(
-                "  {:>8}  {:<16} {:>10} {:>10} {:>10}",
-                thread.tid,
-                thread.comm,
-                thread.switches.switched_out,
-                thread.switches.preempted,
-                thread.switches.switched_in
+                "  {:>8}  {:<16} {:>8} {:>9} {:>8} {:>10.1} {:>10.1} {:>10.1} {:>10} {:>10} {:>6}",
+                t.tid,
+                t.comm,
+                t.switches.switched_out,
+                t.switches.preempted,
+                t.switches.switched_in,
+                ms(t.sched.on_cpu_ns),
+                ms(t.sched.run_queue_ns),
+                ms(t.sched.off_cpu_ns),
+                t.sched.tcp_tx_bytes,
+                t.sched.tcp_rx_bytes,
+                t.sched.nccl_calls,
             );
+        }
+        for c in &process.connections {
+            println!(
+                "  tcp {} -> {}: tx {} B rx {} B, {} retransmits, srtt {} us, cwnd {}{}",
+                c.local,
+                c.remote,
+                c.tx_bytes,
+                c.rx_bytes,
+                c.retransmits,
+                c.srtt_us,
+                c.cwnd,
+                if c.closed_ns.is_some() {
+                    " (closed)"
+                } else {
+                    ""
+                }
+            );
+        }
+    }
+    for (name, value) in &summary.kernel_counters {
+        if *value > 0 && name != "SchedSwitchSeen" {
+            println!("kernel counter {name}: {value}");
         }
     }
     if summary.undecodable_records > 0 {
@@ -257,20 +243,4 @@ fn print_table(summary: &Summary) {
             summary.undecodable_records
         );
     }
-}
-
-fn process_exists(pid: u32) -> bool {
-    // A zombie still has /proc/PID; its threads are gone, so treat it as exited.
-    match std::fs::read_to_string(format!("/proc/{pid}/stat")) {
-        Ok(stat) => !stat
-            .rsplit(')')
-            .next()
-            .is_some_and(|rest| rest.trim_start().starts_with('Z')),
-        Err(_) => false,
-    }
-}
-
-fn read_comm(path: &str) -> String {
-    std::fs::read_to_string(path)
-        .map_or_else(|_| "(exited)".to_owned(), |s| s.trim_end().to_owned())
 }

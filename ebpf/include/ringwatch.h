@@ -12,6 +12,11 @@
 /* Kinds of ring-buffer records; every record starts with rw_event_header. */
 enum rw_event_kind {
 	RW_EVENT_SCHED_SWITCH = 1,
+	RW_EVENT_SCHED_INTERVAL = 2,
+	RW_EVENT_THREAD_EXIT = 3,
+	RW_EVENT_TCP_RETRANSMIT = 4,
+	RW_EVENT_TCP_CLOSE = 5,
+	RW_EVENT_NCCL_CALL = 6,
 };
 
 /* Slots of the `counters` per-CPU array: things counted, never hidden. */
@@ -20,7 +25,47 @@ enum rw_counter {
 	RW_COUNTER_RINGBUF_DROPS = 0,
 	/* sched_switch events involving a watched process */
 	RW_COUNTER_SCHED_SWITCH_SEEN = 1,
+	/* interval records not sent because shorter than rw_min_interval_ns
+	 * (they are still in the histograms) */
+	RW_COUNTER_INTERVALS_SKIPPED = 2,
+	/* a map (thread state, histogram, socket, thread traffic, NCCL
+	 * pending call) was full: that thread/socket/call is not accounted */
+	RW_COUNTER_MAP_FULL = 3,
+	/* interval records not sent because their thread reached
+	 * rw_max_intervals_per_s (they are still in the histograms) */
+	RW_COUNTER_INTERVALS_RATE_LIMITED = 4,
 	RW_COUNTER_MAX = 16,
+};
+
+/* What an rw_sched_interval_event measured. */
+enum rw_interval_kind {
+	RW_INTERVAL_ON_CPU = 1,   /* switched in → switched out */
+	RW_INTERVAL_RUN_QUEUE = 2, /* runnable (woken or preempted) → switched in */
+	RW_INTERVAL_OFF_CPU = 3,  /* switched out blocked → woken */
+};
+
+/* Why a thread was runnable (RUN_QUEUE) or how it left the CPU (ON_CPU). */
+enum rw_interval_cause {
+	RW_CAUSE_BLOCKED = 0,   /* ON_CPU / OFF_CPU: it blocked (slept, waited on I/O) */
+	RW_CAUSE_PREEMPTED = 1, /* ON_CPU: ended by preemption; RUN_QUEUE: after one */
+	RW_CAUSE_WOKEN = 2,     /* RUN_QUEUE: after a wakeup */
+	RW_CAUSE_NEW = 3,       /* RUN_QUEUE: a new thread's first wait */
+};
+
+/* Histogram kinds (rw_hist_key.kind). */
+enum rw_hist_kind {
+	RW_HIST_RUN_QUEUE = 1,
+	RW_HIST_OFF_CPU = 2,
+};
+
+/* NCCL entry points (rw_nccl_call_event.func). */
+enum rw_nccl_func {
+	RW_NCCL_ALL_REDUCE = 1,
+	RW_NCCL_ALL_GATHER = 2,
+	RW_NCCL_REDUCE_SCATTER = 3,
+	RW_NCCL_BROADCAST = 4,
+	RW_NCCL_GROUP_START = 5,
+	RW_NCCL_GROUP_END = 6,
 };
 
 struct rw_event_header {
@@ -42,4 +87,108 @@ struct rw_sched_switch_event {
 	__u8 prev_watched; /* prev_tgid is in watched_tgids */
 	__u8 next_watched; /* next_tgid is in watched_tgids */
 	__u8 _pad;
+};
+
+/* One finished interval of a watched thread (at least rw_min_interval_ns). */
+struct rw_sched_interval_event {
+	struct rw_event_header hdr;
+	__u32 tgid;
+	__u32 tid;
+	__u64 start_ns;    /* CLOCK_MONOTONIC */
+	__u64 duration_ns;
+	__u32 interval;    /* enum rw_interval_kind */
+	__u32 cause;       /* enum rw_interval_cause */
+};
+
+/* A watched thread exited (its kernel-side state is gone). */
+struct rw_thread_exit_event {
+	struct rw_event_header hdr;
+	__u32 tgid;
+	__u32 tid;
+};
+
+/* Key of the `sched_hist` map: one log2 bucket of one thread's histogram.
+ * Bucket `slot` counts durations d with 2^slot <= d < 2^(slot+1) ns
+ * (slot 0 also holds d = 0). */
+struct rw_hist_key {
+	__u32 tid;
+	__u16 kind; /* enum rw_hist_kind */
+	__u16 slot;
+};
+
+/* Key of the `thread_net` map. */
+struct rw_thread_key {
+	__u32 tgid;
+	__u32 tid;
+};
+
+/* Value of the `thread_net` map: TCP traffic one thread moved (exact bytes
+ * each send/receive call returned). */
+struct rw_thread_net {
+	__u64 tx_bytes;
+	__u64 rx_bytes;
+	__u64 tx_calls;
+	__u64 rx_calls;
+};
+
+/* Value of the `sock_stats` map (key: the kernel's struct sock address),
+ * one TCP connection used by a watched process. Ports in host order,
+ * addresses in network order (IPv4 in the first 4 bytes). */
+struct rw_sock_stats {
+	__u32 tgid;       /* the first watched process seen using it */
+	__u16 family;     /* AF_INET (2) or AF_INET6 (10) */
+	__u16 sport;
+	__u16 dport;
+	__u16 _pad[3];
+	__u8 saddr[16];
+	__u8 daddr[16];
+	__u64 tx_bytes;
+	__u64 rx_bytes;
+	__u64 tx_calls;
+	__u64 rx_calls;
+	__u64 retransmits;
+	__u32 srtt_us;    /* from the last tcp_probe */
+	__u32 cwnd;       /* segments, from the last tcp_probe */
+	__u64 opened_ns;  /* connect() (SYN_SENT) or the first send/receive seen */
+	__u64 last_ns;    /* last send/receive/probe */
+};
+
+/* A segment of a watched connection was retransmitted. */
+struct rw_tcp_retransmit_event {
+	struct rw_event_header hdr;
+	__u64 sock;       /* the struct sock address: key of sock_stats */
+	__u32 tgid;
+	__u32 _pad;
+};
+
+/* A watched connection reached TCP_CLOSE: its final figures (its sock_stats
+ * entry is deleted, as the kernel may reuse the address). */
+struct rw_tcp_close_event {
+	struct rw_event_header hdr;
+	__u64 sock;
+	struct rw_sock_stats stats;
+};
+
+/* One NCCL call of a watched thread, sent when it returns. */
+struct rw_nccl_call_event {
+	struct rw_event_header hdr;
+	__u32 tgid;
+	__u32 tid;
+	__u32 func;      /* enum rw_nccl_func */
+	__u32 datatype;  /* ncclDataType_t */
+	__u32 op;        /* ncclRedOp_t (all-reduce, reduce-scatter), root (broadcast), else 0 */
+	__s32 result;    /* ncclResult_t returned */
+	__u64 count;     /* elements */
+	__u64 entry_ns;
+	__u64 return_ns;
+};
+
+/* Value of the `nccl_pending` map (key: tid) between entry and return. */
+struct rw_nccl_pending {
+	__u64 entry_ns;
+	__u64 count;
+	__u32 func;
+	__u32 datatype;
+	__u32 op;
+	__u32 _pad;
 };

@@ -24,7 +24,8 @@ pub fn bpf_object() -> &'static [u8] {
 
 /// Names of the maps and programs in the object, as the C sources spell them.
 pub mod names {
-    /// `HASH` map: thread-group ids to watch (key `u32`, value `u8`).
+    /// `ARRAY` of `u64`: bitmap of thread-group ids to watch (bit
+    /// `tgid % 64` of element `tgid / 64`), [`crate::WATCHED_WORDS`] elements.
     pub const MAP_WATCHED_TGIDS: &str = "watched_tgids";
     /// `RINGBUF` map every record leaves the kernel through.
     pub const MAP_EVENTS: &str = "events";
@@ -32,6 +33,45 @@ pub mod names {
     pub const MAP_COUNTERS: &str = "counters";
     /// BTF tracepoint program on `sched_switch`.
     pub const PROG_SCHED_SWITCH: &str = "rw_sched_switch";
+    /// BTF tracepoint program on `sched_wakeup`.
+    pub const PROG_SCHED_WAKEUP: &str = "rw_sched_wakeup";
+    /// BTF tracepoint program on `sched_wakeup_new`.
+    pub const PROG_SCHED_WAKEUP_NEW: &str = "rw_sched_wakeup_new";
+    /// BTF tracepoint program on `sched_process_exit`.
+    pub const PROG_SCHED_PROCESS_EXIT: &str = "rw_sched_process_exit";
+    /// BTF tracepoint program on `sock_send_length`.
+    pub const PROG_SOCK_SEND_LENGTH: &str = "rw_sock_send_length";
+    /// BTF tracepoint program on `sock_recv_length`.
+    pub const PROG_SOCK_RECV_LENGTH: &str = "rw_sock_recv_length";
+    /// BTF tracepoint program on `tcp_retransmit_skb`.
+    pub const PROG_TCP_RETRANSMIT_SKB: &str = "rw_tcp_retransmit_skb";
+    /// BTF tracepoint program on `tcp_probe`.
+    pub const PROG_TCP_PROBE: &str = "rw_tcp_probe";
+    /// BTF tracepoint program on `inet_sock_set_state`.
+    pub const PROG_INET_SOCK_SET_STATE: &str = "rw_inet_sock_set_state";
+    /// Uretprobe shared by every NCCL entry point.
+    pub const PROG_NCCL_RETURN: &str = "rw_nccl_return";
+    /// (uprobe program, NCCL symbol) pairs.
+    pub const NCCL_ENTRY_PROGS: &[(&str, &str)] = &[
+        ("rw_nccl_all_reduce", "ncclAllReduce"),
+        ("rw_nccl_all_gather", "ncclAllGather"),
+        ("rw_nccl_reduce_scatter", "ncclReduceScatter"),
+        ("rw_nccl_broadcast", "ncclBroadcast"),
+        ("rw_nccl_group_start", "ncclGroupStart"),
+        ("rw_nccl_group_end", "ncclGroupEnd"),
+    ];
+    /// `HASH` of per-thread log2 histograms ([`crate::HistKey`] → `u64`).
+    pub const MAP_SCHED_HIST: &str = "sched_hist";
+    /// `HASH` of per-thread scheduling state (tid → private struct).
+    pub const MAP_THREAD_STATE: &str = "thread_state";
+    /// `HASH` [`crate::ThreadKey`] → [`crate::ThreadNet`].
+    pub const MAP_THREAD_NET: &str = "thread_net";
+    /// `HASH` struct sock address (`u64`) → [`crate::SockStats`].
+    pub const MAP_SOCK_STATS: &str = "sock_stats";
+    /// `.rodata` global: minimum interval length sent as a record, ns.
+    pub const GLOBAL_MIN_INTERVAL_NS: &str = "rw_min_interval_ns";
+    /// `.rodata` global (`u32`): interval records per thread per second, 0 = no limit.
+    pub const GLOBAL_MAX_INTERVALS_PER_S: &str = "rw_max_intervals_per_s";
 }
 
 /// `enum rw_event_kind`: the first field after the timestamp in every record.
@@ -40,6 +80,16 @@ pub mod names {
 pub enum EventKind {
     /// [`SchedSwitchEvent`].
     SchedSwitch = 1,
+    /// [`SchedIntervalEvent`].
+    SchedInterval = 2,
+    /// [`ThreadExitEvent`].
+    ThreadExit = 3,
+    /// [`TcpRetransmitEvent`].
+    TcpRetransmit = 4,
+    /// [`TcpCloseEvent`].
+    TcpClose = 5,
+    /// [`NcclCallEvent`].
+    NcclCall = 6,
 }
 
 impl EventKind {
@@ -47,6 +97,11 @@ impl EventKind {
     pub fn from_raw(raw: u32) -> Option<Self> {
         match raw {
             1 => Some(Self::SchedSwitch),
+            2 => Some(Self::SchedInterval),
+            3 => Some(Self::ThreadExit),
+            4 => Some(Self::TcpRetransmit),
+            5 => Some(Self::TcpClose),
+            6 => Some(Self::NcclCall),
             _ => None,
         }
     }
@@ -60,7 +115,135 @@ pub enum Counter {
     RingbufDrops = 0,
     /// Context switches involving a watched process.
     SchedSwitchSeen = 1,
+    /// Interval records not sent because shorter than the minimum (still
+    /// in the histograms).
+    IntervalsSkipped = 2,
+    /// A kernel map was full: a thread, socket or call went unaccounted.
+    MapFull = 3,
+    /// Interval records not sent because their thread hit the per-second
+    /// limit (still in the histograms).
+    IntervalsRateLimited = 4,
 }
+
+impl Counter {
+    /// Every counter, for reports.
+    pub const ALL: [Counter; 5] = [
+        Counter::RingbufDrops,
+        Counter::SchedSwitchSeen,
+        Counter::IntervalsSkipped,
+        Counter::MapFull,
+        Counter::IntervalsRateLimited,
+    ];
+}
+
+/// `enum rw_interval_kind`: what a [`SchedIntervalEvent`] measured.
+#[repr(u32)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum IntervalKind {
+    /// Switched in → switched out.
+    OnCpu = 1,
+    /// Runnable (woken, preempted or new) → switched in.
+    RunQueue = 2,
+    /// Switched out blocked → woken.
+    OffCpu = 3,
+}
+
+impl IntervalKind {
+    /// The kind for a raw value, if known.
+    pub fn from_raw(raw: u32) -> Option<Self> {
+        match raw {
+            1 => Some(Self::OnCpu),
+            2 => Some(Self::RunQueue),
+            3 => Some(Self::OffCpu),
+            _ => None,
+        }
+    }
+}
+
+/// `enum rw_interval_cause`.
+#[repr(u32)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum IntervalCause {
+    /// It blocked (on-CPU end, or the whole off-CPU interval).
+    Blocked = 0,
+    /// Preempted (on-CPU end, or the run-queue wait after it).
+    Preempted = 1,
+    /// Run-queue wait after a wakeup.
+    Woken = 2,
+    /// A new thread's first run-queue wait.
+    New = 3,
+}
+
+impl IntervalCause {
+    /// The cause for a raw value, if known.
+    pub fn from_raw(raw: u32) -> Option<Self> {
+        match raw {
+            0 => Some(Self::Blocked),
+            1 => Some(Self::Preempted),
+            2 => Some(Self::Woken),
+            3 => Some(Self::New),
+            _ => None,
+        }
+    }
+}
+
+/// `enum rw_hist_kind`: which histogram a [`HistKey`] belongs to.
+#[repr(u16)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum HistKind {
+    /// Run-queue waits.
+    RunQueue = 1,
+    /// Off-CPU (blocked) time.
+    OffCpu = 2,
+}
+
+/// `enum rw_nccl_func`: which NCCL entry point a call was.
+#[repr(u32)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum NcclFunc {
+    /// `ncclAllReduce`.
+    AllReduce = 1,
+    /// `ncclAllGather`.
+    AllGather = 2,
+    /// `ncclReduceScatter`.
+    ReduceScatter = 3,
+    /// `ncclBroadcast`.
+    Broadcast = 4,
+    /// `ncclGroupStart`.
+    GroupStart = 5,
+    /// `ncclGroupEnd`.
+    GroupEnd = 6,
+}
+
+impl NcclFunc {
+    /// The function for a raw value, if known.
+    pub fn from_raw(raw: u32) -> Option<Self> {
+        match raw {
+            1 => Some(Self::AllReduce),
+            2 => Some(Self::AllGather),
+            3 => Some(Self::ReduceScatter),
+            4 => Some(Self::Broadcast),
+            5 => Some(Self::GroupStart),
+            6 => Some(Self::GroupEnd),
+            _ => None,
+        }
+    }
+
+    /// The NCCL symbol.
+    pub fn symbol(self) -> &'static str {
+        match self {
+            Self::AllReduce => "ncclAllReduce",
+            Self::AllGather => "ncclAllGather",
+            Self::ReduceScatter => "ncclReduceScatter",
+            Self::Broadcast => "ncclBroadcast",
+            Self::GroupStart => "ncclGroupStart",
+            Self::GroupEnd => "ncclGroupEnd",
+        }
+    }
+}
+
+/// Elements of the `watched_tgids` bitmap (`RW_WATCHED_WORDS`): pids up to 2^22.
+pub const WATCHED_WORDS: u32 = 1 << 16;
 
 /// Number of slots in the `counters` map (`RW_COUNTER_MAX`).
 pub const COUNTER_SLOTS: u32 = 16;
@@ -104,6 +287,184 @@ pub struct SchedSwitchEvent {
     pub _pad: u8,
 }
 
+/// `struct rw_sched_interval_event`: one finished interval of a watched thread.
+#[repr(C)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct SchedIntervalEvent {
+    /// Common header; `ts_ns` is the interval's end.
+    pub hdr: EventHeader,
+    /// Process.
+    pub tgid: u32,
+    /// Thread.
+    pub tid: u32,
+    /// Start, `CLOCK_MONOTONIC` ns.
+    pub start_ns: u64,
+    /// Length, ns.
+    pub duration_ns: u64,
+    /// An [`IntervalKind`] value.
+    pub interval: u32,
+    /// An [`IntervalCause`] value.
+    pub cause: u32,
+}
+
+/// `struct rw_thread_exit_event`: a watched thread exited.
+#[repr(C)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ThreadExitEvent {
+    /// Common header.
+    pub hdr: EventHeader,
+    /// Process.
+    pub tgid: u32,
+    /// Thread.
+    pub tid: u32,
+}
+
+/// `struct rw_hist_key`: one log2 bucket of one thread's histogram; bucket
+/// `slot` counts durations in `[2^slot, 2^(slot+1))` ns (slot 0 also 0 ns).
+#[repr(C)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct HistKey {
+    /// Thread.
+    pub tid: u32,
+    /// A [`HistKind`] value.
+    pub kind: u16,
+    /// log2 of the duration in ns.
+    pub slot: u16,
+}
+
+/// `struct rw_thread_key`: key of the `thread_net` map.
+#[repr(C)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ThreadKey {
+    /// Process.
+    pub tgid: u32,
+    /// Thread.
+    pub tid: u32,
+}
+
+/// `struct rw_thread_net`: TCP bytes and calls of one thread (exact).
+#[repr(C)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct ThreadNet {
+    /// Bytes sent.
+    pub tx_bytes: u64,
+    /// Bytes received.
+    pub rx_bytes: u64,
+    /// Send calls that moved bytes.
+    pub tx_calls: u64,
+    /// Receive calls that moved bytes.
+    pub rx_calls: u64,
+}
+
+/// `struct rw_sock_stats`: one TCP connection used by a watched process.
+/// Ports in host order; addresses in network order (IPv4 in the first 4 bytes).
+#[repr(C)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct SockStats {
+    /// The first watched process seen using it.
+    pub tgid: u32,
+    /// `AF_INET` (2) or `AF_INET6` (10).
+    pub family: u16,
+    /// Local port.
+    pub sport: u16,
+    /// Remote port.
+    pub dport: u16,
+    /// Padding.
+    pub _pad: [u16; 3],
+    /// Local address.
+    pub saddr: [u8; 16],
+    /// Remote address.
+    pub daddr: [u8; 16],
+    /// Bytes sent.
+    pub tx_bytes: u64,
+    /// Bytes received.
+    pub rx_bytes: u64,
+    /// Send calls.
+    pub tx_calls: u64,
+    /// Receive calls.
+    pub rx_calls: u64,
+    /// Segments retransmitted.
+    pub retransmits: u64,
+    /// Smoothed RTT, microseconds (last `tcp_probe`).
+    pub srtt_us: u32,
+    /// Congestion window, segments (last `tcp_probe`).
+    pub cwnd: u32,
+    /// When it was opened (connect) or first seen, ns.
+    pub opened_ns: u64,
+    /// Last activity, ns.
+    pub last_ns: u64,
+}
+
+/// `struct rw_tcp_retransmit_event`.
+#[repr(C)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct TcpRetransmitEvent {
+    /// Common header.
+    pub hdr: EventHeader,
+    /// The struct sock address (key of `sock_stats`).
+    pub sock: u64,
+    /// Owning process.
+    pub tgid: u32,
+    /// Padding.
+    pub _pad: u32,
+}
+
+/// `struct rw_tcp_close_event`: a watched connection closed; final figures.
+#[repr(C)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct TcpCloseEvent {
+    /// Common header; `ts_ns` is the close time.
+    pub hdr: EventHeader,
+    /// The struct sock address.
+    pub sock: u64,
+    /// Final figures.
+    pub stats: SockStats,
+}
+
+/// `struct rw_nccl_call_event`: one NCCL call, sent at its return.
+#[repr(C)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct NcclCallEvent {
+    /// Common header.
+    pub hdr: EventHeader,
+    /// Process.
+    pub tgid: u32,
+    /// Thread.
+    pub tid: u32,
+    /// An [`NcclFunc`] value.
+    pub func: u32,
+    /// `ncclDataType_t`.
+    pub datatype: u32,
+    /// `ncclRedOp_t` (all-reduce, reduce-scatter), root (broadcast), else 0.
+    pub op: u32,
+    /// `ncclResult_t` returned.
+    pub result: i32,
+    /// Elements.
+    pub count: u64,
+    /// Entry time, ns.
+    pub entry_ns: u64,
+    /// Return time, ns.
+    pub return_ns: u64,
+}
+
+/// `struct rw_nccl_pending`: kernel-private, mirrored for the layout test.
+#[repr(C)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct NcclPending {
+    /// Entry time.
+    pub entry_ns: u64,
+    /// Elements.
+    pub count: u64,
+    /// An [`NcclFunc`] value.
+    pub func: u32,
+    /// `ncclDataType_t`.
+    pub datatype: u32,
+    /// op / root.
+    pub op: u32,
+    /// Padding.
+    pub _pad: u32,
+}
+
 /// Reads a record of type `T` from the front of a ring-buffer item, or `None`
 /// when the item is too short. The kernel writes plain-old-data records, so
 /// any bit pattern is a valid `T` for the types in this crate.
@@ -129,6 +490,18 @@ pub unsafe trait Record: Copy {}
 unsafe impl Record for EventHeader {}
 // SAFETY: repr(C), integer fields only.
 unsafe impl Record for SchedSwitchEvent {}
+// SAFETY: repr(C), integer fields only.
+unsafe impl Record for SchedIntervalEvent {}
+// SAFETY: repr(C), integer fields only.
+unsafe impl Record for ThreadExitEvent {}
+// SAFETY: repr(C), integer fields only.
+unsafe impl Record for TcpRetransmitEvent {}
+// SAFETY: repr(C), integer fields (and a SockStats) only.
+unsafe impl Record for TcpCloseEvent {}
+// SAFETY: repr(C), integer fields only.
+unsafe impl Record for SockStats {}
+// SAFETY: repr(C), integer fields only.
+unsafe impl Record for NcclCallEvent {}
 
 #[cfg(test)]
 mod layout {
@@ -181,6 +554,125 @@ mod layout {
                 "rw_sched_switch_event.next_watched",
                 offset_of!(SchedSwitchEvent, next_watched),
             ),
+            ("rw_sched_interval_event", size_of::<SchedIntervalEvent>()),
+            (
+                "rw_sched_interval_event.hdr",
+                offset_of!(SchedIntervalEvent, hdr),
+            ),
+            (
+                "rw_sched_interval_event.tgid",
+                offset_of!(SchedIntervalEvent, tgid),
+            ),
+            (
+                "rw_sched_interval_event.tid",
+                offset_of!(SchedIntervalEvent, tid),
+            ),
+            (
+                "rw_sched_interval_event.start_ns",
+                offset_of!(SchedIntervalEvent, start_ns),
+            ),
+            (
+                "rw_sched_interval_event.duration_ns",
+                offset_of!(SchedIntervalEvent, duration_ns),
+            ),
+            (
+                "rw_sched_interval_event.interval",
+                offset_of!(SchedIntervalEvent, interval),
+            ),
+            (
+                "rw_sched_interval_event.cause",
+                offset_of!(SchedIntervalEvent, cause),
+            ),
+            ("rw_thread_exit_event", size_of::<ThreadExitEvent>()),
+            ("rw_thread_exit_event.hdr", offset_of!(ThreadExitEvent, hdr)),
+            (
+                "rw_thread_exit_event.tgid",
+                offset_of!(ThreadExitEvent, tgid),
+            ),
+            ("rw_thread_exit_event.tid", offset_of!(ThreadExitEvent, tid)),
+            ("rw_hist_key", size_of::<HistKey>()),
+            ("rw_hist_key.tid", offset_of!(HistKey, tid)),
+            ("rw_hist_key.kind", offset_of!(HistKey, kind)),
+            ("rw_hist_key.slot", offset_of!(HistKey, slot)),
+            ("rw_thread_key", size_of::<ThreadKey>()),
+            ("rw_thread_key.tgid", offset_of!(ThreadKey, tgid)),
+            ("rw_thread_key.tid", offset_of!(ThreadKey, tid)),
+            ("rw_thread_net", size_of::<ThreadNet>()),
+            ("rw_thread_net.tx_bytes", offset_of!(ThreadNet, tx_bytes)),
+            ("rw_thread_net.rx_bytes", offset_of!(ThreadNet, rx_bytes)),
+            ("rw_thread_net.tx_calls", offset_of!(ThreadNet, tx_calls)),
+            ("rw_thread_net.rx_calls", offset_of!(ThreadNet, rx_calls)),
+            ("rw_sock_stats", size_of::<SockStats>()),
+            ("rw_sock_stats.tgid", offset_of!(SockStats, tgid)),
+            ("rw_sock_stats.family", offset_of!(SockStats, family)),
+            ("rw_sock_stats.sport", offset_of!(SockStats, sport)),
+            ("rw_sock_stats.dport", offset_of!(SockStats, dport)),
+            ("rw_sock_stats.saddr", offset_of!(SockStats, saddr)),
+            ("rw_sock_stats.daddr", offset_of!(SockStats, daddr)),
+            ("rw_sock_stats.tx_bytes", offset_of!(SockStats, tx_bytes)),
+            ("rw_sock_stats.rx_bytes", offset_of!(SockStats, rx_bytes)),
+            ("rw_sock_stats.tx_calls", offset_of!(SockStats, tx_calls)),
+            ("rw_sock_stats.rx_calls", offset_of!(SockStats, rx_calls)),
+            (
+                "rw_sock_stats.retransmits",
+                offset_of!(SockStats, retransmits),
+            ),
+            ("rw_sock_stats.srtt_us", offset_of!(SockStats, srtt_us)),
+            ("rw_sock_stats.cwnd", offset_of!(SockStats, cwnd)),
+            ("rw_sock_stats.opened_ns", offset_of!(SockStats, opened_ns)),
+            ("rw_sock_stats.last_ns", offset_of!(SockStats, last_ns)),
+            ("rw_tcp_retransmit_event", size_of::<TcpRetransmitEvent>()),
+            (
+                "rw_tcp_retransmit_event.hdr",
+                offset_of!(TcpRetransmitEvent, hdr),
+            ),
+            (
+                "rw_tcp_retransmit_event.sock",
+                offset_of!(TcpRetransmitEvent, sock),
+            ),
+            (
+                "rw_tcp_retransmit_event.tgid",
+                offset_of!(TcpRetransmitEvent, tgid),
+            ),
+            ("rw_tcp_close_event", size_of::<TcpCloseEvent>()),
+            ("rw_tcp_close_event.hdr", offset_of!(TcpCloseEvent, hdr)),
+            ("rw_tcp_close_event.sock", offset_of!(TcpCloseEvent, sock)),
+            ("rw_tcp_close_event.stats", offset_of!(TcpCloseEvent, stats)),
+            ("rw_nccl_call_event", size_of::<NcclCallEvent>()),
+            ("rw_nccl_call_event.hdr", offset_of!(NcclCallEvent, hdr)),
+            ("rw_nccl_call_event.tgid", offset_of!(NcclCallEvent, tgid)),
+            ("rw_nccl_call_event.tid", offset_of!(NcclCallEvent, tid)),
+            ("rw_nccl_call_event.func", offset_of!(NcclCallEvent, func)),
+            (
+                "rw_nccl_call_event.datatype",
+                offset_of!(NcclCallEvent, datatype),
+            ),
+            ("rw_nccl_call_event.op", offset_of!(NcclCallEvent, op)),
+            (
+                "rw_nccl_call_event.result",
+                offset_of!(NcclCallEvent, result),
+            ),
+            ("rw_nccl_call_event.count", offset_of!(NcclCallEvent, count)),
+            (
+                "rw_nccl_call_event.entry_ns",
+                offset_of!(NcclCallEvent, entry_ns),
+            ),
+            (
+                "rw_nccl_call_event.return_ns",
+                offset_of!(NcclCallEvent, return_ns),
+            ),
+            ("rw_nccl_pending", size_of::<NcclPending>()),
+            (
+                "rw_nccl_pending.entry_ns",
+                offset_of!(NcclPending, entry_ns),
+            ),
+            ("rw_nccl_pending.count", offset_of!(NcclPending, count)),
+            ("rw_nccl_pending.func", offset_of!(NcclPending, func)),
+            (
+                "rw_nccl_pending.datatype",
+                offset_of!(NcclPending, datatype),
+            ),
+            ("rw_nccl_pending.op", offset_of!(NcclPending, op)),
         ]
     }
 
@@ -197,6 +689,35 @@ mod layout {
             (
                 "RW_COUNTER_SCHED_SWITCH_SEEN",
                 Counter::SchedSwitchSeen as u32,
+            ),
+            ("RW_EVENT_SCHED_INTERVAL", EventKind::SchedInterval as u32),
+            ("RW_EVENT_THREAD_EXIT", EventKind::ThreadExit as u32),
+            ("RW_EVENT_TCP_RETRANSMIT", EventKind::TcpRetransmit as u32),
+            ("RW_EVENT_TCP_CLOSE", EventKind::TcpClose as u32),
+            ("RW_EVENT_NCCL_CALL", EventKind::NcclCall as u32),
+            (
+                "RW_COUNTER_INTERVALS_SKIPPED",
+                Counter::IntervalsSkipped as u32,
+            ),
+            ("RW_COUNTER_MAP_FULL", Counter::MapFull as u32),
+            ("RW_INTERVAL_ON_CPU", IntervalKind::OnCpu as u32),
+            ("RW_INTERVAL_RUN_QUEUE", IntervalKind::RunQueue as u32),
+            ("RW_INTERVAL_OFF_CPU", IntervalKind::OffCpu as u32),
+            ("RW_CAUSE_BLOCKED", IntervalCause::Blocked as u32),
+            ("RW_CAUSE_PREEMPTED", IntervalCause::Preempted as u32),
+            ("RW_CAUSE_WOKEN", IntervalCause::Woken as u32),
+            ("RW_CAUSE_NEW", IntervalCause::New as u32),
+            ("RW_HIST_RUN_QUEUE", HistKind::RunQueue as u32),
+            ("RW_HIST_OFF_CPU", HistKind::OffCpu as u32),
+            ("RW_NCCL_ALL_REDUCE", NcclFunc::AllReduce as u32),
+            ("RW_NCCL_ALL_GATHER", NcclFunc::AllGather as u32),
+            ("RW_NCCL_REDUCE_SCATTER", NcclFunc::ReduceScatter as u32),
+            ("RW_NCCL_BROADCAST", NcclFunc::Broadcast as u32),
+            ("RW_NCCL_GROUP_START", NcclFunc::GroupStart as u32),
+            ("RW_NCCL_GROUP_END", NcclFunc::GroupEnd as u32),
+            (
+                "RW_COUNTER_INTERVALS_RATE_LIMITED",
+                Counter::IntervalsRateLimited as u32,
             ),
             ("RW_COUNTER_MAX", COUNTER_SLOTS),
         ];

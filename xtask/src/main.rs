@@ -55,6 +55,10 @@ enum Task {
 enum Bench {
     /// Bayesian optimization vs random search on test functions.
     Tuner,
+    /// eBPF probes: loopback TCP + context-switch load with and without the
+    /// agent (A/B slowdown), records/s, drops, agent CPU % and peak RSS.
+    /// Needs root.
+    Probes,
 }
 
 fn main() -> std::process::ExitCode {
@@ -308,5 +312,11 @@ fn demo() -> Result<()> {
 fn bench(which: Bench) -> Result<()> {
     match which {
         Bench::Tuner => run("cargo", &["bench", "-p", "tuner", "--bench", "tuner"]),
+        Bench::Probes => {
+            run("cargo", &["build", "--release", "-p", "agent"])?;
+            let bench = root().join("target/release/ringwatch-bench");
+            let bench = bench.to_str().context("non-UTF-8 target path")?;
+            run(bench, &[])
+        }
     }
 }

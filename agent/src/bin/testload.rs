@@ -35,6 +35,47 @@ enum Workload {
         #[arg(long, default_value = "100ms", value_parser = humantime::parse_duration)]
         interval: Duration,
     },
+    /// Listens on TCP (prints the port), accepts one connection, reads it to
+    /// the end, then prints `{"received": N}`.
+    TcpRecv {
+        /// Address to listen on.
+        #[arg(long, default_value = "127.0.0.1:0")]
+        bind: String,
+    },
+    /// Connects to `--to` and sends exactly BYTES bytes in WRITES write
+    /// calls (the last one takes the remainder), half-closes and waits for
+    /// the peer to close; prints `{"sent": N}`.
+    TcpSend {
+        /// Where to connect, `addr:port`.
+        #[arg(long)]
+        to: String,
+        /// Bytes to send in total.
+        #[arg(long)]
+        bytes: u64,
+        /// Number of write calls.
+        #[arg(long, default_value_t = 1)]
+        writes: u64,
+        /// Pause between writes, e.g. `10ms`.
+        #[arg(long, default_value = "0s", value_parser = humantime::parse_duration)]
+        pause: Duration,
+    },
+    /// THREADS threads named `rw-busy-N` spin for DURATION (more threads
+    /// than cores: they wait on the run queue).
+    Busy {
+        /// Spinning threads.
+        #[arg(long, default_value_t = 4)]
+        threads: u32,
+        /// How long they spin.
+        #[arg(long, default_value = "1s", value_parser = humantime::parse_duration)]
+        duration: Duration,
+    },
+    /// Two threads ping-pong one byte over loopback TCP ROUNDS times: a
+    /// context switch and a send/receive per round (the benchmark's load).
+    PingPong {
+        /// Round trips.
+        #[arg(long, default_value_t = 10_000)]
+        rounds: u64,
+    },
 }
 
 fn main() -> Result<()> {
@@ -69,8 +110,155 @@ fn main() -> Result<()> {
                 .join()
                 .map_err(|_| anyhow::anyhow!("the sleeper thread panicked"))?;
         }
+        Workload::TcpRecv { bind } => tcp_recv(&bind, cli.wait)?,
+        Workload::TcpSend {
+            to,
+            bytes,
+            writes,
+            pause,
+        } => tcp_send(&to, bytes, writes, pause, cli.wait)?,
+        Workload::Busy { threads, duration } => busy(threads, duration, cli.wait)?,
+        Workload::PingPong { rounds } => ping_pong(rounds, cli.wait)?,
     }
     Ok(())
+}
+
+fn gettid() -> i32 {
+    // SAFETY: gettid has no preconditions.
+    unsafe { libc::gettid() }
+}
+
+fn tcp_recv(bind: &str, wait: bool) -> Result<()> {
+    use std::io::Read;
+    let listener =
+        std::net::TcpListener::bind(bind).with_context(|| format!("listening on {bind}"))?;
+    let port = listener
+        .local_addr()
+        .context("reading the local address")?
+        .port();
+    announce(&serde_json::json!({
+        "workload": "tcp-recv", "pid": std::process::id(), "tid": gettid(), "port": port,
+    }))?;
+    wait_for_go(wait)?;
+    let (mut stream, _) = listener.accept().context("accepting the connection")?;
+    let mut buf = vec![0u8; 64 * 1024];
+    let mut received = 0u64;
+    loop {
+        let n = stream.read(&mut buf).context("reading")?;
+        if n == 0 {
+            break;
+        }
+        received += n as u64;
+    }
+    announce(&serde_json::json!({ "received": received }))
+}
+
+fn tcp_send(to: &str, bytes: u64, writes: u64, pause: Duration, wait: bool) -> Result<()> {
+    announce(&serde_json::json!({
+        "workload": "tcp-send", "pid": std::process::id(), "tid": gettid(),
+        "bytes": bytes, "writes": writes,
+    }))?;
+    wait_for_go(wait)?;
+    let mut stream =
+        std::net::TcpStream::connect(to).with_context(|| format!("connecting to {to}"))?;
+    let writes = writes.max(1);
+    let chunk = bytes / writes;
+    let data = vec![0x5au8; usize::try_from(bytes - chunk * (writes - 1)).context("too big")?];
+    let mut sent = 0u64;
+    for i in 0..writes {
+        let len = if i + 1 == writes { bytes - sent } else { chunk };
+        let len = usize::try_from(len).context("too big")?;
+        stream.write_all(&data[..len]).context("writing")?;
+        sent += len as u64;
+        if !pause.is_zero() {
+            std::thread::sleep(pause);
+        }
+    }
+    // Half-close, then wait for the peer's close: returns only once every
+    // byte was delivered (retransmissions included).
+    stream
+        .shutdown(std::net::Shutdown::Write)
+        .context("closing the sending side")?;
+    let mut rest = Vec::new();
+    std::io::Read::read_to_end(&mut stream, &mut rest).context("waiting for the peer to close")?;
+    drop(stream);
+    announce(&serde_json::json!({ "sent": sent }))
+}
+
+fn busy(threads: u32, duration: Duration, wait: bool) -> Result<()> {
+    let barrier = std::sync::Arc::new(std::sync::Barrier::new(threads as usize + 1));
+    let (tid_tx, tid_rx) = std::sync::mpsc::channel();
+    let mut handles = Vec::new();
+    for i in 0..threads {
+        let barrier = barrier.clone();
+        let tid_tx = tid_tx.clone();
+        handles.push(
+            std::thread::Builder::new()
+                .name(format!("rw-busy-{i}"))
+                .spawn(move || {
+                    let _ = tid_tx.send(gettid());
+                    barrier.wait();
+                    let end = std::time::Instant::now() + duration;
+                    let mut x = 0u64;
+                    while std::time::Instant::now() < end {
+                        x = std::hint::black_box(x.wrapping_mul(31).wrapping_add(7));
+                    }
+                })
+                .context("spawning a busy thread")?,
+        );
+    }
+    drop(tid_tx);
+    // Each thread keeps its sender until it ends: take exactly one tid each.
+    let tids: Vec<i32> = tid_rx.iter().take(threads as usize).collect();
+    announce(&serde_json::json!({
+        "workload": "busy", "pid": std::process::id(), "tids": tids,
+    }))?;
+    wait_for_go(wait)?;
+    barrier.wait();
+    for h in handles {
+        h.join()
+            .map_err(|_| anyhow::anyhow!("a busy thread panicked"))?;
+    }
+    Ok(())
+}
+
+fn ping_pong(rounds: u64, wait: bool) -> Result<()> {
+    use std::io::Read;
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").context("listening")?;
+    let addr = listener.local_addr().context("local address")?;
+    announce(&serde_json::json!({
+        "workload": "ping-pong", "pid": std::process::id(), "rounds": rounds,
+    }))?;
+    wait_for_go(wait)?;
+    let server = std::thread::Builder::new()
+        .name("rw-pong".into())
+        .spawn(move || -> Result<()> {
+            let (mut s, _) = listener.accept().context("accepting")?;
+            s.set_nodelay(true).context("nodelay")?;
+            let mut b = [0u8; 1];
+            for _ in 0..rounds {
+                s.read_exact(&mut b).context("pong read")?;
+                s.write_all(&b).context("pong write")?;
+            }
+            Ok(())
+        })
+        .context("spawning the pong thread")?;
+    let mut c = std::net::TcpStream::connect(addr).context("connecting")?;
+    c.set_nodelay(true).context("nodelay")?;
+    let started = std::time::Instant::now();
+    let mut b = [1u8; 1];
+    for _ in 0..rounds {
+        c.write_all(&b).context("ping write")?;
+        c.read_exact(&mut b).context("ping read")?;
+    }
+    let elapsed = started.elapsed();
+    server
+        .join()
+        .map_err(|_| anyhow::anyhow!("the pong thread panicked"))??;
+    announce(&serde_json::json!({
+        "rounds": rounds, "elapsed_s": elapsed.as_secs_f64(),
+        "rounds_per_s": rounds as f64 / elapsed.as_secs_f64(),
+    }))
 }
 
 fn announce(description: &serde_json::Value) -> Result<()> {

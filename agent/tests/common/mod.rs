@@ -27,10 +27,12 @@ pub fn skip_unless_privileged() -> bool {
     false
 }
 
-/// A running `ringwatch-testload --wait …`.
+/// A running `ringwatch-testload --wait …` (or any program that follows its
+/// protocol: one JSON line, then wait for a line on stdin).
 pub struct Testload {
     child: Child,
     stdin: Option<ChildStdin>,
+    lines: mpsc::Receiver<String>,
     /// The JSON line the workload printed about itself.
     pub info: serde_json::Value,
 }
@@ -38,19 +40,44 @@ pub struct Testload {
 impl Testload {
     /// Starts the workload and reads its description line.
     pub fn start(args: &[&str]) -> Self {
-        let mut child = Command::new(TESTLOAD)
-            .arg("--wait")
-            .args(args)
+        let mut command = Command::new(TESTLOAD);
+        command.arg("--wait").args(args);
+        Self::start_command(command)
+    }
+
+    /// Starts `command` (which must follow the `--wait` protocol).
+    pub fn start_command(mut command: Command) -> Self {
+        let mut child = command
             .stdin(Stdio::piped())
             .stdout(Stdio::piped())
             .spawn()
             .unwrap();
         let stdin = child.stdin.take();
         let stdout = child.stdout.take().unwrap();
-        let line = read_line_within(BufReader::new(stdout), Duration::from_secs(10), |_| true)
+        let (tx, lines) = mpsc::channel();
+        std::thread::spawn(move || {
+            for line in BufReader::new(stdout).lines() {
+                let Ok(line) = line else { break };
+                if tx.send(line).is_err() {
+                    break;
+                }
+            }
+        });
+        let line = lines
+            .recv_timeout(Duration::from_secs(10))
             .expect("the workload printed no description within 10 s");
         let info = serde_json::from_str(&line).unwrap();
-        Self { child, stdin, info }
+        Self {
+            child,
+            stdin,
+            lines,
+            info,
+        }
+    }
+
+    /// The workload's pid.
+    pub fn pid(&self) -> u32 {
+        self.info["pid"].as_u64().unwrap() as u32
     }
 
     /// Lets the workload start working.
@@ -60,9 +87,20 @@ impl Testload {
     }
 
     /// Waits for the workload to finish (it is killed after 30 s).
-    pub fn wait(mut self) {
+    pub fn wait(self) {
+        let _ = self.wait_output();
+    }
+
+    /// Waits for the workload to finish and returns the JSON lines it
+    /// printed after its description.
+    pub fn wait_output(mut self) -> Vec<serde_json::Value> {
         let status = wait_within(&mut self.child, Duration::from_secs(30));
         assert!(status.success(), "workload failed: {status}");
+        let mut out = Vec::new();
+        while let Ok(line) = self.lines.recv_timeout(Duration::from_secs(2)) {
+            out.push(serde_json::from_str(&line).unwrap());
+        }
+        out
     }
 }
 
@@ -79,10 +117,18 @@ pub struct Agent {
 }
 
 impl Agent {
-    /// Starts the agent and waits until it says it is watching.
+    /// Starts the agent and waits until it says it is watching. Each test
+    /// agent gets its own lock file (tests run in parallel) unless the test
+    /// sets `RINGWATCH_LOCK_FILE` through [`Agent::start_with_lock`].
     pub fn start(args: &[&str]) -> Self {
+        Self::start_with_lock(args, &unique_lock_file())
+    }
+
+    /// Starts the agent with the given lock file.
+    pub fn start_with_lock(args: &[&str], lock_file: &str) -> Self {
         let mut child = Command::new(AGENT)
             .args(args)
+            .env("RINGWATCH_LOCK_FILE", lock_file)
             .stdout(Stdio::piped())
             .stderr(Stdio::piped())
             .spawn()
@@ -123,6 +169,20 @@ impl Agent {
     }
 }
 
+/// A lock-file path no other test agent uses.
+pub fn unique_lock_file() -> String {
+    use std::sync::atomic::{AtomicU32, Ordering};
+    static NEXT: AtomicU32 = AtomicU32::new(0);
+    std::env::temp_dir()
+        .join(format!(
+            "ringwatch-test-{}-{}.lock",
+            std::process::id(),
+            NEXT.fetch_add(1, Ordering::Relaxed)
+        ))
+        .display()
+        .to_string()
+}
+
 fn wait_within(child: &mut Child, limit: Duration) -> std::process::ExitStatus {
     let deadline = std::time::Instant::now() + limit;
     loop {
@@ -135,22 +195,4 @@ fn wait_within(child: &mut Child, limit: Duration) -> std::process::ExitStatus {
         }
         std::thread::sleep(Duration::from_millis(20));
     }
-}
-
-fn read_line_within<R: BufRead + Send + 'static>(
-    reader: R,
-    limit: Duration,
-    accept: impl Fn(&str) -> bool + Send + 'static,
-) -> Option<String> {
-    let (tx, rx) = mpsc::channel();
-    std::thread::spawn(move || {
-        for line in reader.lines() {
-            let Ok(line) = line else { break };
-            if accept(&line) {
-                let _ = tx.send(line);
-                break;
-            }
-        }
-    });
-    rx.recv_timeout(limit).ok()
 }

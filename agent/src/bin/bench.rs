@@ -1,0 +1,246 @@
+//! `ringwatch-bench`: the probes' overhead and throughput, as a table.
+//!
+//! A/B in one run: a loopback TCP ping-pong (a context switch and a
+//! send/receive per hop) alone, then watched by `ringwatch-agent`,
+//! alternating, reporting the slowdown as a ratio of medians. For the
+//! watched runs it reports the records the pipeline took per second, the
+//! ring-buffer drops, and the agent's CPU % and peak RSS (from wait4).
+//! Needs root (the agent loads eBPF). Runs the sibling binaries of its own
+//! executable, so build them together (`cargo xtask bench probes`).
+
+use std::io::{BufRead, BufReader, Write};
+use std::path::PathBuf;
+use std::process::{Child, Command, Stdio};
+use std::time::Instant;
+
+use anyhow::{Context, Result, bail};
+use clap::Parser;
+
+/// Overhead and event-rate benchmark of the ringwatch probes.
+#[derive(Debug, Parser)]
+#[command(name = "ringwatch-bench")]
+struct Cli {
+    /// Round trips per run.
+    #[arg(long, default_value_t = 100_000)]
+    rounds: u64,
+    /// A/B pairs (medians are reported).
+    #[arg(long, default_value_t = 3)]
+    pairs: usize,
+    /// Concurrent ping-pong processes per run (more load, more events).
+    #[arg(long, default_value_t = 1)]
+    loads: usize,
+}
+
+struct Sibling {
+    agent: PathBuf,
+    testload: PathBuf,
+}
+
+impl Sibling {
+    fn find() -> Result<Self> {
+        let me = std::env::current_exe().context("finding this executable")?;
+        let dir = me.parent().context("executable has no directory")?;
+        let agent = dir.join("ringwatch-agent");
+        let testload = dir.join("ringwatch-testload");
+        for p in [&agent, &testload] {
+            if !p.exists() {
+                bail!(
+                    "{} is missing: build the agent's binaries together (cargo build --release -p agent)",
+                    p.display()
+                );
+            }
+        }
+        Ok(Self { agent, testload })
+    }
+}
+
+struct Load {
+    child: Child,
+    pid: u32,
+    lines: std::io::Lines<BufReader<std::process::ChildStdout>>,
+}
+
+fn start_load(sib: &Sibling, rounds: u64) -> Result<Load> {
+    let mut child = Command::new(&sib.testload)
+        .args(["--wait", "ping-pong", "--rounds", &rounds.to_string()])
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .spawn()
+        .context("starting ringwatch-testload")?;
+    let stdout = child.stdout.take().context("no stdout")?;
+    let mut lines = BufReader::new(stdout).lines();
+    let first = lines.next().context("testload printed nothing")??;
+    let info: serde_json::Value = serde_json::from_str(&first).context("testload's JSON")?;
+    let pid = info["pid"].as_u64().context("no pid")? as u32;
+    Ok(Load { child, pid, lines })
+}
+
+fn finish_load(mut load: Load) -> Result<f64> {
+    let line = load.lines.next().context("testload printed no result")??;
+    let v: serde_json::Value = serde_json::from_str(&line).context("testload's result")?;
+    load.child.wait().context("waiting for testload")?;
+    v["rounds_per_s"].as_f64().context("no rounds_per_s")
+}
+
+/// (round trips per second summed over the loads, agent figures if watched)
+fn one_run(sib: &Sibling, cli: &Cli, watched: Option<&str>) -> Result<(f64, Option<AgentRun>)> {
+    let mut loads = (0..cli.loads)
+        .map(|_| start_load(sib, cli.rounds))
+        .collect::<Result<Vec<_>>>()?;
+    let agent = if let Some(variant) = watched {
+        // "unwatched": the agent runs with every probe attached but watches
+        // only this benchmark process, not the load.
+        let (min_interval, pids): (&str, Vec<String>) = match variant {
+            "unwatched" => ("0s", vec![std::process::id().to_string()]),
+            v => (v, loads.iter().map(|l| l.pid.to_string()).collect()),
+        };
+        let mut child = Command::new(&sib.agent)
+            .args(["--pid", &pids.join(","), "--duration", "120s", "--json"])
+            .args(["--min-interval", min_interval])
+            .env(
+                "RINGWATCH_LOCK_FILE",
+                std::env::temp_dir().join(format!("ringwatch-bench-{}.lock", std::process::id())),
+            )
+            .env("RINGWATCH_LOG", "warn")
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .context("starting ringwatch-agent")?;
+        let stderr = child.stderr.take().context("no stderr")?;
+        let mut err_lines = BufReader::new(stderr).lines();
+        loop {
+            match err_lines.next() {
+                Some(Ok(line)) if line.contains("watching pid") => break,
+                Some(Ok(line)) => eprintln!("[agent] {line}"),
+                _ => bail!("the agent exited before watching"),
+            }
+        }
+        std::thread::spawn(move || for _ in err_lines {});
+        Some(child)
+    } else {
+        None
+    };
+    let started = Instant::now();
+    for load in &mut loads {
+        let mut stdin = load.child.stdin.take().context("no stdin")?;
+        stdin.write_all(b"go\n").context("starting the load")?;
+    }
+    let mut rate = 0.0;
+    for load in loads {
+        rate += finish_load(load)?;
+    }
+    let load_s = started.elapsed().as_secs_f64();
+    let agent = match agent {
+        Some(child) => Some(reap_agent(child, load_s)?),
+        None => None,
+    };
+    Ok((rate, agent))
+}
+
+struct AgentRun {
+    events: u64,
+    drops: u64,
+    load_s: f64,
+    cpu_pct: f64,
+    peak_rss_mib: f64,
+}
+
+fn reap_agent(mut child: Child, load_s: f64) -> Result<AgentRun> {
+    let mut stdout = child.stdout.take().context("no stdout")?;
+    let reader = std::thread::spawn(move || {
+        let mut text = String::new();
+        let _ = std::io::Read::read_to_string(&mut stdout, &mut text);
+        text
+    });
+    let started = Instant::now();
+    let pid = child.id() as libc::pid_t;
+    let mut status = 0;
+    // SAFETY: zeroed rusage is a valid out-parameter.
+    let mut usage: libc::rusage = unsafe { std::mem::zeroed() };
+    // SAFETY: waiting for our own child; pointers are valid.
+    let rc = unsafe { libc::wait4(pid, &mut status, 0, &mut usage) };
+    if rc != pid {
+        bail!(
+            "wait4 on the agent failed: {}",
+            std::io::Error::last_os_error()
+        );
+    }
+    let lifetime = load_s + started.elapsed().as_secs_f64();
+    let text = reader
+        .join()
+        .map_err(|_| anyhow::anyhow!("reader panicked"))?;
+    let v: serde_json::Value =
+        serde_json::from_str(&text).with_context(|| format!("agent output: {text}"))?;
+    let cpu_s = usage.ru_utime.tv_sec as f64
+        + usage.ru_utime.tv_usec as f64 / 1e6
+        + usage.ru_stime.tv_sec as f64
+        + usage.ru_stime.tv_usec as f64 / 1e6;
+    Ok(AgentRun {
+        events: v["events"].as_u64().unwrap_or(0),
+        drops: v["ringbuf_drops"].as_u64().unwrap_or(0),
+        load_s,
+        // The agent lives a little longer than the load (startup excluded:
+        // it was already watching when the clock started).
+        cpu_pct: 100.0 * cpu_s / lifetime.max(1e-9),
+        peak_rss_mib: usage.ru_maxrss as f64 / 1024.0,
+    })
+}
+
+fn median(values: &mut [f64]) -> f64 {
+    values.sort_by(f64::total_cmp);
+    values[values.len() / 2]
+}
+
+fn main() -> Result<()> {
+    let cli = Cli::parse();
+    // SAFETY: geteuid has no preconditions.
+    if unsafe { libc::geteuid() } != 0 {
+        bail!("ringwatch-bench runs the agent, which loads eBPF: run it as root");
+    }
+    let sib = Sibling::find()?;
+    // Agent attached but the load not watched; watched with every record;
+    // and bounded: intervals under 100 µs only in the histograms.
+    let variants = ["unwatched", "0s", "100us"];
+    let mut base = Vec::new();
+    let mut watched: Vec<Vec<f64>> = vec![Vec::new(); variants.len()];
+    let mut runs: Vec<Vec<AgentRun>> = variants.iter().map(|_| Vec::new()).collect();
+    // Warm-up, not counted.
+    one_run(&sib, &cli, None)?;
+    for _ in 0..cli.pairs {
+        for (i, v) in variants.iter().enumerate() {
+            base.push(one_run(&sib, &cli, None)?.0);
+            let (rate, agent) = one_run(&sib, &cli, Some(v))?;
+            watched[i].push(rate);
+            runs[i].extend(agent);
+        }
+    }
+    let b = median(&mut base);
+    println!(
+        "ringwatch probes benchmark: {} ping-pong load(s) x {} round trips, {} A/B pairs per variant",
+        cli.loads, cli.rounds, cli.pairs
+    );
+    println!();
+    println!(
+        "| run | round trips/s (median) | slowdown | records/s (median) | ring-buffer drops (sum) | agent CPU % (median) | agent peak RSS MiB (max) |"
+    );
+    println!("|---|---:|---:|---:|---:|---:|---:|");
+    println!("| no agent | {b:.0} | | | | | |");
+    for (i, v) in variants.iter().enumerate() {
+        let w = median(&mut watched[i]);
+        let mut rates: Vec<f64> = runs[i].iter().map(|r| r.events as f64 / r.load_s).collect();
+        let mut cpu: Vec<f64> = runs[i].iter().map(|r| r.cpu_pct).collect();
+        let drops: u64 = runs[i].iter().map(|r| r.drops).sum();
+        let rss = runs[i].iter().map(|r| r.peak_rss_mib).fold(0.0, f64::max);
+        let label = match *v {
+            "unwatched" => "agent running, load not watched".to_owned(),
+            v => format!("watched, --min-interval {v}"),
+        };
+        println!(
+            "| {label} | {w:.0} | {:.1} % | {:.0} | {drops} | {:.1} | {rss:.1} |",
+            100.0 * (b - w) / b,
+            median(&mut rates),
+            median(&mut cpu),
+        );
+    }
+    Ok(())
+}

@@ -1,0 +1,330 @@
+//! `session`: one running agent pipeline shared by the commands: the node
+//! lock, the probes, the ring buffer on tokio, discovery of what to watch,
+//! and the model fed from both.
+//!
+//! It prints nothing: the commands (`watch`, `top`) decide what to show.
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::path::PathBuf;
+use std::time::Duration;
+
+use anyhow::{Context, Result, bail};
+use aya::maps::{MapData, RingBuf};
+use clap::Args;
+use tokio::io::Interest;
+use tokio::io::unix::AsyncFd;
+use tokio::signal::unix::{Signal, SignalKind, signal};
+
+use crate::discovery::{self, ByCgroup, ByComm, Discovery, FixedPids};
+use crate::events::decode;
+use crate::lock::{AgentLock, DEFAULT_LOCK_FILE};
+use crate::model::Model;
+use crate::probes::{ProbeConfig, ProbeSet, Probes};
+
+/// What to watch and how much to keep: shared by every command.
+#[derive(Debug, Clone, Args)]
+pub struct TargetArgs {
+    /// Process to watch (all its threads); repeat or comma-separate.
+    #[arg(
+        long = "pid",
+        value_name = "PID",
+        env = "RINGWATCH_PID",
+        value_delimiter = ','
+    )]
+    pub pids: Vec<u32>,
+
+    /// Watch every process with this name (its `comm`, 15 bytes at most);
+    /// new ones are picked up within a second.
+    #[arg(long, value_name = "NAME")]
+    pub comm: Vec<String>,
+
+    /// Watch every process in this cgroup v2 (path as in /proc/PID/cgroup,
+    /// e.g. `/system.slice/job.service`), sub-cgroups included.
+    #[arg(long, value_name = "PATH")]
+    pub cgroup: Vec<String>,
+
+    /// How long to keep per-thread and per-connection series in memory.
+    #[arg(long, default_value = "10m", value_parser = humantime::parse_duration, env = "RINGWATCH_RETENTION")]
+    pub retention: Duration,
+
+    /// Scheduling intervals shorter than this are counted and kept in the
+    /// kernel's histograms but not sent as events (bounds the event rate).
+    #[arg(long, default_value = "0s", value_parser = humantime::parse_duration, env = "RINGWATCH_MIN_INTERVAL")]
+    pub min_interval: Duration,
+
+    /// At most this many interval records per thread per second leave the
+    /// kernel (0: no limit); the rest are counted and in the histograms.
+    #[arg(long, default_value_t = 0, env = "RINGWATCH_MAX_INTERVAL_RATE")]
+    pub max_interval_rate: u32,
+
+    /// Which probe groups to attach (comma-separated).
+    #[arg(
+        long,
+        value_enum,
+        value_delimiter = ',',
+        default_value = "sched,tcp,nccl",
+        env = "RINGWATCH_PROBES"
+    )]
+    pub probes: Vec<ProbeSet>,
+
+    /// At most this many intervals (and NCCL calls) kept per thread.
+    #[arg(long, default_value_t = 100_000)]
+    pub max_intervals_per_thread: usize,
+
+    /// The node-wide lock that keeps a second agent from attaching twice.
+    #[arg(long, default_value = DEFAULT_LOCK_FILE, env = "RINGWATCH_LOCK_FILE")]
+    pub lock_file: PathBuf,
+}
+
+/// `CLOCK_MONOTONIC` now, in ns: the clock of the kernel's records.
+pub fn monotonic_ns() -> u64 {
+    let mut ts = libc::timespec {
+        tv_sec: 0,
+        tv_nsec: 0,
+    };
+    // SAFETY: valid pointer to a timespec; CLOCK_MONOTONIC always exists.
+    unsafe { libc::clock_gettime(libc::CLOCK_MONOTONIC, &mut ts) };
+    ts.tv_sec as u64 * 1_000_000_000 + ts.tv_nsec as u64
+}
+
+/// How often the ring buffer is drained without a wakeup from the kernel.
+const DRAIN_PERIOD: Duration = Duration::from_millis(10);
+
+/// Why a session's loop stopped early.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Stop {
+    /// SIGINT.
+    Interrupted,
+    /// SIGTERM.
+    Terminated,
+}
+
+/// A running pipeline.
+pub struct Session {
+    _lock: AgentLock,
+    probes: Probes,
+    ring: AsyncFd<RingBuf<MapData>>,
+    sigterm: Signal,
+    discovery: Discovery,
+    only_fixed_pids: Vec<u32>,
+    watched: BTreeSet<u32>,
+    names: BTreeMap<(u32, u32), String>,
+    /// Everything seen.
+    pub model: Model,
+    /// Records decoded.
+    pub events: u64,
+    /// Records that could not be decoded.
+    pub undecodable: u64,
+}
+
+impl Session {
+    /// Takes the node lock, loads and attaches the probes, and starts
+    /// watching what the arguments name.
+    pub fn start(args: &TargetArgs) -> Result<Self> {
+        let mut discovery = Discovery::default();
+        if !args.pids.is_empty() {
+            for &pid in &args.pids {
+                if !discovery::process_exists(pid) {
+                    bail!("no process with pid {pid} (is it running, and in this PID namespace?)");
+                }
+            }
+            discovery.add(Box::new(FixedPids(args.pids.clone())));
+        }
+        for name in &args.comm {
+            discovery.add(Box::new(ByComm(name.clone())));
+        }
+        for path in &args.cgroup {
+            discovery.add(Box::new(ByCgroup(path.clone())));
+        }
+        if discovery.is_empty() {
+            bail!("nothing to watch: give --pid PID, --comm NAME or --cgroup PATH (see --help)");
+        }
+        let only_fixed_pids = if args.comm.is_empty() && args.cgroup.is_empty() {
+            args.pids.clone()
+        } else {
+            Vec::new()
+        };
+        let lock = AgentLock::acquire(&args.lock_file)?;
+        tracing::debug!(lock = %lock.path().display(), "holding the agent lock");
+        let min_interval_ns = u64::try_from(args.min_interval.as_nanos()).unwrap_or(u64::MAX);
+        let mut probes = Probes::load(ProbeConfig {
+            sets: args.probes.clone(),
+            min_interval_ns,
+            max_intervals_per_s: args.max_interval_rate,
+        })?;
+        let ring = probes.take_events()?;
+        // SAFETY: the RingBuf owns its map's file descriptor, which stays
+        // open and unchanged until the RingBuf (inside the AsyncFd) is dropped.
+        let ring = unsafe { AsyncFd::register_with_interest(ring, Interest::READABLE) }
+            .map_err(std::io::Error::from)
+            .context("registering the ring buffer with tokio")?;
+        let sigterm = signal(SignalKind::terminate()).context("installing the SIGTERM handler")?;
+        let retention_ns = u64::try_from(args.retention.as_nanos()).unwrap_or(u64::MAX);
+        let mut session = Self {
+            _lock: lock,
+            probes,
+            ring,
+            sigterm,
+            discovery,
+            only_fixed_pids,
+            watched: BTreeSet::new(),
+            names: BTreeMap::new(),
+            model: Model::new(retention_ns, args.max_intervals_per_thread),
+            events: 0,
+            undecodable: 0,
+        };
+        session.refresh()?;
+        Ok(session)
+    }
+
+    /// What is watched, for the "watching …" line.
+    pub fn describe(&self) -> String {
+        let pids: Vec<String> = self.watched.iter().map(u32::to_string).collect();
+        format!("pid {} ({})", pids.join(","), self.discovery.describe())
+    }
+
+    /// Processes watched now.
+    pub fn watched(&self) -> &BTreeSet<u32> {
+        &self.watched
+    }
+
+    /// True when the only targets are fixed pids and all have exited.
+    pub fn all_fixed_targets_exited(&self) -> bool {
+        !self.only_fixed_pids.is_empty()
+            && self
+                .only_fixed_pids
+                .iter()
+                .all(|&p| !discovery::process_exists(p))
+    }
+
+    /// Rescans the targets (watch/unwatch), attaches NCCL probes where
+    /// libnccl.so appeared, reads the kernel's traffic tables into the
+    /// model, and prunes it.
+    pub fn refresh(&mut self) -> Result<()> {
+        let wanted = self.discovery.scan();
+        for &pid in wanted.difference(&self.watched.clone()) {
+            self.probes.watch(pid)?;
+            self.watched.insert(pid);
+            tracing::debug!(pid, "watching");
+        }
+        let gone: Vec<u32> = self
+            .watched
+            .iter()
+            .copied()
+            .filter(|p| !wanted.contains(p) && !discovery::process_exists(*p))
+            .collect();
+        for pid in gone {
+            self.probes.unwatch(pid)?;
+            self.watched.remove(&pid);
+        }
+        for &pid in &self.watched {
+            if let Some(library) = discovery::nccl_library(pid)
+                && let Err(error) = self.probes.attach_nccl(pid, &library)
+            {
+                tracing::warn!(
+                    pid,
+                    error = format!("{error:#}"),
+                    "NCCL uprobes not attached"
+                );
+            }
+        }
+        self.poll_maps();
+        let forgotten = self.model.prune(monotonic_ns());
+        self.probes.forget_threads(&forgotten);
+        self.learn_names();
+        Ok(())
+    }
+
+    /// Reads the kernel's aggregate maps into the model.
+    pub fn poll_maps(&mut self) {
+        let now = monotonic_ns();
+        let net = self.probes.thread_net();
+        self.model.update_thread_net(now, &net);
+        let socks = self.probes.sockets();
+        self.model.update_sockets(&socks);
+    }
+
+    /// Processes ring-buffer records until `until`, or a signal. The kernel
+    /// wakes us only when a batch is waiting, so we also drain on a short
+    /// timer.
+    pub async fn pump(&mut self, until: tokio::time::Instant) -> Result<Option<Stop>> {
+        let mut tick = tokio::time::interval(DRAIN_PERIOD);
+        tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        loop {
+            tokio::select! {
+                () = tokio::time::sleep_until(until) => {
+                    self.drain_now();
+                    return Ok(None);
+                }
+                _ = tick.tick() => self.drain_now(),
+                _ = tokio::signal::ctrl_c() => return Ok(Some(Stop::Interrupted)),
+                _ = self.sigterm.recv() => return Ok(Some(Stop::Terminated)),
+                guard = self.ring.readable_mut() => {
+                    let mut guard = guard.context("waiting on the ring buffer")?;
+                    drain(guard.get_inner_mut(), &mut self.model, &mut self.events, &mut self.undecodable);
+                    guard.clear_ready();
+                }
+            }
+        }
+    }
+
+    /// Processes every record already in the ring buffer.
+    pub fn drain_now(&mut self) {
+        drain(
+            self.ring.get_mut(),
+            &mut self.model,
+            &mut self.events,
+            &mut self.undecodable,
+        );
+    }
+
+    /// The probes (counters, histograms).
+    pub fn probes(&self) -> &Probes {
+        &self.probes
+    }
+
+    /// A thread's name, remembered while it lived.
+    pub fn thread_name(&self, pid: u32, tid: u32) -> String {
+        self.names
+            .get(&(pid, tid))
+            .cloned()
+            .or_else(|| discovery::read_comm(pid, tid))
+            .unwrap_or_else(|| "(exited)".to_owned())
+    }
+
+    fn learn_names(&mut self) {
+        for pid in self.model.pids() {
+            for tid in self.model.tids(pid) {
+                if let std::collections::btree_map::Entry::Vacant(slot) =
+                    self.names.entry((pid, tid))
+                    && let Some(name) = discovery::read_comm(pid, tid)
+                {
+                    slot.insert(name);
+                }
+            }
+        }
+    }
+
+    /// Stops watching everything; the programs detach when the session drops.
+    pub fn detach(mut self) -> Result<()> {
+        for pid in std::mem::take(&mut self.watched) {
+            self.probes.unwatch(pid)?;
+        }
+        Ok(())
+    }
+}
+
+fn drain(ring: &mut RingBuf<MapData>, model: &mut Model, events: &mut u64, undecodable: &mut u64) {
+    while let Some(item) = ring.next() {
+        match decode(&item) {
+            Ok(event) => {
+                *events += 1;
+                model.record(&event);
+            }
+            Err(error) => {
+                *undecodable += 1;
+                tracing::warn!(%error, "skipping a ring-buffer record");
+            }
+        }
+    }
+}
