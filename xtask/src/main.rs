@@ -7,6 +7,9 @@
 #[path = "../../ebpf/build_support.rs"]
 #[allow(dead_code)] // the layout probe is for ebpf/build.rs only
 mod build_support;
+mod multinode;
+mod topology;
+mod tuning_grid;
 
 use std::path::{Path, PathBuf};
 use std::process::Command;
@@ -48,6 +51,8 @@ enum Task {
         /// Which benchmark.
         #[arg(value_enum)]
         which: Bench,
+        #[command(flatten)]
+        grid: tuning_grid::Args,
     },
 }
 
@@ -55,6 +60,10 @@ enum Task {
 enum Bench {
     /// Bayesian optimization vs random search on test functions.
     Tuner,
+    /// Exhaustive grid over the tuner's knob space: collbench resnet50 on 2
+    /// pretend nodes × 2 ranks (needs root); prints the table, the best
+    /// point and the runtime defaults' throughput, writes the table as JSON.
+    TuningGrid,
 }
 
 fn main() -> std::process::ExitCode {
@@ -64,7 +73,7 @@ fn main() -> std::process::ExitCode {
         Task::BuildEbpf { out } => build_ebpf(&out),
         Task::Test => test(),
         Task::Demo => demo(),
-        Task::Bench { which } => bench(which),
+        Task::Bench { which, grid } => bench(which, &grid),
     };
     match result {
         Ok(()) => std::process::ExitCode::SUCCESS,
@@ -305,8 +314,16 @@ fn demo() -> Result<()> {
     Ok(())
 }
 
-fn bench(which: Bench) -> Result<()> {
+fn bench(which: Bench, grid: &tuning_grid::Args) -> Result<()> {
     match which {
         Bench::Tuner => run("cargo", &["bench", "-p", "tuner", "--bench", "tuner"]),
+        Bench::TuningGrid => {
+            if !is_root() {
+                bail!(
+                    "the tuning grid runs on pretend nodes (network namespaces): run it as root (sudo -E cargo xtask bench tuning-grid)"
+                );
+            }
+            tuning_grid::run(&root(), grid)
+        }
     }
 }
