@@ -24,12 +24,15 @@ pub const CYCLE_TIME_MIN_MS: f64 = 0.5;
 /// See [`CYCLE_TIME_MIN_MS`].
 pub const CYCLE_TIME_MAX_MS: f64 = 50.0;
 
-/// Default inter-node rate of the pretend nodes (Mbit/s each direction):
-/// low enough that the inter-node links, not the 2 shared cores, bound a
-/// ResNet-50 step, so that hierarchical allreduce (which sends 1/1.5 of the
-/// flat ring's bytes across nodes) shows, and high enough that a grid point
-/// takes seconds. Chosen by measuring 500…8000 (see the README).
-pub const DEFAULT_RATE_MBIT: u32 = 2000;
+/// Default inter-node rate of the pretend nodes (Mbit/s each direction).
+/// Measured on the 2-core machine (quick grid, 2 steps per point): at 1000
+/// and 2000 the links bound every step and only hierarchical allreduce
+/// matters (it sends 1/1.5 of the flat ring's bytes across nodes: 1.5x); at
+/// 8000 the 2 shared cores bound it and the grid is mostly noise; at 4000
+/// hierarchical gives ~1.5x, and fusion and cycle time still move
+/// throughput by 10–30%, so every knob matters, as in a real cluster, and a
+/// point takes about 2 s.
+pub const DEFAULT_RATE_MBIT: u32 = 4000;
 
 /// The tuning-grid's flags.
 #[derive(Debug, Clone, clap::Args)]
@@ -42,13 +45,13 @@ pub struct Args {
     #[arg(long, default_value_t = DEFAULT_RATE_MBIT)]
     pub rate_mbit: u32,
     /// tuning-grid: timed resnet50 steps per measurement.
-    #[arg(long, default_value_t = 4)]
+    #[arg(long, default_value_t = 5)]
     pub steps: usize,
     /// tuning-grid: untimed warm-up steps per measurement.
     #[arg(long, default_value_t = 1)]
     pub warmup: usize,
     /// tuning-grid: measurements of every grid point (the table shows the median).
-    #[arg(long, default_value_t = 1)]
+    #[arg(long, default_value_t = 3)]
     pub repeats: usize,
     /// tuning-grid: the best this many points, and the defaults, are measured
     /// `--confirm-repeats` more times and ranked by the median of all their
