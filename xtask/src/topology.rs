@@ -260,3 +260,64 @@ impl Drop for Topology {
         live().prefixes.remove(&self.prefix);
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn qdisc(ns: &str, dev: &str) -> String {
+        let output = Command::new("ip")
+            .args(["netns", "exec", ns, "tc", "qdisc", "show", "dev", dev])
+            .output()
+            .expect("tc runs inside the namespace");
+        String::from_utf8_lossy(&output.stdout).into_owned()
+    }
+
+    /// Privileged: makes real namespaces (CI runs as root).
+    #[test]
+    fn nodes_are_made_rate_limited_and_removed_also_when_stale() {
+        if !crate::is_root() {
+            eprintln!("SKIPPED: pretend nodes need root (network namespaces)");
+            return;
+        }
+        let prefix = "rwtopotest";
+        // A leftover of a killed run is removed at the next start.
+        ip(&["netns", "add", &format!("{prefix}-n7")]).expect("ip netns add works as root");
+        let topology = Topology::create(prefix, 2, 300).expect("pretend nodes are created");
+        let mut names = namespaces_with_prefix(prefix);
+        names.sort();
+        assert_eq!(
+            names,
+            [
+                format!("{prefix}-n0"),
+                format!("{prefix}-n1"),
+                format!("{prefix}-sw")
+            ]
+        );
+        for (ns, dev) in [(topology.namespace(1), "rwn1"), (topology.switch(), "rws1")] {
+            let shown = qdisc(&ns, dev);
+            assert!(
+                shown.contains("tbf") && shown.contains("300Mbit"),
+                "{ns} {dev}: {shown}"
+            );
+        }
+        // Node 0 reaches node 1 through its veth (the transfer itself is
+        // measured by `cargo xtask bench tuning-grid`, with collbench).
+        let route = Command::new("ip")
+            .args([
+                "netns",
+                "exec",
+                &topology.namespace(0),
+                "ip",
+                "route",
+                "get",
+            ])
+            .arg(topology.address(1))
+            .output()
+            .expect("ip runs inside the namespace");
+        let route = String::from_utf8_lossy(&route.stdout);
+        assert!(route.contains("dev rwn0"), "{route}");
+        drop(topology);
+        assert!(namespaces_with_prefix(prefix).is_empty());
+    }
+}
