@@ -7,6 +7,9 @@
 #[path = "../../ebpf/build_support.rs"]
 #[allow(dead_code)] // the layout probe is for ebpf/build.rs only
 mod build_support;
+mod multinode;
+mod topology;
+mod tuning_grid;
 
 use std::path::{Path, PathBuf};
 use std::process::Command;
@@ -48,6 +51,8 @@ enum Task {
         /// Which benchmark.
         #[arg(value_enum)]
         which: Bench,
+        #[command(flatten)]
+        grid: tuning_grid::Args,
     },
 }
 
@@ -59,6 +64,10 @@ enum Bench {
     /// agent (A/B slowdown), records/s, drops, agent CPU % and peak RSS.
     /// Needs root.
     Probes,
+    /// Exhaustive grid over the tuner's knob space: collbench resnet50 on 2
+    /// pretend nodes × 2 ranks (needs root); prints the table, the best
+    /// point and the runtime defaults' throughput, writes the table as JSON.
+    TuningGrid,
 }
 
 fn main() -> std::process::ExitCode {
@@ -68,7 +77,7 @@ fn main() -> std::process::ExitCode {
         Task::BuildEbpf { out } => build_ebpf(&out),
         Task::Test => test(),
         Task::Demo => demo(),
-        Task::Bench { which } => bench(which),
+        Task::Bench { which, grid } => bench(which, &grid),
     };
     match result {
         Ok(()) => std::process::ExitCode::SUCCESS,
@@ -268,8 +277,9 @@ fn demo() -> Result<()> {
     setup()?;
     run("cargo", &["build", "--release", "-p", "agent"])?;
     let bin = root().join("target/release");
-    println!("ringwatch demo: what exists today is the agent's eBPF path (sched_switch tracing).");
+    println!("ringwatch demo, part 1: the agent's eBPF path (sched_switch tracing).");
     println!("It runs a workload thread that sleeps 20 times and counts its context switches.");
+    println!("Part 2: a 2-node x 2-rank collbench job on pretend nodes (network namespaces).");
     if !is_root() {
         bail!("the demo loads eBPF programs: run it as root (sudo -E cargo xtask demo)");
     }
@@ -305,11 +315,57 @@ fn demo() -> Result<()> {
     if !(load_status.success() && agent_status.success()) {
         bail!("demo failed: workload {load_status}, agent {agent_status}");
     }
-    println!("demo done. Not in the demo yet: collectives, tuning, the UI (see the open issues).");
+    println!("eBPF part done.");
+    demo_pretend_nodes()?;
+    println!(
+        "demo done. Not in the demo yet: the agent finding and tuning this job live, the UI's URL \
+         while it runs, and the tuning report (issue 7); `cargo xtask bench tuning-grid` measures \
+         what tuning could gain on these pretend nodes."
+    );
     Ok(())
 }
 
-fn bench(which: Bench) -> Result<()> {
+/// The demo's multi-node part: a 2 × 2-rank `collbench resnet50` job on two
+/// pretend nodes whose link is rate-limited, on the runtime's default knobs.
+/// The namespaces are removed when it returns, fails, or gets Ctrl-C.
+fn demo_pretend_nodes() -> Result<()> {
+    let collbench = multinode::collbench(&root())?;
+    let rate_mbit = tuning_grid::DEFAULT_RATE_MBIT;
+    let topology = topology::Topology::create("rwdemo", 2, rate_mbit)?;
+    println!(
+        "pretend nodes: {} ({}) and {} ({}), {rate_mbit} Mbit/s each way between them \
+         (tc tbf), loopback within each",
+        topology.namespace(0),
+        topology.address(0),
+        topology.namespace(1),
+        topology.address(1),
+    );
+    let spec = multinode::Resnet50 {
+        ranks_per_node: 2,
+        steps: 10,
+        warmup: 2,
+        // The control socket stays on (the runtime's default): it is how the
+        // agent will find and tune the job.
+        env: Vec::new(),
+    };
+    println!("running collbench resnet50, 4 ranks, 10 steps, on the runtime's default knobs...");
+    let result = multinode::resnet50(&topology, &collbench, &spec, None, "ringwatch-demo")?;
+    println!(
+        "job ringwatch-demo: ranks 0,1 in {} and ranks 2,3 in {}: {:.2} steps/s, \
+         {:.3} GB/s of gradients allreduced (busbw {:.3} GB/s), knobs {}",
+        topology.namespace(0),
+        topology.namespace(1),
+        result.steps_per_sec,
+        result.algbw_gbps,
+        result.busbw_gbps,
+        result.knobs
+    );
+    drop(topology);
+    println!("pretend nodes removed.");
+    Ok(())
+}
+
+fn bench(which: Bench, grid: &tuning_grid::Args) -> Result<()> {
     match which {
         Bench::Tuner => run("cargo", &["bench", "-p", "tuner", "--bench", "tuner"]),
         Bench::Probes => {
@@ -317,6 +373,14 @@ fn bench(which: Bench) -> Result<()> {
             let bench = root().join("target/release/ringwatch-bench");
             let bench = bench.to_str().context("non-UTF-8 target path")?;
             run(bench, &[])
+        }
+        Bench::TuningGrid => {
+            if !is_root() {
+                bail!(
+                    "the tuning grid runs on pretend nodes (network namespaces): run it as root (sudo -E cargo xtask bench tuning-grid)"
+                );
+            }
+            tuning_grid::run(&root(), grid)
         }
     }
 }
