@@ -232,10 +232,19 @@ fn median(mut v: Vec<f64>) -> f64 {
 
 fn main() {
     let quick = std::env::args().any(|a| a == "--quick");
-    let seeds: u64 = std::env::var("RINGWATCH_BENCH_SEEDS")
-        .ok()
-        .and_then(|s| s.parse().ok())
-        .unwrap_or(if quick { 5 } else { 20 });
+    // `cargo test --all-targets` runs this binary too, without `--bench`:
+    // then it is a one-seed smoke run that checks the benchmark works, not a
+    // measurement.
+    let smoke = !std::env::args().any(|a| a == "--bench");
+    let seeds: u64 = if smoke {
+        println!("smoke run (no --bench: run by cargo test): one seed, not a measurement");
+        1
+    } else {
+        std::env::var("RINGWATCH_BENCH_SEEDS")
+            .ok()
+            .and_then(|s| s.parse().ok())
+            .unwrap_or(if quick { 5 } else { 20 })
+    };
 
     let optimum = collective_optimum();
     let problems = vec![
