@@ -6,7 +6,7 @@
 //! parameters are rejected, never ignored.
 
 use std::collections::HashMap;
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 use std::time::Instant;
 
 use axum::Router;
@@ -17,6 +17,7 @@ use axum::routing::get;
 use serde_json::json;
 
 use crate::gpu::Gpus;
+use crate::live::LiveView;
 use crate::metrics::render_metrics;
 use crate::timeline::{QueryError, RecordedTrace, TimePoint, TimelineQuery};
 
@@ -31,6 +32,28 @@ pub struct ApiState {
     pub recorded: Option<Arc<RecordedTrace>>,
     /// The most events one `/api/timeline` answer may carry.
     pub timeline_event_limit: usize,
+    /// The latest view of the live eBPF pipeline (`serve --pid …`), replaced
+    /// whole once a second.
+    pub live: Arc<Mutex<Option<Arc<LiveView>>>>,
+}
+
+impl ApiState {
+    /// Replaces the live view.
+    pub fn publish(&self, view: LiveView) {
+        let mut slot = self
+            .live
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        *slot = Some(Arc::new(view));
+    }
+
+    /// The live view, if the pipeline runs and has published one.
+    pub fn live_view(&self) -> Option<Arc<LiveView>> {
+        self.live
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .clone()
+    }
 }
 
 /// An error answered as `{"error": {"status": …, "message": …}}`.
@@ -150,12 +173,32 @@ async fn processes(
     Query(params): Params,
 ) -> Result<Response, ApiError> {
     reject_unknown(&params, &[])?;
+    if let Some(live) = state.live_view() {
+        return Ok(
+            axum::Json(json!({ "processes": live.processes, "source": "live" })).into_response(),
+        );
+    }
     let processes = state
         .recorded
         .as_ref()
         .map(|trace| trace.processes())
         .unwrap_or_default();
     Ok(axum::Json(json!({ "processes": processes })).into_response())
+}
+
+/// Where `/api/timeline` reads from.
+enum TimelineSource {
+    Recorded(Arc<RecordedTrace>),
+    Live(Arc<LiveView>),
+}
+
+impl TimelineSource {
+    fn trace(&self) -> &RecordedTrace {
+        match self {
+            Self::Recorded(trace) => trace,
+            Self::Live(live) => &live.timeline,
+        }
+    }
 }
 
 async fn timeline(
@@ -178,15 +221,20 @@ async fn timeline(
         job: params.get("job").cloned(),
         pid: params.get("pid").cloned(),
     };
-    let Some(trace) = state.recorded.clone() else {
-        return Err(ApiError::new(
-            StatusCode::SERVICE_UNAVAILABLE,
-            "no timeline source: this agent serves a recorded trace only when started with --replay FILE (the live timeline is not built yet)",
-        ));
-    };
     let limit = state.timeline_event_limit;
+    // A recorded trace when one was given, else the live view.
+    let source = match (state.recorded.clone(), state.live_view()) {
+        (Some(trace), _) => TimelineSource::Recorded(trace),
+        (None, Some(live)) => TimelineSource::Live(live),
+        (None, None) => {
+            return Err(ApiError::new(
+                StatusCode::SERVICE_UNAVAILABLE,
+                "no timeline source: start the agent with --pid/--comm/--cgroup for the live timeline (it appears within a second), or --replay FILE for a recorded one",
+            ));
+        }
+    };
     // Filtering a large trace is CPU work: keep it off the async workers.
-    let answer = tokio::task::spawn_blocking(move || trace.query(&query, limit))
+    let answer = tokio::task::spawn_blocking(move || source.trace().query(&query, limit))
         .await
         .map_err(|e| {
             ApiError::new(
@@ -213,20 +261,22 @@ async fn metrics(
 ) -> Result<Response, ApiError> {
     reject_unknown(&params, &[])?;
     let gpus = state.gpus.clone();
-    let text = tokio::task::spawn_blocking(move || render_metrics(&gpus.snapshot()))
-        .await
-        .map_err(|e| {
-            ApiError::new(
-                StatusCode::INTERNAL_SERVER_ERROR,
-                format!("collecting metrics failed: {e}"),
-            )
-        })?
-        .map_err(|e| {
-            ApiError::new(
-                StatusCode::INTERNAL_SERVER_ERROR,
-                format!("encoding metrics failed: {e}"),
-            )
-        })?;
+    let live = state.live_view();
+    let text =
+        tokio::task::spawn_blocking(move || render_metrics(&gpus.snapshot(), live.as_deref()))
+            .await
+            .map_err(|e| {
+                ApiError::new(
+                    StatusCode::INTERNAL_SERVER_ERROR,
+                    format!("collecting metrics failed: {e}"),
+                )
+            })?
+            .map_err(|e| {
+                ApiError::new(
+                    StatusCode::INTERNAL_SERVER_ERROR,
+                    format!("encoding metrics failed: {e}"),
+                )
+            })?;
     Ok((
         [(
             header::CONTENT_TYPE,

@@ -11,6 +11,7 @@ mod api;
 mod discovery;
 mod events;
 mod gpu;
+mod live;
 mod lock;
 mod metrics;
 mod model;

@@ -7,15 +7,26 @@
 use prometheus_client::encoding::text::encode_registry;
 use prometheus_client::encoding::{DescriptorEncoder, EncodeMetric};
 use prometheus_client::metrics::MetricType;
+use prometheus_client::metrics::counter::ConstCounter;
 use prometheus_client::metrics::gauge::ConstGauge;
 use prometheus_client::registry::Registry;
 
 use crate::gpu::{GpuReading, GpuSnapshot};
+use crate::live::{LiveView, NamedProcess};
 
 /// Renders every metric as OpenMetrics text.
-pub fn render_metrics(gpus: &GpuSnapshot) -> Result<String, std::fmt::Error> {
+pub fn render_metrics(
+    gpus: &GpuSnapshot,
+    live: Option<&LiveView>,
+) -> Result<String, std::fmt::Error> {
     let mut registry = Registry::default();
     registry.register_collector(Box::new(GpuCollector(gpus.clone())));
+    if let Some(live) = live {
+        registry.register_collector(Box::new(ProcessCollector {
+            processes: live.processes.clone(),
+            ringbuf_drops: live.ringbuf_drops,
+        }));
+    }
     let mut text = String::new();
     encode_registry(&mut text, &registry)?;
     text.push_str("# EOF\n");
@@ -150,6 +161,107 @@ impl prometheus_client::collector::Collector for GpuCollector {
             "NVLink bytes received since the driver loaded",
             gpus,
             |g| g.nvlink_rx_bytes_total.map(|b| b as f64),
+        )?;
+        Ok(())
+    }
+}
+
+/// One scrape's figures of the watched processes (the live view's last second).
+#[derive(Debug)]
+struct ProcessCollector {
+    processes: Vec<NamedProcess>,
+    ringbuf_drops: u64,
+}
+
+fn process_gauge(
+    encoder: &mut DescriptorEncoder,
+    name: &str,
+    help: &str,
+    processes: &[NamedProcess],
+    value: impl Fn(&NamedProcess) -> Option<f64>,
+) -> Result<(), std::fmt::Error> {
+    let values: Vec<(Labels, f64)> = processes
+        .iter()
+        .filter_map(|p| {
+            value(p).map(|v| {
+                (
+                    vec![
+                        ("pid", p.snapshot.pid.to_string()),
+                        ("comm", p.name.clone()),
+                    ],
+                    v,
+                )
+            })
+        })
+        .collect();
+    if values.is_empty() {
+        return Ok(());
+    }
+    let mut family = encoder.encode_descriptor(name, help, None, MetricType::Gauge)?;
+    for (labels, v) in values {
+        ConstGauge::new(v).encode(family.encode_family(&labels)?)?;
+    }
+    Ok(())
+}
+
+impl prometheus_client::collector::Collector for ProcessCollector {
+    fn encode(&self, mut encoder: DescriptorEncoder) -> Result<(), std::fmt::Error> {
+        ConstCounter::new(self.ringbuf_drops).encode(encoder.encode_descriptor(
+            "ringwatch_ringbuf_drops",
+            "Kernel records lost because the ring buffer was full",
+            None,
+            MetricType::Counter,
+        )?)?;
+        let p = &self.processes;
+        let e = &mut encoder;
+        process_gauge(
+            e,
+            "ringwatch_process_cpu_ratio",
+            "On-CPU time over the last second, in CPUs",
+            p,
+            |p| Some(p.snapshot.cpu_pct / 100.0),
+        )?;
+        process_gauge(
+            e,
+            "ringwatch_process_off_cpu_ratio",
+            "Mean blocked share of its threads over the last second",
+            p,
+            |p| Some(p.snapshot.off_cpu_pct / 100.0),
+        )?;
+        process_gauge(
+            e,
+            "ringwatch_process_run_queue_wait_p99_seconds",
+            "99th percentile run-queue wait over the last second",
+            p,
+            |p| p.snapshot.run_queue_p99_us.map(|us| us / 1e6),
+        )?;
+        process_gauge(
+            e,
+            "ringwatch_process_tcp_tx_bytes_per_second",
+            "TCP bytes sent per second",
+            p,
+            |p| Some(p.snapshot.tcp_tx_bytes_per_s),
+        )?;
+        process_gauge(
+            e,
+            "ringwatch_process_tcp_rx_bytes_per_second",
+            "TCP bytes received per second",
+            p,
+            |p| Some(p.snapshot.tcp_rx_bytes_per_s),
+        )?;
+        process_gauge(
+            e,
+            "ringwatch_process_tcp_retransmits",
+            "TCP retransmits since the agent first saw the process",
+            p,
+            |p| Some(p.snapshot.retransmits_total as f64),
+        )?;
+        process_gauge(
+            e,
+            "ringwatch_process_nccl_calls_per_second",
+            "NCCL collective calls per second",
+            p,
+            |p| Some(p.snapshot.nccl_calls_per_s),
         )?;
         Ok(())
     }

@@ -105,12 +105,17 @@ fn ser_kind<S: serde::Serializer>(k: &IntervalKind, s: S) -> Result<S::Ok, S::Er
 }
 
 fn ser_cause<S: serde::Serializer>(c: &IntervalCause, s: S) -> Result<S::Ok, S::Error> {
-    s.serialize_str(match c {
+    s.serialize_str(cause_name(*c))
+}
+
+/// How a cause is spelled in JSON and on the timeline.
+pub fn cause_name(cause: IntervalCause) -> &'static str {
+    match cause {
         IntervalCause::Blocked => "blocked",
         IntervalCause::Preempted => "preempted",
         IntervalCause::Woken => "woken",
         IntervalCause::New => "new",
-    })
+    }
 }
 
 /// One NCCL call of a thread.

@@ -1,5 +1,6 @@
-//! `serve`: the long-running agent: the HTTP API (and, as the pipeline
-//! grows, the probes and job discovery behind it) until SIGINT/SIGTERM.
+//! `serve`: the long-running agent: the HTTP API, and behind it the eBPF
+//! pipeline for the processes it is told to watch (`--pid/--comm/--cgroup`),
+//! published once a second, until SIGINT/SIGTERM.
 //!
 //! It wires the parts together; it holds no logic of its own.
 
@@ -13,6 +14,8 @@ use tokio::signal::unix::{SignalKind, signal};
 
 use crate::api::{ApiState, router};
 use crate::gpu::Gpus;
+use crate::live;
+use crate::session::{Session, TargetArgs, monotonic_ns};
 use crate::timeline::RecordedTrace;
 
 /// Where to serve.
@@ -38,6 +41,16 @@ pub struct ServeArgs {
         default_value_t = 500_000
     )]
     pub timeline_event_limit: usize,
+
+    /// How much recent timeline (thread states, NCCL calls) the live view
+    /// keeps for /api/timeline, e.g. `60s`.
+    #[arg(long, default_value = "60s", value_parser = humantime::parse_duration, env = "RINGWATCH_TIMELINE_WINDOW")]
+    pub timeline_window: std::time::Duration,
+
+    /// What to watch live (optional: without targets the API serves GPUs and
+    /// --replay only).
+    #[command(flatten)]
+    pub targets: TargetArgs,
 }
 
 /// Runs until SIGINT or SIGTERM.
@@ -58,26 +71,73 @@ pub async fn run(args: ServeArgs) -> Result<()> {
         started: Instant::now(),
         recorded,
         timeline_event_limit: args.timeline_event_limit,
+        live: Arc::default(),
+    };
+    let has_targets = !(args.targets.pids.is_empty()
+        && args.targets.comm.is_empty()
+        && args.targets.cgroup.is_empty());
+    // Load the probes before serving, so a refusal (no privileges, another
+    // agent) is reported before anyone can connect.
+    let session = if has_targets {
+        let session = Session::start(&args.targets)?;
+        // Publish an (empty) view at once, so the API never answers "no
+        // source" while the first second of events comes in.
+        let now = monotonic_ns();
+        state.publish(live::build(&session, now, now, now)?);
+        Some(session)
+    } else {
+        tracing::info!(
+            "no --pid/--comm/--cgroup: serving GPUs and --replay only, no live eBPF view"
+        );
+        None
     };
     let listener = tokio::net::TcpListener::bind(args.listen)
         .await
-        .with_context(|| {
-            format!(
-                "binding the API to {} (is another agent running?)",
-                args.listen
-            )
-        })?;
+        .with_context(|| format!("binding the API to {}", args.listen))?;
     let local = listener.local_addr().context("reading the bound address")?;
+    let (shutdown_tx, shutdown_rx) = tokio::sync::oneshot::channel::<()>();
+    let app = router(state.clone());
+    let server = tokio::spawn(async move {
+        axum::serve(listener, app)
+            .with_graceful_shutdown(async move {
+                let _ = shutdown_rx.await;
+            })
+            .await
+    });
     eprintln!("ringwatch-agent: serving the API on http://{local}/ (metrics at /metrics)");
-    let mut sigterm = signal(SignalKind::terminate()).context("installing the SIGTERM handler")?;
-    axum::serve(listener, router(state))
-        .with_graceful_shutdown(async move {
+    match session {
+        Some(mut session) => {
+            eprintln!("ringwatch-agent: watching {} (serve)", session.describe());
+            let window_ns = u64::try_from(args.timeline_window.as_nanos()).unwrap_or(u64::MAX);
+            let mut figures_from = monotonic_ns();
+            loop {
+                let until = tokio::time::Instant::now() + std::time::Duration::from_secs(1);
+                if let Some(stop) = session.pump(until).await? {
+                    tracing::info!(?stop, "shutting down");
+                    break;
+                }
+                session.drain_now();
+                session.refresh()?;
+                let now = monotonic_ns();
+                let view = live::build(&session, now.saturating_sub(window_ns), figures_from, now)?;
+                state.publish(view);
+                figures_from = now;
+            }
+            session.detach()?;
+        }
+        None => {
+            let mut sigterm =
+                signal(SignalKind::terminate()).context("installing the SIGTERM handler")?;
             tokio::select! {
                 _ = tokio::signal::ctrl_c() => {}
                 _ = sigterm.recv() => {}
             }
             tracing::info!("shutting down");
-        })
+        }
+    }
+    let _ = shutdown_tx.send(());
+    server
         .await
+        .context("the API server task failed")?
         .context("serving the API")
 }

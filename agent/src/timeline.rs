@@ -149,6 +149,13 @@ impl RecordedTrace {
             },
             _ => bail!("a Chrome trace is a JSON array or an object with traceEvents"),
         };
+        let now_us = file_metadata.get("now").and_then(Value::as_f64);
+        Self::from_events(events, now_us, source)
+    }
+
+    /// A trace from events already in memory; `now_us` defaults to the end of
+    /// the last event.
+    pub fn from_events(events: Vec<Value>, now_us: Option<f64>, source: &str) -> Result<Self> {
         let mut metadata = Vec::new();
         let mut timed = Vec::new();
         let mut process_jobs = HashMap::new();
@@ -172,10 +179,7 @@ impl RecordedTrace {
         }
         timed.sort_by(|a, b| ts(a).total_cmp(&ts(b)));
         let last = timed.iter().map(end).fold(0.0, f64::max);
-        let now_us = file_metadata
-            .get("now")
-            .and_then(Value::as_f64)
-            .unwrap_or(last);
+        let now_us = now_us.unwrap_or(last);
         Ok(Self {
             source: source.to_owned(),
             metadata,
