@@ -377,3 +377,33 @@ fn drain(ring: &mut RingBuf<MapData>, model: &mut Model, events: &mut u64, undec
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use clap::Parser;
+
+    use super::*;
+
+    #[derive(Parser)]
+    struct Cli {
+        #[command(flatten)]
+        targets: TargetArgs,
+    }
+
+    fn parse(args: &[&str]) -> TargetArgs {
+        Cli::parse_from(std::iter::once("ringwatch-agent").chain(args.iter().copied())).targets
+    }
+
+    #[test]
+    fn jobs_are_watched_by_the_mode_default_unless_a_flag_says_otherwise() {
+        assert!(parse(&[]).watch_jobs(true));
+        assert!(!parse(&["--pid", "1"]).watch_jobs(false));
+        assert!(parse(&["--pid", "1", "--jobs"]).watch_jobs(false));
+        assert!(!parse(&["--no-jobs"]).watch_jobs(true));
+        // The last of the two flags wins.
+        assert!(parse(&["--no-jobs", "--jobs"]).watch_jobs(false));
+        assert!(!parse(&["--jobs", "--no-jobs"]).watch_jobs(true));
+        let dir = parse(&["--runtime-dir", "/srv/jobs"]).runtime_dir;
+        assert_eq!(dir, PathBuf::from("/srv/jobs"));
+    }
+}
