@@ -871,4 +871,32 @@ mod tests {
         });
         assert!(JobPids::new(jobs.clone()).pids().is_empty());
     }
+
+    #[test]
+    fn a_job_whose_socket_disappears_is_lost_then_forgotten() {
+        let dir = TempDir::new("vanish");
+        let path = dir.0.join("vanishing.sock");
+        let close = fake_job(&path, "vanishing", Vec::new());
+        let jobs = Jobs::start(config(&dir.0)).unwrap();
+        wait_for(Duration::from_secs(10), "the job", || {
+            jobs.jobs()
+                .first()
+                .filter(|j| j.state == JobState::Connected)
+                .cloned()
+        });
+        // The connection stays open; only the socket file goes away.
+        std::fs::remove_file(&path).unwrap();
+        let lost = wait_for(Duration::from_secs(10), "the job to be lost", || {
+            jobs.jobs().into_iter().find(|j| j.state == JobState::Lost)
+        });
+        assert_eq!(
+            lost.lost_reason.as_deref(),
+            Some("its control socket is gone")
+        );
+        wait_for(Duration::from_secs(10), "the job to be forgotten", || {
+            jobs.jobs().is_empty().then_some(())
+        });
+        assert_eq!(jobs.recent_stats("vanishing"), None);
+        close.store(true, Ordering::Release);
+    }
 }
