@@ -160,6 +160,11 @@ async fn gpus(State(state): State<ApiState>, Query(params): Params) -> Result<Re
 
 async fn jobs(State(state): State<ApiState>, Query(params): Params) -> Result<Response, ApiError> {
     reject_unknown(&params, &[])?;
+    if let Some(live) = state.live_view()
+        && !live.jobs.is_empty()
+    {
+        return Ok(axum::Json(json!({ "jobs": live.jobs, "source": "live" })).into_response());
+    }
     let jobs = state
         .recorded
         .as_ref()

@@ -9,6 +9,7 @@
 use serde::Serialize;
 use serde_json::{Value, json};
 
+use crate::jobs::JobSnapshot;
 use crate::model::{ProcessSnapshot, cause_name};
 use crate::session::Session;
 use crate::timeline::RecordedTrace;
@@ -22,6 +23,8 @@ pub struct LiveView {
     pub timeline: RecordedTrace,
     /// Records the kernel could not deliver (ring buffer full), since start.
     pub ringbuf_drops: u64,
+    /// Jobs found through control sockets (with `--jobs`).
+    pub jobs: Vec<JobSnapshot>,
 }
 
 /// A process snapshot with its name.
@@ -90,5 +93,6 @@ pub fn build(
         processes,
         timeline,
         ringbuf_drops: session.probes().counter(ebpf::Counter::RingbufDrops)?,
+        jobs: session.jobs().map(|jobs| jobs.jobs()).unwrap_or_default(),
     })
 }

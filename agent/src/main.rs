@@ -1,6 +1,7 @@
 //! `ringwatch-agent`: the node daemon of ringwatch.
 //!
-//! The pipeline runs one way: `discovery` (what to watch) → `probes` (load
+//! The pipeline runs one way: `discovery` (what to watch; `jobs` finds the
+//! jobs' control sockets and names their ranks' pids) → `probes` (load
 //! and attach BPF) → `events` (decode ring-buffer records) → `model`
 //! (bounded per-thread and per-connection series) → the commands that show
 //! it (`watch`, `top`); `session` wires them together, `lock` keeps one
@@ -11,6 +12,7 @@ mod api;
 mod discovery;
 mod events;
 mod gpu;
+mod jobs;
 mod live;
 mod lock;
 mod metrics;

@@ -73,13 +73,16 @@ pub async fn run(args: ServeArgs) -> Result<()> {
         timeline_event_limit: args.timeline_event_limit,
         live: Arc::default(),
     };
-    let has_targets = !(args.targets.pids.is_empty()
-        && args.targets.comm.is_empty()
-        && args.targets.cgroup.is_empty());
+    // Jobs found through control sockets are watched here only with --jobs
+    // (the API's own default is to serve without loading eBPF).
+    let has_targets = args.targets.watch_jobs(false)
+        || !(args.targets.pids.is_empty()
+            && args.targets.comm.is_empty()
+            && args.targets.cgroup.is_empty());
     // Load the probes before serving, so a refusal (no privileges, another
     // agent) is reported before anyone can connect.
     let session = if has_targets {
-        let session = Session::start(&args.targets)?;
+        let session = Session::start(&args.targets, false)?;
         // Publish an (empty) view at once, so the API never answers "no
         // source" while the first second of events comes in.
         let now = monotonic_ns();
@@ -87,7 +90,7 @@ pub async fn run(args: ServeArgs) -> Result<()> {
         Some(session)
     } else {
         tracing::info!(
-            "no --pid/--comm/--cgroup: serving GPUs and --replay only, no live eBPF view"
+            "no --pid/--comm/--cgroup/--jobs: serving GPUs and --replay only, no live eBPF view"
         );
         None
     };

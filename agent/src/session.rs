@@ -1,6 +1,7 @@
 //! `session`: one running agent pipeline shared by the commands: the node
 //! lock, the probes, the ring buffer on tokio, discovery of what to watch,
-//! and the model fed from both.
+//! (fixed pids, names, cgroups, and the jobs found through their control
+//! sockets), and the model fed from both.
 //!
 //! It prints nothing: the commands (`watch`, `top`) decide what to show.
 
@@ -17,6 +18,7 @@ use tokio::signal::unix::{Signal, SignalKind, signal};
 
 use crate::discovery::{self, ByCgroup, ByComm, Discovery, FixedPids};
 use crate::events::decode;
+use crate::jobs::{JobPids, Jobs, JobsConfig};
 use crate::lock::{AgentLock, DEFAULT_LOCK_FILE};
 use crate::model::Model;
 use crate::probes::{ProbeConfig, ProbeSet, Probes};
@@ -42,6 +44,22 @@ pub struct TargetArgs {
     /// e.g. `/system.slice/job.service`), sub-cgroups included.
     #[arg(long, value_name = "PATH")]
     pub cgroup: Vec<String>,
+
+    /// Also watch the local ranks of every job found through its control
+    /// socket in --runtime-dir (and the fallback dirs). On by default,
+    /// except for the one-shot `watch --pid` mode.
+    #[arg(long, overrides_with = "no_jobs")]
+    pub jobs: bool,
+
+    /// Do not look for jobs' control sockets.
+    #[arg(long, overrides_with = "jobs")]
+    pub no_jobs: bool,
+
+    /// Where jobs put their control sockets (`<job_id>.sock`); also
+    /// scanned: `$XDG_RUNTIME_DIR/ringwatch` and `/tmp/ringwatch-<uid>`,
+    /// where unprivileged jobs fall back to.
+    #[arg(long, value_name = "DIR", env = "RINGWATCH_RUNTIME_DIR", default_value_os_t = collectives::control::default_runtime_dir())]
+    pub runtime_dir: PathBuf,
 
     /// How long to keep per-thread and per-connection series in memory.
     #[arg(long, default_value = "10m", value_parser = humantime::parse_duration, env = "RINGWATCH_RETENTION")]
@@ -76,6 +94,18 @@ pub struct TargetArgs {
     pub lock_file: PathBuf,
 }
 
+impl TargetArgs {
+    /// Whether to watch jobs found through control sockets: `--jobs` or
+    /// `--no-jobs` if given, else `default`.
+    pub fn watch_jobs(&self, default: bool) -> bool {
+        if self.no_jobs {
+            false
+        } else {
+            self.jobs || default
+        }
+    }
+}
+
 /// `CLOCK_MONOTONIC` now, in ns: the clock of the kernel's records.
 pub fn monotonic_ns() -> u64 {
     let mut ts = libc::timespec {
@@ -106,6 +136,7 @@ pub struct Session {
     ring: AsyncFd<RingBuf<MapData>>,
     sigterm: Signal,
     discovery: Discovery,
+    jobs: Option<Jobs>,
     only_fixed_pids: Vec<u32>,
     watched: BTreeSet<u32>,
     names: BTreeMap<(u32, u32), String>,
@@ -119,8 +150,10 @@ pub struct Session {
 
 impl Session {
     /// Takes the node lock, loads and attaches the probes, and starts
-    /// watching what the arguments name.
-    pub fn start(args: &TargetArgs) -> Result<Self> {
+    /// watching what the arguments name; `jobs_by_default` says whether
+    /// jobs found through control sockets are watched when neither `--jobs`
+    /// nor `--no-jobs` is given.
+    pub fn start(args: &TargetArgs, jobs_by_default: bool) -> Result<Self> {
         let mut discovery = Discovery::default();
         if !args.pids.is_empty() {
             for &pid in &args.pids {
@@ -136,10 +169,20 @@ impl Session {
         for path in &args.cgroup {
             discovery.add(Box::new(ByCgroup(path.clone())));
         }
+        let jobs = if args.watch_jobs(jobs_by_default) {
+            let jobs = Jobs::start(JobsConfig::new(args.runtime_dir.clone(), args.retention))
+                .context("starting the control-socket scanner thread")?;
+            discovery.add(Box::new(JobPids::new(jobs.clone())));
+            Some(jobs)
+        } else {
+            None
+        };
         if discovery.is_empty() {
-            bail!("nothing to watch: give --pid PID, --comm NAME or --cgroup PATH (see --help)");
+            bail!(
+                "nothing to watch: give --pid PID, --comm NAME, --cgroup PATH or --jobs (see --help)"
+            );
         }
-        let only_fixed_pids = if args.comm.is_empty() && args.cgroup.is_empty() {
+        let only_fixed_pids = if args.comm.is_empty() && args.cgroup.is_empty() && jobs.is_none() {
             args.pids.clone()
         } else {
             Vec::new()
@@ -166,6 +209,7 @@ impl Session {
             ring,
             sigterm,
             discovery,
+            jobs,
             only_fixed_pids,
             watched: BTreeSet::new(),
             names: BTreeMap::new(),
@@ -181,6 +225,11 @@ impl Session {
     pub fn describe(&self) -> String {
         let pids: Vec<String> = self.watched.iter().map(u32::to_string).collect();
         format!("pid {} ({})", pids.join(","), self.discovery.describe())
+    }
+
+    /// The jobs found through control sockets, when they are watched.
+    pub fn jobs(&self) -> Option<&Jobs> {
+        self.jobs.as_ref()
     }
 
     /// Processes watched now.
@@ -326,5 +375,35 @@ fn drain(ring: &mut RingBuf<MapData>, model: &mut Model, events: &mut u64, undec
                 tracing::warn!(%error, "skipping a ring-buffer record");
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use clap::Parser;
+
+    use super::*;
+
+    #[derive(Parser)]
+    struct Cli {
+        #[command(flatten)]
+        targets: TargetArgs,
+    }
+
+    fn parse(args: &[&str]) -> TargetArgs {
+        Cli::parse_from(std::iter::once("ringwatch-agent").chain(args.iter().copied())).targets
+    }
+
+    #[test]
+    fn jobs_are_watched_by_the_mode_default_unless_a_flag_says_otherwise() {
+        assert!(parse(&[]).watch_jobs(true));
+        assert!(!parse(&["--pid", "1"]).watch_jobs(false));
+        assert!(parse(&["--pid", "1", "--jobs"]).watch_jobs(false));
+        assert!(!parse(&["--no-jobs"]).watch_jobs(true));
+        // The last of the two flags wins.
+        assert!(parse(&["--no-jobs", "--jobs"]).watch_jobs(false));
+        assert!(!parse(&["--jobs", "--no-jobs"]).watch_jobs(true));
+        let dir = parse(&["--runtime-dir", "/srv/jobs"]).runtime_dir;
+        assert_eq!(dir, PathBuf::from("/srv/jobs"));
     }
 }

@@ -12,6 +12,7 @@ use anyhow::{Context, Result};
 use clap::Args;
 use serde::Serialize;
 
+use crate::jobs::JobSnapshot;
 use crate::model::ProcessSnapshot;
 use crate::session::{Session, TargetArgs, monotonic_ns};
 
@@ -39,13 +40,15 @@ struct Frame<'a> {
     iteration: u64,
     window_s: f64,
     processes: &'a [ProcessSnapshot],
+    /// Jobs found through control sockets (empty with `--no-jobs`).
+    jobs: &'a [JobSnapshot],
     ringbuf_drops: u64,
     events: u64,
 }
 
 /// Runs the command.
 pub async fn run(args: TopArgs) -> Result<()> {
-    let mut session = Session::start(&args.targets)?;
+    let mut session = Session::start(&args.targets, true)?;
     eprintln!("ringwatch-agent: watching {} (top)", session.describe());
     let mut iteration = 0u64;
     let mut window_start = monotonic_ns();
@@ -63,6 +66,7 @@ pub async fn run(args: TopArgs) -> Result<()> {
             .iter()
             .map(|&pid| session.model.process_snapshot(pid, window_start, now))
             .collect();
+        let jobs = session.jobs().map(|j| j.jobs()).unwrap_or_default();
         iteration += 1;
         let drops = session.probes().counter(ebpf::Counter::RingbufDrops)?;
         let window_s = (now - window_start) as f64 / 1e9;
@@ -71,6 +75,7 @@ pub async fn run(args: TopArgs) -> Result<()> {
                 iteration,
                 window_s,
                 processes: &processes,
+                jobs: &jobs,
                 ringbuf_drops: drops,
                 events: session.events,
             };
@@ -79,7 +84,7 @@ pub async fn run(args: TopArgs) -> Result<()> {
                 serde_json::to_string(&frame).context("serializing a frame")?
             );
         } else {
-            print_frame(&session, &processes, window_s, drops);
+            print_frame(&session, &processes, &jobs, window_s, drops);
         }
         window_start = now;
         if args.iterations.is_some_and(|n| iteration >= n) {
@@ -96,7 +101,13 @@ fn opt(v: Option<f64>) -> String {
     v.map_or_else(|| "-".to_owned(), |v| format!("{v:.0}"))
 }
 
-fn print_frame(session: &Session, processes: &[ProcessSnapshot], window_s: f64, drops: u64) {
+fn print_frame(
+    session: &Session,
+    processes: &[ProcessSnapshot],
+    jobs: &[JobSnapshot],
+    window_s: f64,
+    drops: u64,
+) {
     // Clear the screen like top(1) when writing to a terminal.
     use std::io::IsTerminal;
     if std::io::stdout().is_terminal() {
@@ -106,6 +117,24 @@ fn print_frame(session: &Session, processes: &[ProcessSnapshot], window_s: f64, 
         "ringwatch top: {:.1}s window, {} events, {} ring-buffer drops",
         window_s, session.events, drops
     );
+    for job in jobs {
+        let pids: Vec<String> = job.ranks.iter().map(|r| r.pid.to_string()).collect();
+        println!(
+            "job {} ({:?}): {} ranks, pids {}, cycle {}, fusion {} B, cycle time {} µs{}",
+            job.job_id,
+            job.state,
+            job.world_size,
+            pids.join(","),
+            job.cycle,
+            job.knobs.fusion_threshold_bytes,
+            job.knobs.cycle_time_us,
+            if job.knobs.hierarchical_allreduce {
+                ", hierarchical"
+            } else {
+                ""
+            }
+        );
+    }
     println!(
         "{:>8} {:>8} {:<16} {:>7} {:>9} {:>9} {:>8} {:>12} {:>12} {:>6} {:>8}",
         "pid",

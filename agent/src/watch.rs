@@ -72,7 +72,7 @@ struct ThreadSummary {
 
 /// Runs the command.
 pub async fn run(args: WatchArgs) -> Result<()> {
-    let mut session = Session::start(&args.targets)?;
+    let mut session = Session::start(&args.targets, args.targets.pids.is_empty())?;
     let started = Instant::now();
     eprintln!(
         "ringwatch-agent: watching {} {}",

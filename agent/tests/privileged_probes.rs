@@ -485,6 +485,8 @@ fn top_prints_bounded_json_frames_for_busy_threads() {
             "--iterations",
             "3",
             "--json",
+            // Only the test's process: no jobs that happen to run on this machine.
+            "--no-jobs",
         ])
         .env("RINGWATCH_LOCK_FILE", unique_lock_file())
         .stdout(std::process::Stdio::piped())

@@ -183,7 +183,8 @@ pub fn unique_lock_file() -> String {
         .to_string()
 }
 
-fn wait_within(child: &mut Child, limit: Duration) -> std::process::ExitStatus {
+/// Waits for `child` to exit; kills it and fails the test after `limit`.
+pub fn wait_within(child: &mut Child, limit: Duration) -> std::process::ExitStatus {
     let deadline = std::time::Instant::now() + limit;
     loop {
         if let Some(status) = child.try_wait().unwrap() {

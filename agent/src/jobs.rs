@@ -1,0 +1,902 @@
+//! `jobs`: finds the collective jobs on this node through their control
+//! sockets (`<runtime dir>/<job_id>.sock`, the `collectives::control`
+//! protocol) and keeps a bounded registry of them: each job's `hello` (ranks,
+//! hosts, pids, knobs), whether it is still connected, its last per-cycle
+//! statistics and a ring of its timeline events.
+//!
+//! It only observes: it subscribes and reads, and never sends knobs. It must
+//! never crash, hang or block a tokio worker because of what it finds in the
+//! runtime directory: all client I/O runs on its own threads with timeouts,
+//! and a socket that is not a job's (or answers garbage) is logged once and
+//! skipped. Memory stays bounded: stats and events per job are capped, lost
+//! jobs are forgotten after the retention window.
+
+use std::collections::{BTreeMap, HashMap, VecDeque};
+use std::os::unix::fs::{FileTypeExt, MetadataExt};
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+
+use collectives::control::{
+    ControlClient, ControlError, CycleStats, Knobs, RankInfo, ServerMessage, TimelineEvent,
+};
+use serde::Serialize;
+
+use crate::discovery::{self, PidSource};
+
+/// How the registry looks for jobs and how much it keeps.
+#[derive(Debug, Clone)]
+pub struct JobsConfig {
+    /// Directories scanned for `*.sock`, in order (the first socket of a job
+    /// id wins).
+    pub runtime_dirs: Vec<PathBuf>,
+    /// Time between two scans of the directories.
+    pub scan_period: Duration,
+    /// Limit on connecting and reading `hello`, and on each read after it.
+    pub connect_timeout: Duration,
+    /// How long a lost job stays in the registry.
+    pub retention: Duration,
+    /// Per-cycle statistics kept per job (the newest).
+    pub max_stats_per_job: usize,
+    /// Timeline events kept per job (the newest).
+    pub max_timeline_events_per_job: usize,
+}
+
+impl JobsConfig {
+    /// Scans `runtime_dir` and then the protocol's fallback directories
+    /// (where unprivileged jobs put their sockets), once a second.
+    pub fn new(runtime_dir: PathBuf, retention: Duration) -> Self {
+        let mut runtime_dirs = vec![runtime_dir];
+        for dir in collectives::control::fallback_runtime_dirs() {
+            if !runtime_dirs.contains(&dir) {
+                runtime_dirs.push(dir);
+            }
+        }
+        Self {
+            runtime_dirs,
+            scan_period: Duration::from_secs(1),
+            connect_timeout: Duration::from_millis(500),
+            retention,
+            max_stats_per_job: 1_000,
+            max_timeline_events_per_job: 100_000,
+        }
+    }
+}
+
+/// Whether the agent still talks to a job.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum JobState {
+    /// The control connection is open and being read.
+    Connected,
+    /// The socket disappeared or the connection broke; kept until the
+    /// retention window has passed.
+    Lost,
+}
+
+/// What the registry knows about one job, for the API and the commands.
+#[derive(Debug, Clone, Serialize)]
+pub struct JobSnapshot {
+    /// The job's id (from its `hello`).
+    pub job_id: String,
+    /// The control socket it was found at.
+    pub socket: PathBuf,
+    /// The protocol version the job speaks.
+    pub protocol_version: u32,
+    /// Number of ranks.
+    pub world_size: usize,
+    /// Ranks per node (rank 0's node).
+    pub local_size: usize,
+    /// Every rank: rank, local rank, host and pid (in its pid namespace).
+    pub ranks: Vec<RankInfo>,
+    /// The knobs in force, as last reported.
+    pub knobs: Knobs,
+    /// The last cycle the job reported.
+    pub cycle: u64,
+    /// Connected or lost.
+    pub state: JobState,
+    /// Why it was lost, when it is.
+    pub lost_reason: Option<String>,
+    /// When the job last said anything, milliseconds since the Unix epoch.
+    pub last_seen_unix_ms: u64,
+    /// Per-cycle statistics received in all.
+    pub stats_received: u64,
+    /// Timeline events received in all.
+    pub timeline_events_received: u64,
+    /// Timeline events pushed out of the bounded ring.
+    pub timeline_events_dropped: u64,
+}
+
+struct Job {
+    socket: PathBuf,
+    socket_inode: u64,
+    protocol_version: u32,
+    world_size: usize,
+    local_size: usize,
+    ranks: Vec<RankInfo>,
+    knobs: Knobs,
+    cycle: u64,
+    state: JobState,
+    lost_reason: Option<String>,
+    lost_at: Option<Instant>,
+    last_seen: SystemTime,
+    stats: VecDeque<CycleStats>,
+    stats_received: u64,
+    timeline: VecDeque<TimelineEvent>,
+    timeline_events_received: u64,
+    timeline_events_dropped: u64,
+    /// Tells this connection's reader thread to stop.
+    stop_reader: Arc<AtomicBool>,
+    /// Distinguishes this connection from an earlier one of the same job id.
+    connection: u64,
+}
+
+impl Job {
+    fn snapshot(&self, job_id: &str) -> JobSnapshot {
+        JobSnapshot {
+            job_id: job_id.to_owned(),
+            socket: self.socket.clone(),
+            protocol_version: self.protocol_version,
+            world_size: self.world_size,
+            local_size: self.local_size,
+            ranks: self.ranks.clone(),
+            knobs: self.knobs,
+            cycle: self.cycle,
+            state: self.state,
+            lost_reason: self.lost_reason.clone(),
+            last_seen_unix_ms: self
+                .last_seen
+                .duration_since(UNIX_EPOCH)
+                .map_or(0, |d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX)),
+            stats_received: self.stats_received,
+            timeline_events_received: self.timeline_events_received,
+            timeline_events_dropped: self.timeline_events_dropped,
+        }
+    }
+
+    fn lose(&mut self, reason: String) {
+        if self.state == JobState::Connected {
+            self.state = JobState::Lost;
+            self.lost_reason = Some(reason);
+            self.lost_at = Some(Instant::now());
+            self.stop_reader.store(true, Ordering::Release);
+        }
+    }
+}
+
+/// A socket that could not be used, remembered so it is logged once and not
+/// retried on every scan.
+struct Rejected {
+    inode: u64,
+    at: Instant,
+}
+
+/// Sockets that failed are retried this rarely (a job may have been starting).
+const RETRY_REJECTED: Duration = Duration::from_secs(10);
+
+#[derive(Default)]
+struct Registry {
+    jobs: BTreeMap<String, Job>,
+    rejected: HashMap<PathBuf, Rejected>,
+    next_connection: u64,
+}
+
+/// The registry of jobs found through control sockets. Cloning gives another
+/// handle to the same registry; the scanning stops when the last handle is
+/// dropped.
+#[derive(Clone)]
+pub struct Jobs {
+    inner: Arc<Shared>,
+}
+
+struct Shared {
+    config: JobsConfig,
+    registry: Mutex<Registry>,
+    stop: Arc<AtomicBool>,
+}
+
+impl Drop for Shared {
+    fn drop(&mut self) {
+        self.stop.store(true, Ordering::Release);
+        if let Ok(registry) = self.registry.get_mut() {
+            for job in registry.jobs.values() {
+                job.stop_reader.store(true, Ordering::Release);
+            }
+        }
+    }
+}
+
+impl Jobs {
+    /// Starts scanning (on its own thread, not on tokio's workers).
+    pub fn start(config: JobsConfig) -> std::io::Result<Self> {
+        let stop = Arc::new(AtomicBool::new(false));
+        let jobs = Jobs {
+            inner: Arc::new(Shared {
+                config,
+                registry: Mutex::new(Registry::default()),
+                stop: stop.clone(),
+            }),
+        };
+        let weak = Arc::downgrade(&jobs.inner);
+        std::thread::Builder::new()
+            .name("ringwatch-jobs".into())
+            .spawn(move || {
+                while !stop.load(Ordering::Acquire) {
+                    let Some(inner) = weak.upgrade() else { break };
+                    let jobs = Jobs { inner };
+                    jobs.scan();
+                    let period = jobs.inner.config.scan_period;
+                    drop(jobs);
+                    std::thread::sleep(period);
+                }
+            })?;
+        Ok(jobs)
+    }
+
+    /// Every job known now (connected, or lost within the retention window),
+    /// by job id.
+    pub fn jobs(&self) -> Vec<JobSnapshot> {
+        self.lock()
+            .jobs
+            .iter()
+            .map(|(id, job)| job.snapshot(id))
+            .collect()
+    }
+
+    /// The newest per-cycle statistics of `job_id` (oldest first), or `None`
+    /// for an unknown job.
+    #[cfg_attr(
+        not(test),
+        allow(dead_code, reason = "read by the HTTP API, which lands separately")
+    )]
+    pub fn recent_stats(&self, job_id: &str) -> Option<Vec<CycleStats>> {
+        self.lock()
+            .jobs
+            .get(job_id)
+            .map(|job| job.stats.iter().cloned().collect())
+    }
+
+    /// The kept timeline events of `job_id` with `from_us <= ts_us < to_us`
+    /// (microseconds since the Unix epoch), in arrival order; `None` for an
+    /// unknown job.
+    #[cfg_attr(
+        not(test),
+        allow(dead_code, reason = "read by the HTTP API, which lands separately")
+    )]
+    pub fn timeline_events(
+        &self,
+        job_id: &str,
+        from_us: u64,
+        to_us: u64,
+    ) -> Option<Vec<TimelineEvent>> {
+        self.lock().jobs.get(job_id).map(|job| {
+            job.timeline
+                .iter()
+                .filter(|e| (from_us..to_us).contains(&e.ts_us))
+                .cloned()
+                .collect()
+        })
+    }
+
+    fn lock(&self) -> MutexGuard<'_, Registry> {
+        // A panic while holding the lock leaves plain data behind: use it.
+        self.inner
+            .registry
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+
+    /// One pass over the runtime directories: connect to new sockets, mark
+    /// jobs whose socket vanished as lost, forget old lost jobs.
+    fn scan(&self) {
+        let config = &self.inner.config;
+        let mut present: HashMap<PathBuf, u64> = HashMap::new();
+        for dir in &config.runtime_dirs {
+            let Ok(entries) = std::fs::read_dir(dir) else {
+                continue;
+            };
+            for entry in entries.flatten() {
+                let path = entry.path();
+                if path.extension().is_none_or(|e| e != "sock") {
+                    continue;
+                }
+                let Ok(meta) = std::fs::metadata(&path) else {
+                    continue;
+                };
+                present.insert(path.clone(), meta.ino());
+                if self.should_try(&path, meta.ino()) {
+                    if !meta.file_type().is_socket() {
+                        self.reject(&path, meta.ino(), "not a Unix socket");
+                        continue;
+                    }
+                    self.connect(&path, meta.ino());
+                }
+            }
+        }
+        let now = Instant::now();
+        let mut registry = self.lock();
+        for job in registry.jobs.values_mut() {
+            if present.get(&job.socket) != Some(&job.socket_inode) {
+                job.lose("its control socket is gone".to_owned());
+            }
+        }
+        registry.jobs.retain(|job_id, job| {
+            let keep = job
+                .lost_at
+                .is_none_or(|at| now.duration_since(at) < config.retention);
+            if !keep {
+                tracing::debug!(job_id, "forgetting a lost job");
+            }
+            keep
+        });
+        registry
+            .rejected
+            .retain(|path, _| present.contains_key(path));
+    }
+
+    /// True when `path` is not served by a connected job and was not
+    /// rejected recently (a new file at the same path is tried at once).
+    fn should_try(&self, path: &Path, inode: u64) -> bool {
+        let registry = self.lock();
+        let connected = registry
+            .jobs
+            .values()
+            .any(|job| job.state == JobState::Connected && job.socket == path);
+        let recently_rejected = registry
+            .rejected
+            .get(path)
+            .is_some_and(|r| r.inode == inode && r.at.elapsed() < RETRY_REJECTED);
+        !connected && !recently_rejected
+    }
+
+    /// Remembers that `path` is unusable; logs it the first time only.
+    fn reject(&self, path: &Path, inode: u64, why: &str) {
+        let mut registry = self.lock();
+        let seen = registry
+            .rejected
+            .get(path)
+            .is_some_and(|r| r.inode == inode);
+        if !seen {
+            tracing::warn!(
+                path = %path.display(),
+                why,
+                "skipping a file in the runtime directory that is not a job's control socket \
+                 (or its job is gone); retried every {RETRY_REJECTED:?}"
+            );
+        }
+        registry.rejected.insert(
+            path.to_owned(),
+            Rejected {
+                inode,
+                at: Instant::now(),
+            },
+        );
+    }
+
+    fn connect(&self, path: &Path, inode: u64) {
+        let timeout = self.inner.config.connect_timeout;
+        let mut client = match ControlClient::connect(path, timeout) {
+            Ok(client) => client,
+            Err(error) => return self.reject(path, inode, &error.to_string()),
+        };
+        if let Err(error) = client.subscribe(true, true) {
+            return self.reject(path, inode, &format!("subscribing failed: {error}"));
+        }
+        let hello = client.hello().clone();
+        let stop_reader = Arc::new(AtomicBool::new(false));
+        let connection = {
+            let mut registry = self.lock();
+            if let Some(other) = registry.jobs.get(&hello.job_id)
+                && other.state == JobState::Connected
+            {
+                let other = other.socket.display().to_string();
+                drop(registry);
+                return self.reject(
+                    path,
+                    inode,
+                    &format!("job {} is already watched through {other}", hello.job_id),
+                );
+            }
+            registry.rejected.remove(path);
+            registry.next_connection += 1;
+            let connection = registry.next_connection;
+            registry.jobs.insert(
+                hello.job_id.clone(),
+                Job {
+                    socket: path.to_owned(),
+                    socket_inode: inode,
+                    protocol_version: hello.protocol_version,
+                    world_size: hello.world_size,
+                    local_size: hello.local_size,
+                    ranks: hello.ranks.clone(),
+                    knobs: hello.knobs,
+                    cycle: hello.cycle,
+                    state: JobState::Connected,
+                    lost_reason: None,
+                    lost_at: None,
+                    last_seen: SystemTime::now(),
+                    stats: VecDeque::new(),
+                    stats_received: 0,
+                    timeline: VecDeque::new(),
+                    timeline_events_received: 0,
+                    timeline_events_dropped: 0,
+                    stop_reader: stop_reader.clone(),
+                    connection,
+                },
+            );
+            connection
+        };
+        tracing::info!(
+            job_id = hello.job_id,
+            socket = %path.display(),
+            world_size = hello.world_size,
+            "found a job"
+        );
+        let weak = Arc::downgrade(&self.inner);
+        let job_id = hello.job_id;
+        let spawned = std::thread::Builder::new()
+            .name("ringwatch-job".into())
+            .spawn({
+                let job_id = job_id.clone();
+                move || read_job(client, &weak, &job_id, connection, &stop_reader)
+            });
+        if let Err(error) = spawned
+            && let Some(job) = self.lock().jobs.get_mut(&job_id)
+        {
+            job.lose(format!("cannot start its reader thread: {error}"));
+        }
+    }
+}
+
+/// Reads one job's stream until it breaks or the registry stops it.
+fn read_job(
+    mut client: ControlClient,
+    registry: &std::sync::Weak<Shared>,
+    job_id: &str,
+    connection: u64,
+    stop: &AtomicBool,
+) {
+    let poll = Duration::from_millis(250);
+    while !stop.load(Ordering::Acquire) {
+        let result = client.next_message(poll);
+        let Some(inner) = registry.upgrade() else {
+            return;
+        };
+        let jobs = Jobs { inner };
+        let mut registry = jobs.lock();
+        let max_stats = jobs.inner.config.max_stats_per_job;
+        let max_events = jobs.inner.config.max_timeline_events_per_job;
+        let Some(job) = registry
+            .jobs
+            .get_mut(job_id)
+            .filter(|job| job.connection == connection)
+        else {
+            return;
+        };
+        match result {
+            Ok(None) => {}
+            Ok(Some(message)) => {
+                job.last_seen = SystemTime::now();
+                match message {
+                    ServerMessage::CycleStats(stats) => {
+                        job.cycle = job.cycle.max(stats.cycle);
+                        job.knobs = stats.knobs;
+                        job.stats_received += 1;
+                        job.stats.push_back(stats);
+                        while job.stats.len() > max_stats {
+                            job.stats.pop_front();
+                        }
+                    }
+                    ServerMessage::Timeline { events } => {
+                        job.timeline_events_received += events.len() as u64;
+                        job.timeline.extend(events);
+                        while job.timeline.len() > max_events {
+                            job.timeline.pop_front();
+                            job.timeline_events_dropped += 1;
+                        }
+                    }
+                    ServerMessage::KnobsApplied {
+                        knobs,
+                        applied_at_cycle,
+                        ..
+                    } => {
+                        job.knobs = knobs;
+                        job.cycle = job.cycle.max(applied_at_cycle);
+                    }
+                    ServerMessage::Knobs { knobs, cycle, .. } => {
+                        job.knobs = knobs;
+                        job.cycle = job.cycle.max(cycle);
+                    }
+                    ServerMessage::Error { message, .. } => {
+                        tracing::warn!(job_id, message, "the job reported an error");
+                    }
+                    ServerMessage::Hello(_) => {}
+                }
+            }
+            Err(error) => {
+                let reason = match error {
+                    ControlError::Closed => "the job closed its control connection".to_owned(),
+                    other => format!("its control connection failed: {other}"),
+                };
+                tracing::info!(job_id, reason, "lost a job");
+                job.lose(reason);
+                return;
+            }
+        }
+    }
+}
+
+/// The pids of the local ranks of every connected job: the ranks whose host
+/// is this machine's host name and whose pid is a live process here (ranks
+/// in other network namespaces of this machine report this host name too;
+/// what BPF needs is a pid in our pid namespace).
+pub struct JobPids {
+    jobs: Jobs,
+    host: String,
+}
+
+impl JobPids {
+    /// A source over `jobs`' registry.
+    pub fn new(jobs: Jobs) -> Self {
+        Self {
+            jobs,
+            host: host_name(),
+        }
+    }
+}
+
+impl PidSource for JobPids {
+    fn name(&self) -> String {
+        let dirs: Vec<String> = self
+            .jobs
+            .inner
+            .config
+            .runtime_dirs
+            .iter()
+            .map(|d| d.display().to_string())
+            .collect();
+        format!("jobs in {}", dirs.join(", "))
+    }
+
+    fn pids(&mut self) -> Vec<u32> {
+        let mut pids: Vec<u32> = self
+            .jobs
+            .jobs()
+            .iter()
+            .filter(|job| job.state == JobState::Connected)
+            .flat_map(|job| job.ranks.iter())
+            .filter(|rank| rank.host == self.host && discovery::process_exists(rank.pid))
+            .map(|rank| rank.pid)
+            .collect();
+        pids.sort_unstable();
+        pids.dedup();
+        pids
+    }
+}
+
+/// This machine's host name, as the collectives runtime reports it.
+fn host_name() -> String {
+    std::fs::read_to_string("/proc/sys/kernel/hostname")
+        .map(|s| s.trim().to_owned())
+        .unwrap_or_default()
+}
+
+#[cfg(test)]
+mod tests {
+    use std::collections::BTreeSet;
+    use std::io::Write;
+    use std::os::unix::net::UnixListener;
+    use std::process::{Command, Stdio};
+
+    use collectives::control::{Hello, Phase, write_message};
+
+    use super::*;
+
+    /// A fresh directory under the system temp dir, removed on drop.
+    struct TempDir(PathBuf);
+
+    impl TempDir {
+        fn new(what: &str) -> Self {
+            let nanos = SystemTime::now()
+                .duration_since(UNIX_EPOCH)
+                .unwrap()
+                .as_nanos();
+            let dir = std::env::temp_dir().join(format!(
+                "ringwatch-jobs-{what}-{}-{nanos}",
+                std::process::id()
+            ));
+            std::fs::create_dir_all(&dir).unwrap();
+            Self(dir)
+        }
+    }
+
+    impl Drop for TempDir {
+        fn drop(&mut self) {
+            let _ = std::fs::remove_dir_all(&self.0);
+        }
+    }
+
+    fn config(dir: &Path) -> JobsConfig {
+        JobsConfig {
+            runtime_dirs: vec![dir.to_owned()],
+            scan_period: Duration::from_millis(100),
+            connect_timeout: Duration::from_millis(300),
+            retention: Duration::from_secs(2),
+            max_stats_per_job: 50,
+            max_timeline_events_per_job: 1_000,
+        }
+    }
+
+    /// Polls `check` every 50 ms for at most `limit`.
+    fn wait_for<T>(limit: Duration, what: &str, mut check: impl FnMut() -> Option<T>) -> T {
+        let deadline = Instant::now() + limit;
+        loop {
+            if let Some(v) = check() {
+                return v;
+            }
+            assert!(Instant::now() < deadline, "timed out waiting for {what}");
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    }
+
+    /// The `collbench` binary, built by cargo the way this test was built:
+    /// `cargo build -p collectives --bin collbench`, asking cargo (its JSON
+    /// messages) where the executable is, so it works for any target dir
+    /// and profile and never runs a stale binary. A test binary cannot use
+    /// `CARGO_BIN_EXE_collbench`: that exists only for its own package.
+    fn collbench() -> PathBuf {
+        let manifest = Path::new(env!("CARGO_MANIFEST_DIR")).join("../Cargo.toml");
+        let output = Command::new(env!("CARGO"))
+            .args([
+                "build",
+                "--quiet",
+                "-p",
+                "collectives",
+                "--bin",
+                "collbench",
+            ])
+            .arg("--message-format=json-render-diagnostics")
+            .arg("--manifest-path")
+            .arg(&manifest)
+            .stderr(Stdio::inherit())
+            .output()
+            .expect("running cargo to build collbench");
+        assert!(output.status.success(), "building collbench failed");
+        String::from_utf8_lossy(&output.stdout)
+            .lines()
+            .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok())
+            .find_map(|m| {
+                (m["target"]["name"] == "collbench")
+                    .then(|| m["executable"].as_str().map(PathBuf::from))
+                    .flatten()
+            })
+            .expect("cargo named no collbench executable")
+    }
+
+    /// Pids of the live children of `parent`, from /proc.
+    fn children_of(parent: u32) -> BTreeSet<u32> {
+        std::fs::read_dir("/proc")
+            .unwrap()
+            .flatten()
+            .filter_map(|e| e.file_name().to_str()?.parse::<u32>().ok())
+            .filter(|pid| {
+                std::fs::read_to_string(format!("/proc/{pid}/stat")).is_ok_and(|stat| {
+                    stat.rsplit(')')
+                        .next()
+                        .and_then(|rest| rest.split_whitespace().nth(1))
+                        .and_then(|ppid| ppid.parse::<u32>().ok())
+                        == Some(parent)
+                })
+            })
+            .collect()
+    }
+
+    #[test]
+    fn finds_a_real_two_rank_job_follows_it_and_loses_it_when_it_exits() {
+        let dir = TempDir::new("collbench");
+        let job_id = format!("jobs-test-{}", std::process::id());
+        let mut launcher = Command::new(collbench())
+            .args(["-n", "2", "sweep", "--min-bytes", "4096", "--max-bytes"])
+            .args(["4096", "--iters", "1000000000"])
+            .env("RINGWATCH_RUNTIME_DIR", &dir.0)
+            .env("RINGWATCH_JOB_ID", &job_id)
+            .env_remove("RANK")
+            .env_remove("OMPI_COMM_WORLD_RANK")
+            .stdout(Stdio::null())
+            .spawn()
+            .unwrap();
+        let jobs = Jobs::start(config(&dir.0)).unwrap();
+        let job = wait_for(Duration::from_secs(60), "the job and its stats", || {
+            jobs.jobs()
+                .into_iter()
+                .find(|j| j.job_id == job_id && j.stats_received > 0)
+        });
+        assert_eq!(job.state, JobState::Connected);
+        assert_eq!(job.socket, dir.0.join(format!("{job_id}.sock")));
+        assert_eq!((job.world_size, job.local_size), (2, 2));
+        let ranks: Vec<usize> = job.ranks.iter().map(|r| r.rank).collect();
+        assert_eq!(ranks, vec![0, 1]);
+        assert!(job.ranks.iter().all(|r| r.host == host_name()));
+        // Ground truth: the ranks are the launcher's children.
+        let hello_pids: BTreeSet<u32> = job.ranks.iter().map(|r| r.pid).collect();
+        assert_eq!(hello_pids, children_of(launcher.id()));
+        let mut source = JobPids::new(jobs.clone());
+        assert_eq!(
+            source.pids().into_iter().collect::<BTreeSet<_>>(),
+            hello_pids
+        );
+
+        // Every cycle reduces the one 4096-byte tensor "sweep.4096".
+        let stats = jobs.recent_stats(&job_id).unwrap();
+        assert!(!stats.is_empty() && stats.len() <= 50);
+        for s in &stats {
+            assert_eq!((s.bytes_reduced, s.tensors), (4096, 1), "{s:?}");
+        }
+        let events = wait_for(Duration::from_secs(20), "timeline events", || {
+            Some(jobs.timeline_events(&job_id, 0, u64::MAX).unwrap()).filter(|e| !e.is_empty())
+        });
+        assert!(events.iter().any(|e| e.tensor == "sweep.4096"));
+        let first = events[0].ts_us;
+        assert!(
+            jobs.timeline_events(&job_id, first + 1, u64::MAX)
+                .unwrap()
+                .iter()
+                .all(|e| e.ts_us > first)
+        );
+        assert_eq!(jobs.recent_stats("no-such-job"), None);
+
+        // The job ends (its ranks are killed): lost, no pids, then forgotten.
+        for pid in &hello_pids {
+            // SAFETY: kill has no memory preconditions; the pid is our grandchild.
+            unsafe { libc::kill(*pid as i32, libc::SIGKILL) };
+        }
+        let _ = launcher.wait();
+        let lost = wait_for(Duration::from_secs(10), "the job to be lost", || {
+            jobs.jobs()
+                .into_iter()
+                .find(|j| j.job_id == job_id && j.state == JobState::Lost)
+        });
+        assert!(lost.lost_reason.is_some());
+        assert!(source.pids().is_empty());
+        wait_for(
+            Duration::from_secs(10),
+            "the lost job to be forgotten",
+            || jobs.jobs().is_empty().then_some(()),
+        );
+    }
+
+    /// A job's side of the protocol, in-process: sends `hello`, then what
+    /// `stream` says, then closes when told.
+    fn fake_job(path: &Path, job_id: &str, stream: Vec<ServerMessage>) -> Arc<AtomicBool> {
+        let listener = UnixListener::bind(path).unwrap();
+        let close = Arc::new(AtomicBool::new(false));
+        let hello = Hello {
+            protocol_version: collectives::control::PROTOCOL_VERSION,
+            job_id: job_id.to_owned(),
+            world_size: 1,
+            local_size: 1,
+            ranks: vec![RankInfo {
+                rank: 0,
+                local_rank: 0,
+                local_size: 1,
+                host: host_name(),
+                pid: std::process::id(),
+            }],
+            knobs: Knobs::default(),
+            cycle: 0,
+        };
+        let closing = close.clone();
+        std::thread::spawn(move || {
+            let (mut conn, _) = listener.accept().unwrap();
+            write_message(&mut conn, &ServerMessage::Hello(hello)).unwrap();
+            for m in &stream {
+                write_message(&mut conn, m).unwrap();
+            }
+            while !closing.load(Ordering::Acquire) {
+                std::thread::sleep(Duration::from_millis(20));
+            }
+        });
+        close
+    }
+
+    #[test]
+    fn skips_what_is_not_a_job_and_still_finds_the_job_beside_it() {
+        let dir = TempDir::new("garbage");
+        std::fs::write(dir.0.join("junk.sock"), b"not a socket").unwrap();
+        // A socket whose listener is gone (a job that crashed).
+        drop(UnixListener::bind(dir.0.join("stale.sock")).unwrap());
+        // A socket that answers garbage, and one that never answers.
+        let liar = UnixListener::bind(dir.0.join("liar.sock")).unwrap();
+        std::thread::spawn(move || {
+            for conn in liar.incoming() {
+                let _ = conn
+                    .unwrap()
+                    .write_all(b"\xff\xff\xff\xffHTTP/1.1 200 OK\r\n\r\n");
+            }
+        });
+        let mute = UnixListener::bind(dir.0.join("mute.sock")).unwrap();
+        let mut held = Vec::new();
+        std::thread::spawn(move || {
+            for conn in mute.incoming() {
+                held.push(conn);
+            }
+        });
+        let event = |ts_us| TimelineEvent {
+            rank: 0,
+            tensor: "grad".into(),
+            activity: "ALLREDUCE".into(),
+            phase: Phase::Begin,
+            ts_us,
+            args: BTreeMap::new(),
+        };
+        let stats = CycleStats {
+            cycle: 7,
+            start_unix_us: 1,
+            duration_us: 2,
+            bytes_reduced: 4096,
+            bytes_total: 4096,
+            tensors: 1,
+            fused_buffers: 1,
+            knobs: Knobs::default(),
+        };
+        let mut stream = vec![ServerMessage::CycleStats(stats.clone()); 60];
+        stream.push(ServerMessage::Timeline {
+            events: (0..1_100).map(event).collect(),
+        });
+        let close = fake_job(&dir.0.join("fake.sock"), "fake", stream);
+
+        let jobs = Jobs::start(config(&dir.0)).unwrap();
+        let job = wait_for(Duration::from_secs(10), "the fake job's stream", || {
+            jobs.jobs()
+                .into_iter()
+                .find(|j| j.timeline_events_received == 1_100)
+        });
+        assert_eq!(jobs.jobs().len(), 1, "only the real job is registered");
+        assert_eq!((job.job_id.as_str(), job.cycle), ("fake", 7));
+        assert_eq!(job.stats_received, 60);
+        // Bounded: the newest 50 stats and 1,000 events are kept.
+        assert_eq!(jobs.recent_stats("fake").unwrap(), vec![stats; 50]);
+        assert_eq!(job.timeline_events_dropped, 100);
+        let window = jobs.timeline_events("fake", 500, 510).unwrap();
+        assert_eq!(window, (500..510).map(event).collect::<Vec<_>>());
+        assert!(jobs.timeline_events("fake", 0, 100).unwrap().is_empty());
+        // Our own pid is local: the source names it.
+        assert_eq!(JobPids::new(jobs.clone()).pids(), vec![std::process::id()]);
+
+        // The job closes its connection: lost, and its pid is no longer named.
+        close.store(true, Ordering::Release);
+        wait_for(Duration::from_secs(10), "the fake job to be lost", || {
+            (jobs.jobs()[0].state == JobState::Lost).then_some(())
+        });
+        assert!(JobPids::new(jobs.clone()).pids().is_empty());
+    }
+
+    #[test]
+    fn a_job_whose_socket_disappears_is_lost_then_forgotten() {
+        let dir = TempDir::new("vanish");
+        let path = dir.0.join("vanishing.sock");
+        let close = fake_job(&path, "vanishing", Vec::new());
+        let jobs = Jobs::start(config(&dir.0)).unwrap();
+        wait_for(Duration::from_secs(10), "the job", || {
+            jobs.jobs()
+                .first()
+                .filter(|j| j.state == JobState::Connected)
+                .cloned()
+        });
+        // The connection stays open; only the socket file goes away.
+        std::fs::remove_file(&path).unwrap();
+        let lost = wait_for(Duration::from_secs(10), "the job to be lost", || {
+            jobs.jobs().into_iter().find(|j| j.state == JobState::Lost)
+        });
+        assert_eq!(
+            lost.lost_reason.as_deref(),
+            Some("its control socket is gone")
+        );
+        wait_for(Duration::from_secs(10), "the job to be forgotten", || {
+            jobs.jobs().is_empty().then_some(())
+        });
+        assert_eq!(jobs.recent_stats("vanishing"), None);
+        close.store(true, Ordering::Release);
+    }
+}

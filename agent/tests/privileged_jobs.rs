@@ -1,0 +1,162 @@
+//! Privileged: `ringwatch-agent top`, given no `--pid`, finds a real 2-rank
+//! `collbench` job through its control socket in `--runtime-dir` and shows
+//! the ranks' processes (the pids the job's `hello` names, which are the
+//! launcher's children). Skips, saying why, when not root or without BTF.
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+mod common;
+
+use std::collections::BTreeSet;
+use std::path::{Path, PathBuf};
+use std::process::{Command, Stdio};
+use std::time::{Duration, Instant};
+
+use common::{AGENT, skip_unless_privileged, unique_lock_file, wait_within};
+use serde_json::Value;
+
+/// The `collbench` binary, built by cargo the way these tests were built
+/// (`cargo build -p collectives --bin collbench`, reading the executable's
+/// path from cargo's JSON messages, so any target dir or profile works and
+/// the binary is never stale). `CARGO_BIN_EXE_collbench` exists only for the
+/// `collectives` package's own tests.
+fn collbench() -> PathBuf {
+    let manifest = Path::new(env!("CARGO_MANIFEST_DIR")).join("../Cargo.toml");
+    let output = Command::new(env!("CARGO"))
+        .args([
+            "build",
+            "--quiet",
+            "-p",
+            "collectives",
+            "--bin",
+            "collbench",
+        ])
+        .arg("--message-format=json-render-diagnostics")
+        .arg("--manifest-path")
+        .arg(&manifest)
+        .stderr(Stdio::inherit())
+        .output()
+        .expect("running cargo to build collbench");
+    assert!(output.status.success(), "building collbench failed");
+    String::from_utf8_lossy(&output.stdout)
+        .lines()
+        .filter_map(|l| serde_json::from_str::<Value>(l).ok())
+        .find_map(|m| {
+            (m["target"]["name"] == "collbench")
+                .then(|| m["executable"].as_str().map(PathBuf::from))
+                .flatten()
+        })
+        .expect("cargo named no collbench executable")
+}
+
+/// Pids of the live children of `parent`, from /proc.
+fn children_of(parent: u32) -> BTreeSet<u64> {
+    std::fs::read_dir("/proc")
+        .unwrap()
+        .flatten()
+        .filter_map(|e| e.file_name().to_str()?.parse::<u64>().ok())
+        .filter(|pid| {
+            std::fs::read_to_string(format!("/proc/{pid}/stat")).is_ok_and(|stat| {
+                stat.rsplit(')')
+                    .next()
+                    .and_then(|rest| rest.split_whitespace().nth(1))
+                    .and_then(|ppid| ppid.parse::<u32>().ok())
+                    == Some(parent)
+            })
+        })
+        .collect()
+}
+
+#[test]
+fn top_watches_a_job_found_through_its_control_socket_without_any_pid() {
+    if skip_unless_privileged() {
+        return;
+    }
+    let dir =
+        std::env::temp_dir().join(format!("ringwatch-privileged-jobs-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let job_id = format!("top-test-{}", std::process::id());
+    let socket = dir.join(format!("{job_id}.sock"));
+    let mut launcher = Command::new(collbench())
+        .args(["-n", "2", "sweep", "--min-bytes", "4096", "--max-bytes"])
+        .args(["4096", "--iters", "1000000000"])
+        .env("RINGWATCH_RUNTIME_DIR", &dir)
+        .env("RINGWATCH_JOB_ID", &job_id)
+        .env_remove("RANK")
+        .env_remove("OMPI_COMM_WORLD_RANK")
+        .stdout(Stdio::null())
+        .spawn()
+        .unwrap();
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while !socket.exists() || children_of(launcher.id()).len() < 2 {
+        assert!(
+            Instant::now() < deadline,
+            "the job did not start within 60 s"
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let ranks = children_of(launcher.id());
+
+    let mut top = Command::new(AGENT)
+        .args(["top", "--json", "--iterations", "4", "--interval", "500ms"])
+        .arg("--runtime-dir")
+        .arg(&dir)
+        .env("RINGWATCH_LOCK_FILE", unique_lock_file())
+        .stdout(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut stdout = top.stdout.take().unwrap();
+    let reader = std::thread::spawn(move || {
+        let mut text = String::new();
+        std::io::Read::read_to_string(&mut stdout, &mut text).unwrap();
+        text
+    });
+    let status = wait_within(&mut top, Duration::from_secs(60));
+    let text = reader.join().unwrap();
+    for pid in &ranks {
+        // SAFETY: kill has no memory preconditions; the pid is our grandchild.
+        unsafe { libc::kill(*pid as i32, libc::SIGKILL) };
+    }
+    let _ = wait_within(&mut launcher, Duration::from_secs(30));
+    let _ = std::fs::remove_dir_all(&dir);
+    assert!(status.success(), "top failed ({status}): {text}");
+
+    let frames: Vec<Value> = text
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    assert_eq!(frames.len(), 4, "{text}");
+    let last = &frames[3];
+    let job = last["jobs"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|j| j["job_id"] == job_id.as_str())
+        .unwrap_or_else(|| panic!("job {job_id} not found: {last:#}"));
+    assert_eq!(job["state"], "connected", "{job:#}");
+    let hello_pids: BTreeSet<u64> = job["ranks"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|r| r["pid"].as_u64().unwrap())
+        .collect();
+    assert_eq!(hello_pids, ranks, "{job:#}");
+    let watched: BTreeSet<u64> = last["processes"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|p| p["pid"].as_u64().unwrap())
+        .collect();
+    assert!(
+        ranks.is_subset(&watched),
+        "ranks {ranks:?} not all watched: {last:#}"
+    );
+    // The ranks were seen doing something: scheduled threads of their own.
+    for p in last["processes"].as_array().unwrap() {
+        if ranks.contains(&p["pid"].as_u64().unwrap()) {
+            assert!(
+                !p["threads"].as_array().unwrap().is_empty(),
+                "no threads seen for rank process: {p:#}"
+            );
+        }
+    }
+}
