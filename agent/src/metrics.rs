@@ -47,17 +47,19 @@ fn gpu_labels(gpu: &GpuReading) -> Labels {
     ]
 }
 
-/// Encodes one gauge family with a value per GPU that has the figure.
-fn gpu_gauge(
+/// Encodes one gauge family: a value per item that has the figure, labelled
+/// by `labels`. Nothing at all when no item has it.
+fn gauge_family<T>(
     encoder: &mut DescriptorEncoder,
     name: &str,
     help: &str,
-    gpus: &[GpuReading],
-    value: impl Fn(&GpuReading) -> Option<f64>,
+    items: &[T],
+    labels: impl Fn(&T) -> Labels,
+    value: impl Fn(&T) -> Option<f64>,
 ) -> Result<(), std::fmt::Error> {
-    let values: Vec<(Labels, f64)> = gpus
+    let values: Vec<(Labels, f64)> = items
         .iter()
-        .filter_map(|g| value(g).map(|v| (gpu_labels(g), v)))
+        .filter_map(|item| value(item).map(|v| (labels(item), v)))
         .collect();
     if values.is_empty() {
         return Ok(());
@@ -67,6 +69,17 @@ fn gpu_gauge(
         ConstGauge::new(v).encode(family.encode_family(&labels)?)?;
     }
     Ok(())
+}
+
+/// A gauge family over the GPUs.
+fn gpu_gauge(
+    encoder: &mut DescriptorEncoder,
+    name: &str,
+    help: &str,
+    gpus: &[GpuReading],
+    value: impl Fn(&GpuReading) -> Option<f64>,
+) -> Result<(), std::fmt::Error> {
+    gauge_family(encoder, name, help, gpus, gpu_labels, value)
 }
 
 impl prometheus_client::collector::Collector for GpuCollector {
@@ -180,28 +193,13 @@ fn process_gauge(
     processes: &[NamedProcess],
     value: impl Fn(&NamedProcess) -> Option<f64>,
 ) -> Result<(), std::fmt::Error> {
-    let values: Vec<(Labels, f64)> = processes
-        .iter()
-        .filter_map(|p| {
-            value(p).map(|v| {
-                (
-                    vec![
-                        ("pid", p.snapshot.pid.to_string()),
-                        ("comm", p.name.clone()),
-                    ],
-                    v,
-                )
-            })
-        })
-        .collect();
-    if values.is_empty() {
-        return Ok(());
-    }
-    let mut family = encoder.encode_descriptor(name, help, None, MetricType::Gauge)?;
-    for (labels, v) in values {
-        ConstGauge::new(v).encode(family.encode_family(&labels)?)?;
-    }
-    Ok(())
+    let labels = |p: &NamedProcess| {
+        vec![
+            ("pid", p.snapshot.pid.to_string()),
+            ("comm", p.name.clone()),
+        ]
+    };
+    gauge_family(encoder, name, help, processes, labels, value)
 }
 
 impl prometheus_client::collector::Collector for ProcessCollector {
