@@ -4,95 +4,15 @@
 //! server must still answer.
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
-use std::io::{BufRead, BufReader, Read, Write};
-use std::net::TcpStream;
-use std::process::{Child, Command, Stdio};
-use std::sync::mpsc;
-use std::time::Duration;
+mod common;
 
-struct Server {
-    child: Child,
-    addr: String,
-}
+use std::process::Command;
 
-impl Server {
-    fn start(extra: &[&str]) -> Self {
-        let mut child = Command::new(env!("CARGO_BIN_EXE_ringwatch-agent"))
-            .args(["serve", "--listen", "127.0.0.1:0"])
-            .args(extra)
-            .stderr(Stdio::piped())
-            .spawn()
-            .unwrap();
-        let stderr = child.stderr.take().unwrap();
-        let (tx, rx) = mpsc::channel();
-        std::thread::spawn(move || {
-            for line in BufReader::new(stderr).lines() {
-                let Ok(line) = line else { break };
-                eprintln!("[agent] {line}");
-                if let Some(rest) = line.split("http://").nth(1) {
-                    let _ = tx.send(rest.split('/').next().unwrap().to_owned());
-                }
-            }
-        });
-        let addr = rx
-            .recv_timeout(Duration::from_secs(30))
-            .expect("the agent did not start serving within 30 s");
-        Self { child, addr }
-    }
-
-    /// Sends raw bytes, returns (status, headers, body).
-    fn raw(&self, request: &[u8]) -> (u16, String, String) {
-        let mut stream = TcpStream::connect(&self.addr).unwrap();
-        stream
-            .set_read_timeout(Some(Duration::from_secs(10)))
-            .unwrap();
-        stream.write_all(request).unwrap();
-        let mut response = String::new();
-        let _ = stream.read_to_string(&mut response);
-        let (head, body) = response.split_once("\r\n\r\n").unwrap_or((&response, ""));
-        let status = head
-            .split_whitespace()
-            .nth(1)
-            .and_then(|s| s.parse().ok())
-            .unwrap_or_else(|| panic!("no HTTP status in {response:?}"));
-        (status, head.to_owned(), body.to_owned())
-    }
-
-    fn request(&self, method: &str, path: &str) -> (u16, String, String) {
-        self.raw(
-            format!(
-                "{method} {path} HTTP/1.1\r\nHost: {}\r\nConnection: close\r\n\r\n",
-                self.addr
-            )
-            .as_bytes(),
-        )
-    }
-
-    fn get_json(&self, path: &str) -> (u16, serde_json::Value) {
-        let (status, head, body) = self.request("GET", path);
-        assert!(
-            head.to_ascii_lowercase()
-                .contains("content-type: application/json"),
-            "{head}"
-        );
-        (
-            status,
-            serde_json::from_str(&body)
-                .unwrap_or_else(|e| panic!("{path}: bad JSON ({e}): {body}")),
-        )
-    }
-}
-
-impl Drop for Server {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
-}
+use common::ApiServer as Server;
 
 #[test]
 fn api_answers_and_rejects_bad_input() {
-    let server = Server::start(&[]);
+    let server = Server::start(&[], false);
 
     let (status, health) = server.get_json("/api/health");
     assert_eq!(status, 200);
@@ -196,7 +116,7 @@ fn a_recorded_trace_is_served_as_a_bounded_chrome_trace() {
     let total = timed(&fixture["traceEvents"]);
     assert!(total > 100, "the fixture should be a real trace");
 
-    let server = Server::start(&["--replay", FIXTURE]);
+    let server = Server::start(&["--replay", FIXTURE], false);
     let (status, whole) = server.get_json("/api/timeline");
     assert_eq!(status, 200);
     assert_eq!(timed(&whole["traceEvents"]), total);
@@ -242,7 +162,10 @@ fn a_recorded_trace_is_served_as_a_bounded_chrome_trace() {
     let (status, _) = server.get_json("/api/timeline?limit=5");
     assert_eq!(status, 400);
 
-    let small = Server::start(&["--replay", FIXTURE, "--timeline-event-limit", "10"]);
+    let small = Server::start(
+        &["--replay", FIXTURE, "--timeline-event-limit", "10"],
+        false,
+    );
     let (status, error) = small.get_json("/api/timeline");
     assert_eq!(status, 413);
     assert!(

@@ -6,42 +6,9 @@
 
 mod common;
 
-use std::io::{BufRead, BufReader, Read, Write};
-use std::net::TcpStream;
-use std::process::{Command, Stdio};
-use std::sync::mpsc;
 use std::time::{Duration, Instant};
 
-use common::{AGENT, Testload, skip_unless_privileged};
-
-/// Kills the agent if the test fails half-way.
-struct KillOnDrop(std::process::Child);
-
-impl Drop for KillOnDrop {
-    fn drop(&mut self) {
-        let _ = self.0.kill();
-        let _ = self.0.wait();
-    }
-}
-
-fn get(addr: &str, path: &str) -> (u16, String) {
-    let mut stream = TcpStream::connect(addr).unwrap();
-    stream
-        .set_read_timeout(Some(Duration::from_secs(10)))
-        .unwrap();
-    write!(
-        stream,
-        "GET {path} HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\n\r\n"
-    )
-    .unwrap();
-    let mut response = String::new();
-    let _ = stream.read_to_string(&mut response);
-    let (head, body) = response.split_once("\r\n\r\n").unwrap();
-    (
-        head.split_whitespace().nth(1).unwrap().parse().unwrap(),
-        body.to_owned(),
-    )
-}
+use common::{ApiServer, Testload, skip_unless_privileged};
 
 #[test]
 fn serve_publishes_the_live_view_of_a_watched_process() {
@@ -52,57 +19,15 @@ fn serve_publishes_the_live_view_of_a_watched_process() {
     let mut load = Testload::start(&["sleep", "--count", "12", "--interval", "50ms"]);
     let pid = load.info["pid"].as_u64().unwrap();
     let tid = load.info["tid"].as_u64().unwrap();
-    let lock =
-        std::env::temp_dir().join(format!("ringwatch-serve-test-{}.lock", std::process::id()));
-    let mut agent = Command::new(AGENT)
-        .args([
-            "serve",
-            "--listen",
-            "127.0.0.1:0",
-            "--pid",
-            &pid.to_string(),
-        ])
-        .arg("--lock-file")
-        .arg(&lock)
-        .stderr(Stdio::piped())
-        .spawn()
-        .unwrap();
-    let stderr = agent.stderr.take().unwrap();
-    let mut agent = KillOnDrop(agent);
-    let (tx, rx) = mpsc::channel();
-    std::thread::spawn(move || {
-        for line in BufReader::new(stderr).lines() {
-            let Ok(line) = line else { break };
-            eprintln!("[agent] {line}");
-            if let Some(rest) = line.split("http://").nth(1) {
-                let _ = tx.send(Some(rest.split('/').next().unwrap().to_owned()));
-            }
-            if line.contains("watching pid") {
-                let _ = tx.send(None);
-            }
-        }
-    });
-    let mut addr = None;
-    let mut watching = false;
-    while addr.is_none() || !watching {
-        match rx
-            .recv_timeout(Duration::from_secs(60))
-            .expect("the agent did not start within 60 s")
-        {
-            Some(a) => addr = Some(a),
-            None => watching = true,
-        }
-    }
-    let addr = addr.unwrap();
+    let mut agent = ApiServer::start(&["--pid", &pid.to_string()], true);
     load.go();
     load.wait();
 
     // The view is republished every second: poll until the sleeps are in.
     let deadline = Instant::now() + Duration::from_secs(20);
     let blocked = loop {
-        let (status, body) = get(&addr, &format!("/api/timeline?pid={pid}"));
-        assert_eq!(status, 200, "{body}");
-        let trace: serde_json::Value = serde_json::from_str(&body).unwrap();
+        let (status, trace) = agent.get_json(&format!("/api/timeline?pid={pid}"));
+        assert_eq!(status, 200, "{trace}");
         let blocked: Vec<f64> = trace["traceEvents"]
             .as_array()
             .unwrap()
@@ -128,9 +53,8 @@ fn serve_publishes_the_live_view_of_a_watched_process() {
         "implausible sleep lengths: {sleeps:?}"
     );
 
-    let (status, body) = get(&addr, "/api/processes");
+    let (status, processes) = agent.get_json("/api/processes");
     assert_eq!(status, 200);
-    let processes: serde_json::Value = serde_json::from_str(&body).unwrap();
     assert_eq!(processes["source"], "live", "{processes}");
     assert!(
         processes["processes"]
@@ -141,7 +65,7 @@ fn serve_publishes_the_live_view_of_a_watched_process() {
         "{processes}"
     );
 
-    let (status, metrics) = get(&addr, "/metrics");
+    let (status, _, metrics) = agent.request("GET", "/metrics");
     assert_eq!(status, 200);
     assert!(
         metrics.contains(&format!("ringwatch_process_cpu_ratio{{pid=\"{pid}\"")),
@@ -154,18 +78,7 @@ fn serve_publishes_the_live_view_of_a_watched_process() {
 
     // SIGTERM: a clean exit.
     // SAFETY: kill has no memory-safety preconditions.
-    unsafe { libc::kill(agent.0.id() as i32, libc::SIGTERM) };
-    let deadline = Instant::now() + Duration::from_secs(10);
-    let status = loop {
-        if let Some(status) = agent.0.try_wait().unwrap() {
-            break status;
-        }
-        assert!(
-            Instant::now() < deadline,
-            "the agent did not exit on SIGTERM"
-        );
-        std::thread::sleep(Duration::from_millis(50));
-    };
+    unsafe { libc::kill(agent.child.id() as i32, libc::SIGTERM) };
+    let status = common::wait_within(&mut agent.child, Duration::from_secs(10));
     assert!(status.success(), "{status}");
-    let _ = std::fs::remove_file(&lock);
 }

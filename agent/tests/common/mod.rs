@@ -197,3 +197,109 @@ pub fn wait_within(child: &mut Child, limit: Duration) -> std::process::ExitStat
         std::thread::sleep(Duration::from_millis(20));
     }
 }
+
+/// A running `ringwatch-agent serve --listen 127.0.0.1:0 …`, spoken to with
+/// raw HTTP/1.1 (so tests can also send malformed requests). Killed on drop.
+pub struct ApiServer {
+    /// The agent process.
+    pub child: Child,
+    /// `127.0.0.1:PORT`.
+    pub addr: String,
+}
+
+impl ApiServer {
+    /// Starts `serve` with `extra` arguments and its own lock file; waits
+    /// until it serves, and with `watching` also until its live pipeline
+    /// watches something.
+    pub fn start(extra: &[&str], watching: bool) -> Self {
+        let mut child = Command::new(AGENT)
+            .args(["serve", "--listen", "127.0.0.1:0"])
+            .args(extra)
+            .env("RINGWATCH_LOCK_FILE", unique_lock_file())
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap();
+        let stderr = child.stderr.take().unwrap();
+        let (tx, rx) = mpsc::channel();
+        std::thread::spawn(move || {
+            for line in BufReader::new(stderr).lines() {
+                let Ok(line) = line else { break };
+                eprintln!("[agent] {line}");
+                if let Some(rest) = line.split("http://").nth(1) {
+                    let _ = tx.send(Some(rest.split('/').next().unwrap().to_owned()));
+                }
+                if line.contains("watching pid") {
+                    let _ = tx.send(None);
+                }
+            }
+        });
+        let mut addr = None;
+        let mut watched = !watching;
+        while addr.is_none() || !watched {
+            match rx.recv_timeout(Duration::from_secs(60)) {
+                Ok(Some(a)) => addr = Some(a),
+                Ok(None) => watched = true,
+                Err(_) => {
+                    let _ = child.kill();
+                    panic!("the agent did not start serving within 60 s (see its log above)");
+                }
+            }
+        }
+        Self {
+            child,
+            addr: addr.unwrap(),
+        }
+    }
+
+    /// Sends raw bytes, returns (status, headers, body).
+    pub fn raw(&self, request: &[u8]) -> (u16, String, String) {
+        use std::io::Read;
+        let mut stream = std::net::TcpStream::connect(&self.addr).unwrap();
+        stream
+            .set_read_timeout(Some(Duration::from_secs(10)))
+            .unwrap();
+        stream.write_all(request).unwrap();
+        let mut response = String::new();
+        let _ = stream.read_to_string(&mut response);
+        let (head, body) = response.split_once("\r\n\r\n").unwrap_or((&response, ""));
+        let status = head
+            .split_whitespace()
+            .nth(1)
+            .and_then(|s| s.parse().ok())
+            .unwrap_or_else(|| panic!("no HTTP status in {response:?}"));
+        (status, head.to_owned(), body.to_owned())
+    }
+
+    /// One request without a body.
+    pub fn request(&self, method: &str, path: &str) -> (u16, String, String) {
+        self.raw(
+            format!(
+                "{method} {path} HTTP/1.1\r\nHost: {}\r\nConnection: close\r\n\r\n",
+                self.addr
+            )
+            .as_bytes(),
+        )
+    }
+
+    /// A GET whose answer must be JSON.
+    pub fn get_json(&self, path: &str) -> (u16, serde_json::Value) {
+        let (status, head, body) = self.request("GET", path);
+        assert!(
+            head.to_ascii_lowercase()
+                .contains("content-type: application/json"),
+            "{head}"
+        );
+        (
+            status,
+            serde_json::from_str(&body)
+                .unwrap_or_else(|e| panic!("{path}: bad JSON ({e}): {body}")),
+        )
+    }
+}
+
+impl Drop for ApiServer {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
