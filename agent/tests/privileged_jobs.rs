@@ -7,64 +7,12 @@
 mod common;
 
 use std::collections::BTreeSet;
-use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
+use common::procs::{children_of, collbench};
 use common::{AGENT, skip_unless_privileged, unique_lock_file, wait_within};
 use serde_json::Value;
-
-/// The `collbench` binary, built by cargo the way these tests were built
-/// (`cargo build -p collectives --bin collbench`, reading the executable's
-/// path from cargo's JSON messages, so any target dir or profile works and
-/// the binary is never stale). `CARGO_BIN_EXE_collbench` exists only for the
-/// `collectives` package's own tests.
-fn collbench() -> PathBuf {
-    let manifest = Path::new(env!("CARGO_MANIFEST_DIR")).join("../Cargo.toml");
-    let output = Command::new(env!("CARGO"))
-        .args([
-            "build",
-            "--quiet",
-            "-p",
-            "collectives",
-            "--bin",
-            "collbench",
-        ])
-        .arg("--message-format=json-render-diagnostics")
-        .arg("--manifest-path")
-        .arg(&manifest)
-        .stderr(Stdio::inherit())
-        .output()
-        .expect("running cargo to build collbench");
-    assert!(output.status.success(), "building collbench failed");
-    String::from_utf8_lossy(&output.stdout)
-        .lines()
-        .filter_map(|l| serde_json::from_str::<Value>(l).ok())
-        .find_map(|m| {
-            (m["target"]["name"] == "collbench")
-                .then(|| m["executable"].as_str().map(PathBuf::from))
-                .flatten()
-        })
-        .expect("cargo named no collbench executable")
-}
-
-/// Pids of the live children of `parent`, from /proc.
-fn children_of(parent: u32) -> BTreeSet<u64> {
-    std::fs::read_dir("/proc")
-        .unwrap()
-        .flatten()
-        .filter_map(|e| e.file_name().to_str()?.parse::<u64>().ok())
-        .filter(|pid| {
-            std::fs::read_to_string(format!("/proc/{pid}/stat")).is_ok_and(|stat| {
-                stat.rsplit(')')
-                    .next()
-                    .and_then(|rest| rest.split_whitespace().nth(1))
-                    .and_then(|ppid| ppid.parse::<u32>().ok())
-                    == Some(parent)
-            })
-        })
-        .collect()
-}
 
 #[test]
 fn top_watches_a_job_found_through_its_control_socket_without_any_pid() {
@@ -94,7 +42,10 @@ fn top_watches_a_job_found_through_its_control_socket_without_any_pid() {
         );
         std::thread::sleep(Duration::from_millis(50));
     }
-    let ranks = children_of(launcher.id());
+    let ranks: BTreeSet<u64> = children_of(launcher.id())
+        .into_iter()
+        .map(u64::from)
+        .collect();
 
     let mut top = Command::new(AGENT)
         .args(["top", "--json", "--iterations", "4", "--interval", "500ms"])

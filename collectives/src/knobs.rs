@@ -93,15 +93,7 @@ pub fn timeout_from(get: &dyn Fn(&str) -> Option<String>) -> Result<Duration> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use std::collections::HashMap;
-
-    fn vars(pairs: &[(&str, &str)]) -> impl Fn(&str) -> Option<String> {
-        let map: HashMap<String, String> = pairs
-            .iter()
-            .map(|(k, v)| (k.to_string(), v.to_string()))
-            .collect();
-        move |n| map.get(n).cloned()
-    }
+    use crate::test_support::vars;
 
     #[test]
     fn defaults_are_horovods() {

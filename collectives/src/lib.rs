@@ -59,3 +59,19 @@ pub use control::Knobs;
 pub use error::{CollectiveError, Result};
 pub use runtime::{Handle, Runtime, RuntimeConfig};
 pub use tensor::{DType, Element, ReduceOp, Tensor};
+
+/// Helpers shared by the unit tests of several modules.
+#[cfg(test)]
+mod test_support {
+    use std::collections::HashMap;
+
+    /// An environment lookup backed by `pairs`, for code that reads
+    /// variables through a `Fn(&str) -> Option<String>`.
+    pub fn vars(pairs: &[(&str, &str)]) -> impl Fn(&str) -> Option<String> {
+        let map: HashMap<String, String> = pairs
+            .iter()
+            .map(|(k, v)| (k.to_string(), v.to_string()))
+            .collect();
+        move |n| map.get(n).cloned()
+    }
+}

@@ -498,15 +498,7 @@ fn join_rendezvous(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use std::collections::HashMap;
-
-    fn vars(pairs: &[(&str, &str)]) -> impl Fn(&str) -> Option<String> {
-        let map: HashMap<String, String> = pairs
-            .iter()
-            .map(|(k, v)| (k.to_string(), v.to_string()))
-            .collect();
-        move |n| map.get(n).cloned()
-    }
+    use crate::test_support::vars;
 
     #[test]
     fn reads_torchrun_and_open_mpi_variables() {

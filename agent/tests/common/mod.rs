@@ -3,6 +3,8 @@
 //! the test instead of hanging it.
 #![allow(dead_code, clippy::unwrap_used, clippy::expect_used)]
 
+pub mod procs;
+
 use std::io::{BufRead, BufReader, Write};
 use std::process::{Child, ChildStdin, Command, Stdio};
 use std::sync::mpsc;
