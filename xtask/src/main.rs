@@ -404,3 +404,14 @@ fn bench(which: Bench, grid: &tuning_grid::Args, session: &tuning_session::Args)
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_command_line_is_well_formed() {
+        // clap checks flag and group names only when a command is built.
+        <Cli as clap::CommandFactory>::command().debug_assert();
+    }
+}

@@ -24,6 +24,7 @@ use crate::tuning_grid;
 /// `--steps`, `--warmup`, `--repeats` and, to compute a missing grid,
 /// `--quick`).
 #[derive(Debug, Clone, clap::Args)]
+#[group(id = "tuning_session")]
 pub struct Args {
     /// tuning-session: self-tuning sessions to run (seeds 0..N).
     #[arg(long, default_value_t = 3)]
