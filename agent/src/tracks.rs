@@ -187,6 +187,7 @@ struct ConnTotals {
 #[derive(Debug)]
 pub struct CounterHistory {
     window_us: f64,
+    first_sample_us: Option<f64>,
     last_sample_us: Option<f64>,
     last: HashMap<ConnKey, ConnTotals>,
     samples: VecDeque<Value>,
@@ -199,6 +200,7 @@ impl CounterHistory {
     pub fn new(window_us: f64) -> Self {
         Self {
             window_us,
+            first_sample_us: None,
             last_sample_us: None,
             last: HashMap::new(),
             samples: VecDeque::new(),
@@ -220,10 +222,11 @@ impl CounterHistory {
                 retransmits: conn.retransmits,
                 closed: conn.closed_ns.is_some(),
             };
-            let before = match (self.last.get(&key), previous_us) {
+            let before = match (self.last.get(&key), self.first_sample_us) {
                 (Some(before), _) => Some(*before),
-                // New since the last sample: it started from nothing.
-                (None, Some(prev)) if conn.opened_ns as f64 / 1e3 >= prev => Some(ConnTotals {
+                // Opened (or first seen by the kernel) while we were
+                // sampling: it started from nothing, all its bytes are new.
+                (None, Some(first)) if conn.opened_ns as f64 / 1e3 >= first => Some(ConnTotals {
                     tx: 0,
                     rx: 0,
                     retransmits: 0,
@@ -305,6 +308,7 @@ impl CounterHistory {
             }
         }
         self.last_sample_us = Some(now_us);
+        self.first_sample_us.get_or_insert(now_us);
         let oldest = now_us - self.window_us;
         while self
             .samples
