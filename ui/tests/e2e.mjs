@@ -97,6 +97,27 @@ function near(a, b, tol, msg) { if (!(Math.abs(a - b) <= tol)) throw new Error(`
     assert(s.tx === '1,1,7' && s.rx === '2,5,5', JSON.stringify(s));
     assert(c.max === 7 && c.min === 0, 'scale');
   });
+  await check('parser: the live agent\'s job tracks (a thread per tensor, remote ranks on named pids) group job → rank', async () => {
+    // The shapes agent/src/tracks.rs writes (see ui/README.md).
+    const r = parse(JSON.stringify([
+      { ph: 'M', name: 'process_name', pid: 4101, args: { name: 'collbench (pid 4101)', job: 'j1', rank: 0 } },
+      { ph: 'M', name: 'process_name', pid: 'j1 rank 1', args: { name: 'j1 rank 1 (n2 pid 77)', job: 'j1', rank: 1 } },
+      { ph: 'M', name: 'thread_name', pid: 4101, tid: 'tensor grad.w', args: { name: 'grad.w' } },
+      { ph: 'M', name: 'process_name', pid: 'gpu0', args: { name: 'GPU 0 (H100)' } },
+      { ph: 'X', cat: 'thread_state', name: 'running', pid: 4101, tid: 4101, ts: 0, dur: 5 },
+      { ph: 'X', cat: 'job', name: 'ALLREDUCE', pid: 4101, tid: 'tensor grad.w', ts: 10, dur: 500, args: { bytes: '4096' } },
+      { ph: 'X', cat: 'job', name: 'QUEUE', pid: 4101, tid: 'tensor grad.w', ts: 20, dur: 30 },
+      { ph: 'X', cat: 'job', name: 'ALLREDUCE', pid: 'j1 rank 1', tid: 'tensor grad.w', ts: 12, dur: 480 },
+      { ph: 'C', cat: 'gpu', name: 'utilization', pid: 'gpu0', ts: 0, args: { gpu_percent: 80, memory_percent: 20 } },
+    ]), { defaultGroup: 'other processes' });
+    const job = r.groups.find((g) => g.name === 'j1');
+    assert(job && job.processes.map((p) => p.rank).join() === '0,1', 'ranks of j1: ' + JSON.stringify(r.groups.map((g) => [g.name, g.processes.map((p) => p.pid)])));
+    const tensor = job.processes[0].tracks.find((t) => t.name === 'grad.w');
+    assert(tensor && tensor.slices.count === 2 && tensor.slices.levels === 2, 'tensor track: ' + JSON.stringify(tensor && tensor.slices));
+    assert(job.processes[1].tracks[0].slices.count === 1, 'remote rank activity');
+    const gpu = r.groups.find((g) => g.name === 'other processes');
+    assert(gpu && gpu.processes[0].tracks[0].kind === 'counter', 'GPU counter under other processes');
+  });
 }
 
 if (!existsSync(CHROMIUM)) {
