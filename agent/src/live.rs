@@ -71,8 +71,14 @@ pub fn build(
     let mut pids: std::collections::BTreeSet<u32> = model.pids().into_iter().collect();
     pids.extend(session.watched().iter().copied());
     let jobs = session.jobs().map(|jobs| jobs.jobs()).unwrap_or_default();
-    // A job's rank is local when its pid is one we watch (or saw) here.
-    let local_ranks = tracks::local_ranks(&jobs, &pids);
+    // A job's rank is local when it runs on this host under a pid we watch
+    // (or saw) here.
+    let host = crate::jobs::host_name();
+    let here = tracks::Here {
+        host: &host,
+        pids: &pids,
+    };
+    let local_ranks = tracks::local_ranks(&jobs, &here);
     for &pid in &pids {
         let name = session.thread_name(pid, pid);
         let mut args = json!({ "name": format!("{name} (pid {pid})") });
@@ -123,7 +129,7 @@ pub fn build(
             events.extend(tracks::job_activities(
                 job,
                 &kept,
-                &pids,
+                &here,
                 offset_us,
                 window_start_us,
                 now_us,

@@ -10,7 +10,7 @@
 
 use std::collections::{BTreeMap, BTreeSet, HashMap, VecDeque};
 
-use collectives::control::{Phase, TimelineEvent};
+use collectives::control::{Phase, RankInfo, TimelineEvent};
 use serde_json::{Map, Value, json};
 
 use crate::gpu::GpuSnapshot;
@@ -37,26 +37,41 @@ pub fn unix_minus_monotonic_us() -> i64 {
     i64::try_from(offset_ns / 1_000).unwrap_or(i64::MAX)
 }
 
+/// This node, as the job ranks' `hello` names it: its host name, and the
+/// pids the live view has (watched now or seen within retention).
+#[derive(Debug, Clone, Copy)]
+pub struct Here<'a> {
+    /// This machine's host name.
+    pub host: &'a str,
+    /// Pids with threads or watched here.
+    pub pids: &'a BTreeSet<u32>,
+}
+
+impl Here<'_> {
+    /// Whether a rank runs here: on this host, and its pid one of ours (a
+    /// rank on another host may have the same pid number).
+    fn is_local(&self, rank: &RankInfo) -> bool {
+        rank.host == self.host && self.pids.contains(&rank.pid)
+    }
+}
+
 /// The Chrome-trace pid of a job's rank: its real pid when the rank runs on
 /// this node (so its activities group with its threads' states), else a
 /// name of its own (`<job> rank <n>`).
-fn rank_pid(job: &JobSnapshot, rank: usize, local_pids: &BTreeSet<u32>) -> Value {
+fn rank_pid(job: &JobSnapshot, rank: usize, here: &Here<'_>) -> Value {
     match job.ranks.iter().find(|r| r.rank == rank) {
-        Some(info) if local_pids.contains(&info.pid) => json!(info.pid),
+        Some(info) if here.is_local(info) => json!(info.pid),
         _ => json!(format!("{} rank {rank}", job.job_id)),
     }
 }
 
 /// The `job`/`rank` every local rank's pid carries in its `process_name`
 /// (`pid → (job, rank)`), so a `?job=` query keeps its threads too.
-pub fn local_ranks(
-    jobs: &[JobSnapshot],
-    local_pids: &BTreeSet<u32>,
-) -> BTreeMap<u32, (String, usize)> {
+pub fn local_ranks(jobs: &[JobSnapshot], here: &Here<'_>) -> BTreeMap<u32, (String, usize)> {
     let mut out = BTreeMap::new();
     for job in jobs {
         for rank in &job.ranks {
-            if local_pids.contains(&rank.pid) {
+            if here.is_local(rank) {
                 out.insert(rank.pid, (job.job_id.clone(), rank.rank));
             }
         }
@@ -76,7 +91,7 @@ pub fn local_ranks(
 pub fn job_activities(
     job: &JobSnapshot,
     events: &[TimelineEvent],
-    local_pids: &BTreeSet<u32>,
+    here: &Here<'_>,
     offset_us: i64,
     window_start_us: f64,
     now_us: f64,
@@ -87,9 +102,9 @@ pub fn job_activities(
     };
     let mut out = Vec::new();
     for rank in &job.ranks {
-        if !local_pids.contains(&rank.pid) {
+        if !here.is_local(rank) {
             out.push(json!({
-                "ph": "M", "name": "process_name", "pid": rank_pid(job, rank.rank, local_pids),
+                "ph": "M", "name": "process_name", "pid": rank_pid(job, rank.rank, here),
                 "args": { "name": format!("{} rank {} ({} pid {})", job.job_id, rank.rank, rank.host, rank.pid), "job": job.job_id, "rank": rank.rank },
             }));
         }
@@ -111,7 +126,7 @@ pub fn job_activities(
     };
     for ((rank, tensor), mut list) in tracks {
         list.sort_by_key(|e| e.ts_us);
-        let pid = rank_pid(job, rank, local_pids);
+        let pid = rank_pid(job, rank, here);
         let tid = format!("tensor {tensor}");
         let mut slices = Vec::new();
         let mut any = false;
@@ -328,7 +343,7 @@ impl CounterHistory {
 
 #[cfg(test)]
 mod tests {
-    use collectives::control::{Knobs, RankInfo};
+    use collectives::control::Knobs;
 
     use super::*;
     use crate::gpu::fake::FakeDevice;
@@ -397,8 +412,13 @@ mod tests {
         // Unix 1_700_000_000_000_000 µs is monotonic 5_000_000 µs.
         let offset = 1_700_000_000_000_000 - 5_000_000;
         let base = 1_700_000_000_000_000u64;
-        let j = job(&[(0, 4101, "n1"), (1, 4202, "n2")]);
-        let local: BTreeSet<u32> = [4101].into();
+        // Rank 2 runs on another host under a pid number that is also ours.
+        let j = job(&[(0, 4101, "n1"), (1, 4202, "n2"), (2, 4101, "n2")]);
+        let pids: BTreeSet<u32> = [4101].into();
+        let local = Here {
+            host: "n1",
+            pids: &pids,
+        };
         let events = vec![
             // Arrival order is not time order across ranks.
             event(1, "grad.w", "ALLREDUCE", Phase::Begin, base + 300),
@@ -459,7 +479,11 @@ mod tests {
     #[test]
     fn slices_outside_the_window_are_left_out() {
         let j = job(&[(0, 1, "n1")]);
-        let local: BTreeSet<u32> = [1].into();
+        let pids: BTreeSet<u32> = [1].into();
+        let local = Here {
+            host: "n1",
+            pids: &pids,
+        };
         let events = vec![
             event(0, "t", "ALLREDUCE", Phase::Begin, 100),
             event(0, "t", "ALLREDUCE", Phase::End, 200),
