@@ -60,9 +60,9 @@ enum Task {
 enum Bench {
     /// Bayesian optimization vs random search on test functions.
     Tuner,
-    /// eBPF probes: loopback TCP + context-switch load with and without the
-    /// agent (A/B slowdown), records/s, drops, agent CPU % and peak RSS.
-    /// Needs root.
+    /// eBPF probes: a loopback TCP ping-pong, then a 4-rank collbench
+    /// resnet50 job, each with and without the agent (A/B slowdown),
+    /// records/s, drops, agent CPU % and peak RSS. Needs root.
     Probes,
     /// Exhaustive grid over the tuner's knob space: collbench resnet50 on 2
     /// pretend nodes × 2 ranks (needs root); prints the table, the best
@@ -369,10 +369,16 @@ fn bench(which: Bench, grid: &tuning_grid::Args) -> Result<()> {
     match which {
         Bench::Tuner => run("cargo", &["bench", "-p", "tuner", "--bench", "tuner"]),
         Bench::Probes => {
-            run("cargo", &["build", "--release", "-p", "agent"])?;
+            run(
+                "cargo",
+                &["build", "--release", "-p", "agent", "-p", "collectives"],
+            )?;
             let bench = root().join("target/release/ringwatch-bench");
             let bench = bench.to_str().context("non-UTF-8 target path")?;
-            run(bench, &[])
+            // The worst case (every hop an event), then what the agent
+            // watches in practice: a collective job.
+            run(bench, &[])?;
+            run(bench, &["--workload", "collbench", "--pairs", "5"])
         }
         Bench::TuningGrid => {
             if !is_root() {
