@@ -3,6 +3,8 @@
 //! - a job's own activities (read from its control socket) come back from
 //!   `GET /api/timeline` grouped job → rank, on the same clock as the eBPF
 //!   thread states, and `?job=` selects them with the rank's threads;
+//! - a real `collbench` job's activities land on its ranks' pids, beside
+//!   their threads' states;
 //! - TCP throughput per connection is a counter track whose samples add up
 //!   to exactly the bytes sent.
 //!
@@ -349,4 +351,103 @@ fn tcp_throughput_is_a_counter_track_per_connection_that_adds_up_to_the_bytes() 
         .collect();
     assert_eq!(retransmits.len(), samples.len());
     assert!(retransmits.iter().all(|e| e["args"]["retransmits"] == 0));
+}
+
+#[test]
+fn a_real_collbench_job_shows_its_activities_on_its_ranks_with_their_threads() {
+    if skip_unless_privileged() {
+        return;
+    }
+    use common::procs::{children_of, collbench};
+    let dir = std::env::temp_dir().join(format!("ringwatch-live-collbench-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let job_id = format!("live-{}", std::process::id());
+    let mut launcher = std::process::Command::new(collbench())
+        .args(["-n", "2", "sweep", "--min-bytes", "4096", "--max-bytes"])
+        .args(["4096", "--iters", "1000000000"])
+        .env("RINGWATCH_RUNTIME_DIR", &dir)
+        .env("RINGWATCH_JOB_ID", &job_id)
+        .env_remove("RANK")
+        .env_remove("OMPI_COMM_WORLD_RANK")
+        .stdout(std::process::Stdio::null())
+        .spawn()
+        .unwrap();
+    let socket = dir.join(format!("{job_id}.sock"));
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while !socket.exists() || children_of(launcher.id()).len() < 2 {
+        assert!(
+            Instant::now() < deadline,
+            "the job did not start within 60 s"
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let ranks: Vec<u64> = children_of(launcher.id())
+        .into_iter()
+        .map(u64::from)
+        .collect();
+    let server = ApiServer::start(
+        &[
+            "--jobs",
+            "--no-gpu-processes",
+            "--runtime-dir",
+            dir.to_str().unwrap(),
+        ],
+        true,
+    );
+    let deadline = Instant::now() + Duration::from_secs(30);
+    let outcome = loop {
+        let (status, trace) = server.get_json(&format!("/api/timeline?job={job_id}&from=now-3s"));
+        let has = |pred: &dyn Fn(&Value) -> bool| events(&trace).iter().any(pred);
+        let ready = status == 200
+            && has(&|e| e["cat"] == "job" && e["name"] == "ALLREDUCE")
+            && ranks
+                .iter()
+                .all(|&pid| has(&|e| e["cat"] == "thread_state" && e["pid"] == pid));
+        if ready || Instant::now() > deadline {
+            break (status, trace);
+        }
+        std::thread::sleep(Duration::from_millis(300));
+    };
+    for &pid in &ranks {
+        // SAFETY: kill has no memory preconditions; the pid is our grandchild.
+        unsafe { libc::kill(pid as i32, libc::SIGKILL) };
+    }
+    let _ = common::wait_within(&mut launcher, Duration::from_secs(30));
+    let _ = std::fs::remove_dir_all(&dir);
+    let (status, trace) = outcome;
+    assert_eq!(status, 200, "{trace}");
+    // The job's activities: the sweep's one tensor, on a rank's real pid,
+    // inside the range asked for, each ALLREDUCE a well-formed slice.
+    let now = trace["metadata"]["now"].as_f64().unwrap();
+    let allreduces: Vec<&Value> = events(&trace)
+        .iter()
+        .filter(|e| e["cat"] == "job" && e["name"] == "ALLREDUCE")
+        .collect();
+    assert!(
+        !allreduces.is_empty(),
+        "no ALLREDUCE of job {job_id}: {trace}"
+    );
+    for e in &allreduces {
+        assert!(ranks.contains(&e["pid"].as_u64().unwrap()), "{e}");
+        assert_eq!(e["tid"], "tensor sweep.4096", "{e}");
+        let (ts, dur) = (e["ts"].as_f64().unwrap(), e["dur"].as_f64().unwrap());
+        assert!(
+            dur >= 0.0 && ts + dur >= now - 3.5e6 && ts <= now,
+            "{e} (now {now})"
+        );
+    }
+    // Both ranks are processes of the job, with their ranks.
+    let mut seen: Vec<u64> = ranks
+        .iter()
+        .map(|&pid| {
+            let name = events(&trace)
+                .iter()
+                .find(|e| e["name"] == "process_name" && e["pid"] == pid)
+                .unwrap_or_else(|| panic!("no process_name for rank pid {pid}"));
+            assert_eq!(name["args"]["job"], job_id.as_str(), "{name}");
+            name["args"]["rank"].as_u64().unwrap()
+        })
+        .collect();
+    seen.sort_unstable();
+    assert_eq!(seen, [0, 1]);
 }
