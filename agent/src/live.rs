@@ -78,7 +78,8 @@ pub fn build(
         host: &host,
         pids: &pids,
     };
-    let local_ranks = tracks::local_ranks(&jobs, &here);
+    let job_ranks: Vec<tracks::JobRanks<'_>> = jobs.iter().map(Into::into).collect();
+    let local_ranks = tracks::local_ranks(&job_ranks, &here);
     for &pid in &pids {
         let name = session.thread_name(pid, pid);
         let mut args = json!({ "name": format!("{name} (pid {pid})") });
@@ -127,7 +128,7 @@ pub fn build(
                 .timeline_events(&job.job_id, from_unix, to_unix)
                 .unwrap_or_default();
             events.extend(tracks::job_activities(
-                job,
+                job.into(),
                 &kept,
                 &here,
                 offset_us,

@@ -55,10 +55,28 @@ impl Here<'_> {
     }
 }
 
+/// A job as the tracks need it: its id and its ranks.
+#[derive(Debug, Clone, Copy)]
+pub struct JobRanks<'a> {
+    /// The job's id.
+    pub job_id: &'a str,
+    /// Every rank (host, pid).
+    pub ranks: &'a [RankInfo],
+}
+
+impl<'a> From<&'a JobSnapshot> for JobRanks<'a> {
+    fn from(job: &'a JobSnapshot) -> Self {
+        Self {
+            job_id: &job.job_id,
+            ranks: &job.ranks,
+        }
+    }
+}
+
 /// The Chrome-trace pid of a job's rank: its real pid when the rank runs on
 /// this node (so its activities group with its threads' states), else a
 /// name of its own (`<job> rank <n>`).
-fn rank_pid(job: &JobSnapshot, rank: usize, here: &Here<'_>) -> Value {
+fn rank_pid(job: JobRanks<'_>, rank: usize, here: &Here<'_>) -> Value {
     match job.ranks.iter().find(|r| r.rank == rank) {
         Some(info) if here.is_local(info) => json!(info.pid),
         _ => json!(format!("{} rank {rank}", job.job_id)),
@@ -67,12 +85,12 @@ fn rank_pid(job: &JobSnapshot, rank: usize, here: &Here<'_>) -> Value {
 
 /// The `job`/`rank` every local rank's pid carries in its `process_name`
 /// (`pid → (job, rank)`), so a `?job=` query keeps its threads too.
-pub fn local_ranks(jobs: &[JobSnapshot], here: &Here<'_>) -> BTreeMap<u32, (String, usize)> {
+pub fn local_ranks(jobs: &[JobRanks<'_>], here: &Here<'_>) -> BTreeMap<u32, (String, usize)> {
     let mut out = BTreeMap::new();
     for job in jobs {
-        for rank in &job.ranks {
+        for rank in job.ranks {
             if here.is_local(rank) {
-                out.insert(rank.pid, (job.job_id.clone(), rank.rank));
+                out.insert(rank.pid, (job.job_id.to_owned(), rank.rank));
             }
         }
     }
@@ -89,7 +107,7 @@ pub fn local_ranks(jobs: &[JobSnapshot], here: &Here<'_>) -> BTreeMap<u32, (Stri
 /// metadata of remote ranks (local ranks are named with their threads) and
 /// the `thread_name` of each tensor track.
 pub fn job_activities(
-    job: &JobSnapshot,
+    job: JobRanks<'_>,
     events: &[TimelineEvent],
     here: &Here<'_>,
     offset_us: i64,
@@ -101,7 +119,7 @@ pub fn job_activities(
         (i128::from(unix_us) - i128::from(offset_us)) as f64
     };
     let mut out = Vec::new();
-    for rank in &job.ranks {
+    for rank in job.ranks {
         if !here.is_local(rank) {
             out.push(json!({
                 "ph": "M", "name": "process_name", "pid": rank_pid(job, rank.rank, here),
@@ -343,38 +361,26 @@ impl CounterHistory {
 
 #[cfg(test)]
 mod tests {
-    use collectives::control::Knobs;
-
     use super::*;
     use crate::gpu::fake::FakeDevice;
     use crate::gpu::read_device;
-    use crate::jobs::JobState;
 
-    fn job(ranks: &[(usize, u32, &str)]) -> JobSnapshot {
-        JobSnapshot {
-            job_id: "j1".into(),
-            socket: "/run/ringwatch/j1.sock".into(),
-            protocol_version: 1,
-            world_size: ranks.len(),
-            local_size: ranks.len(),
-            ranks: ranks
-                .iter()
-                .map(|&(rank, pid, host)| RankInfo {
-                    rank,
-                    local_rank: rank,
-                    local_size: ranks.len(),
-                    host: host.into(),
-                    pid,
-                })
-                .collect(),
-            knobs: Knobs::default(),
-            cycle: 0,
-            state: JobState::Connected,
-            lost_reason: None,
-            last_seen_unix_ms: 0,
-            stats_received: 0,
-            timeline_events_received: 0,
-            timeline_events_dropped: 0,
+    fn ranks(list: &[(usize, u32, &str)]) -> Vec<RankInfo> {
+        list.iter()
+            .map(|&(rank, pid, host)| RankInfo {
+                rank,
+                local_rank: rank,
+                local_size: list.len(),
+                host: host.into(),
+                pid,
+            })
+            .collect()
+    }
+
+    fn job(ranks: &[RankInfo]) -> JobRanks<'_> {
+        JobRanks {
+            job_id: "j1",
+            ranks,
         }
     }
 
@@ -413,7 +419,8 @@ mod tests {
         let offset = 1_700_000_000_000_000 - 5_000_000;
         let base = 1_700_000_000_000_000u64;
         // Rank 2 runs on another host under a pid number that is also ours.
-        let j = job(&[(0, 4101, "n1"), (1, 4202, "n2"), (2, 4101, "n2")]);
+        let list = ranks(&[(0, 4101, "n1"), (1, 4202, "n2"), (2, 4101, "n2")]);
+        let j = job(&list);
         let pids: BTreeSet<u32> = [4101].into();
         let local = Here {
             host: "n1",
@@ -442,7 +449,7 @@ mod tests {
                 base + 95,
             ),
         ];
-        let out = job_activities(&j, &events, &local, offset, 0.0, 5_001_000.0);
+        let out = job_activities(j, &events, &local, offset, 0.0, 5_001_000.0);
         let mut got = timed(&out);
         got.sort();
         assert_eq!(
@@ -478,7 +485,8 @@ mod tests {
 
     #[test]
     fn slices_outside_the_window_are_left_out() {
-        let j = job(&[(0, 1, "n1")]);
+        let list = ranks(&[(0, 1, "n1")]);
+        let j = job(&list);
         let pids: BTreeSet<u32> = [1].into();
         let local = Here {
             host: "n1",
@@ -490,7 +498,7 @@ mod tests {
             event(0, "t", "ALLREDUCE", Phase::Begin, 900),
             event(0, "t", "ALLREDUCE", Phase::End, 1_100),
         ];
-        let out = job_activities(&j, &events, &local, 0, 1_000.0, 2_000.0);
+        let out = job_activities(j, &events, &local, 0, 1_000.0, 2_000.0);
         assert_eq!(timed(&out), ["X 1 tensor t ALLREDUCE@900.0+200.0"]);
     }
 
