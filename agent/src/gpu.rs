@@ -364,9 +364,13 @@ pub(crate) mod fake {
     /// A device whose figures the test sets; `None` means "not supported".
     #[derive(Default)]
     pub struct FakeDevice {
+        /// Board power in mW (`None`: not supported).
         pub power_mw: Option<u32>,
+        /// PCIe (tx, rx) in KB/s (`None`: not supported).
         pub pcie_kb: Option<(u32, u32)>,
+        /// NVLink (tx, rx) totals in KiB (`None`: not supported).
         pub nvlink_kib: Option<(u64, u64)>,
+        /// The temperature read fails (GPU lost).
         pub temperature_fails: bool,
         /// Compute processes; `None`: the default two (4242, 4243).
         pub processes: Option<Vec<(u32, Option<u64>)>>,
