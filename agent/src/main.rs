@@ -22,6 +22,7 @@ mod serve;
 mod session;
 mod timeline;
 mod top;
+mod tracks;
 mod watch;
 
 use anyhow::Result;

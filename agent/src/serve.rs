@@ -17,6 +17,7 @@ use crate::gpu::Gpus;
 use crate::live;
 use crate::session::{Session, TargetArgs, monotonic_ns};
 use crate::timeline::RecordedTrace;
+use crate::tracks::CounterHistory;
 
 /// Where to serve.
 #[derive(Debug, Clone, Args)]
@@ -42,8 +43,8 @@ pub struct ServeArgs {
     )]
     pub timeline_event_limit: usize,
 
-    /// How much recent timeline (thread states, NCCL calls) the live view
-    /// keeps for /api/timeline, e.g. `60s`.
+    /// How much recent timeline (thread states, NCCL calls, job activities,
+    /// TCP and GPU counters) the live view keeps for /api/timeline, e.g. `60s`.
     #[arg(long, default_value = "60s", value_parser = humantime::parse_duration, env = "RINGWATCH_TIMELINE_WINDOW")]
     pub timeline_window: std::time::Duration,
 
@@ -63,11 +64,11 @@ pub async fn run(args: ServeArgs) -> Result<()> {
         }
         None => None,
     };
-    let gpus = tokio::task::spawn_blocking(Gpus::init)
+    let gpus = tokio::task::spawn_blocking(Gpus::shared)
         .await
         .context("loading NVML")?;
     let state = ApiState {
-        gpus: Arc::new(gpus),
+        gpus: gpus.clone(),
         started: Instant::now(),
         recorded,
         timeline_event_limit: args.timeline_event_limit,
@@ -76,9 +77,12 @@ pub async fn run(args: ServeArgs) -> Result<()> {
     // Jobs found through control sockets are watched here only with --jobs
     // (the API's own default is to serve without loading eBPF).
     let has_targets = args.targets.watch_jobs(false)
+        || args.targets.watch_gpu_processes(false)
         || !(args.targets.pids.is_empty()
             && args.targets.comm.is_empty()
             && args.targets.cgroup.is_empty());
+    // TCP and GPU counter samples of the live window, once a second.
+    let mut counters = CounterHistory::new(args.timeline_window.as_secs_f64() * 1e6);
     // Load the probes before serving, so a refusal (no privileges, another
     // agent) is reported before anyone can connect.
     let session = if has_targets {
@@ -86,7 +90,7 @@ pub async fn run(args: ServeArgs) -> Result<()> {
         // Publish an (empty) view at once, so the API never answers "no
         // source" while the first second of events comes in.
         let now = monotonic_ns();
-        state.publish(live::build(&session, now, now, now)?);
+        state.publish(live::build(&session, &mut counters, &gpus, now, now, now)?);
         Some(session)
     } else {
         tracing::info!(
@@ -122,7 +126,14 @@ pub async fn run(args: ServeArgs) -> Result<()> {
                 session.drain_now();
                 session.refresh()?;
                 let now = monotonic_ns();
-                let view = live::build(&session, now.saturating_sub(window_ns), figures_from, now)?;
+                let view = live::build(
+                    &session,
+                    &mut counters,
+                    &gpus,
+                    now.saturating_sub(window_ns),
+                    figures_from,
+                    now,
+                )?;
                 state.publish(view);
                 figures_from = now;
             }
