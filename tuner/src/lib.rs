@@ -2,8 +2,10 @@
 //!
 //! A pure library: it is given observations and returns suggestions. It never
 //! does I/O, reads a clock or starts threads, so the same observations (and
-//! seed) always give the same suggestions. The one exception is [`report`],
-//! which writes to a `Write` the caller hands it.
+//! seed) always give the same suggestions. The exceptions: [`report`] writes
+//! to a `Write` the caller hands it, and [`session::write_report`] writes a
+//! finished session's report files where the caller says (so the agent and a
+//! self-tuning job write the same report).
 //!
 //! Code map, in the order data flows:
 //! - [`space`]: the knobs, their bounds and kinds, the unit-cube encoding, and
@@ -12,6 +14,10 @@
 //!   per-observation noise hints), hyperparameters by L-BFGS (argmin).
 //! - [`acquisition`]: Expected Improvement and its maximization.
 //! - [`optimizer`]: the suggest/observe loop, recommendation, stopping rule.
+//! - [`session`]: one tuning session's sample protocol (apply knobs, skip
+//!   warm-up cycles, score a window of the job's cycles as bytes/s,
+//!   re-measure a disturbed window, pin the best), shared by the agent and
+//!   by a job that tunes itself.
 //! - [`report`]: the session as a polars DataFrame, CSV, Parquet and HTML.
 //!
 //! Invariants: the score is maximized; `tuner` knows nothing of sockets,
@@ -23,6 +29,7 @@ pub mod acquisition;
 pub mod gp;
 pub mod optimizer;
 pub mod report;
+pub mod session;
 pub mod space;
 
 pub use optimizer::{Best, Observation, Optimizer, OptimizerConfig, OptimizerError, StopReason};

@@ -27,6 +27,9 @@ pub const COL_NOISE_HINT: &str = "noise_hint";
 pub const COL_DISTURBED: &str = "disturbed";
 /// Column: why it was disturbed (null when it was not).
 pub const COL_DISTURBED_REASON: &str = "disturbed_reason";
+/// Column: why a first measurement window of the sample was thrown away and
+/// measured again (null when the first window was clean).
+pub const COL_REMEASURED_BECAUSE: &str = "remeasured_because";
 /// Column: best undisturbed score so far (null before the first one).
 pub const COL_BEST_SO_FAR: &str = "best_so_far";
 /// Column: seconds since the session started, as the caller measured.
@@ -34,12 +37,13 @@ pub const COL_WALL_TIME_S: &str = "wall_time_s";
 /// Column: whether this sample's knobs are the session's recommendation.
 pub const COL_CHOSEN: &str = "chosen";
 
-const FIXED_COLUMNS: [&str; 8] = [
+const FIXED_COLUMNS: [&str; 9] = [
     COL_SAMPLE,
     COL_SCORE,
     COL_NOISE_HINT,
     COL_DISTURBED,
     COL_DISTURBED_REASON,
+    COL_REMEASURED_BECAUSE,
     COL_BEST_SO_FAR,
     COL_WALL_TIME_S,
     COL_CHOSEN,
@@ -97,6 +101,9 @@ pub struct SampleRecord {
     pub noise_hint: Option<f64>,
     /// Why the window was disturbed (`None` when it was clean).
     pub disturbed: Option<String>,
+    /// Why an earlier window of this sample was measured again (`None` when
+    /// the first window was kept).
+    pub remeasured_because: Option<String>,
     /// Seconds since the session started when the sample was taken.
     pub wall_time_s: f64,
 }
@@ -132,6 +139,7 @@ pub fn samples_from_optimizer(
             score: o.score,
             noise_hint: (o.noise_sd > 0.0).then_some(o.noise_sd),
             disturbed: a.disturbed.clone(),
+            remeasured_because: None,
             wall_time_s: a.wall_time_s,
         })
         .collect();
@@ -141,6 +149,7 @@ pub fn samples_from_optimizer(
 /// The session as a DataFrame: `sample`, one column per knob (Float64 for
 /// continuous, Int64 for integer, String for categorical, Boolean for
 /// boolean knobs), `score`, `noise_hint`, `disturbed`, `disturbed_reason`,
+/// `remeasured_because`,
 /// `best_so_far` (running maximum of undisturbed scores), `wall_time_s`,
 /// `chosen`.
 pub fn session_frame(
@@ -242,6 +251,13 @@ pub fn session_frame(
             samples
                 .iter()
                 .map(|s| s.disturbed.clone())
+                .collect::<Vec<Option<String>>>(),
+        ),
+        Column::new(
+            COL_REMEASURED_BECAUSE.into(),
+            samples
+                .iter()
+                .map(|s| s.remeasured_because.clone())
                 .collect::<Vec<Option<String>>>(),
         ),
         Column::new(COL_BEST_SO_FAR.into(), best_so_far),

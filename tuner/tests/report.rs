@@ -56,6 +56,7 @@ fn samples() -> Vec<SampleRecord> {
             score: 2.0,
             noise_hint: None,
             disturbed: None,
+            remeasured_because: None,
             wall_time_s: 0.0,
         },
         SampleRecord {
@@ -63,6 +64,7 @@ fn samples() -> Vec<SampleRecord> {
             score: 2.6,
             noise_hint: None,
             disturbed: None,
+            remeasured_because: None,
             wall_time_s: 12.5,
         },
         SampleRecord {
@@ -70,6 +72,7 @@ fn samples() -> Vec<SampleRecord> {
             score: 9.0,
             noise_hint: Some(0.8),
             disturbed: Some("run-queue wait 40% <rank 3>".into()),
+            remeasured_because: None,
             wall_time_s: 25.0,
         },
         SampleRecord {
@@ -77,6 +80,7 @@ fn samples() -> Vec<SampleRecord> {
             score: 3.0,
             noise_hint: None,
             disturbed: None,
+            remeasured_because: None,
             wall_time_s: 37.5,
         },
     ]
@@ -103,6 +107,7 @@ fn frame_holds_one_typed_row_per_sample() {
             "noise_hint",
             "disturbed",
             "disturbed_reason",
+            "remeasured_because",
             "best_so_far",
             "wall_time_s",
             "chosen"
