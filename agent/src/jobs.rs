@@ -762,6 +762,7 @@ mod tests {
             }],
             knobs: Knobs::default(),
             cycle: 0,
+            autotune: Default::default(),
         };
         let closing = close.clone();
         std::thread::spawn(move || {

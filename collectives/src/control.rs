@@ -9,6 +9,27 @@
 //! named there is the first cycle that every rank runs with the new knobs). A malformed or
 //! oversized message closes that client with an `error` message; the job is not affected.
 //!
+//! # Tuning claims
+//! At most one client at a time tunes a job. It first sends `claim_tuning`; the server
+//! answers `tuning_claim` with `granted` and the job's [`AutotuneState`] after the request.
+//! A claim is granted unless another client holds it or the job is tuning itself
+//! ([`AutotuneState::SelfTuning`]); in every other state (also `off` and `done`: an explicit
+//! request re-tunes) it is granted and the state becomes `agent`. A client that already holds
+//! the claim is granted again. The claim is held by that client *connection* and ends:
+//! - on `release_tuning` with `completed: true` -> `done`;
+//! - on `release_tuning` with `completed: false` -> `interrupted`;
+//! - when that connection closes (or is closed for a malformed message) -> `interrupted`.
+//!
+//! A `release_tuning` from a client that does not hold the claim is answered with
+//! `granted: false` and changes nothing. The claim is advisory: it does not lock
+//! `set_knobs`. `hello` carries the state (`autotune`, absent from older servers = `off`).
+//!
+//! A job started with `RINGWATCH_AUTOTUNE=1` (or Horovod's `HOROVOD_AUTOTUNE=1`) starts in
+//! `waiting`: it waits `RINGWATCH_AUTOTUNE_WAIT_SECS` (default 5) for a claim, then rank 0
+//! tunes itself (`self_tuning`, then `done`; see [`crate::runtime`]). A job in `interrupted`
+//! stays on its current knobs and never tunes itself from there; an agent that sees
+//! `waiting` or `interrupted` in `hello` starts a session on its own.
+//!
 //! Compatibility: [`PROTOCOL_VERSION`] changes when a message changes meaning; new optional
 //! fields may be added without a change, so readers must ignore unknown fields.
 //!
@@ -20,6 +41,7 @@
 //! let path = socket_path(&collectives::control::default_runtime_dir(), "my-job");
 //! let mut client = ControlClient::connect(&path, Duration::from_secs(5))?;
 //! println!("{} ranks: {:?}", client.hello().world_size, client.hello().ranks);
+//! client.claim_tuning(Duration::from_secs(5))?; // Err(Server(..)) if someone else tunes it
 //! client.subscribe(true, false)?;
 //! let (knobs, first_cycle) = client.set_knobs(
 //!     KnobUpdate { fusion_threshold_bytes: Some(8 << 20), ..Default::default() },
@@ -30,6 +52,7 @@
 //!         if s.cycle >= first_cycle { /* a sample measured with `knobs` */ }
 //!     }
 //! }
+//! client.release_tuning(true, Duration::from_secs(5))?; // the job is now `done`
 //! # Ok::<(), collectives::control::ControlError>(())
 //! ```
 //!
@@ -131,6 +154,42 @@ pub struct RankInfo {
     pub pid: u32,
 }
 
+/// Whether and how the job is auto-tuned (`RINGWATCH_AUTOTUNE=1`); see the module doc's
+/// "Tuning claims".
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum AutotuneState {
+    /// The job did not ask to be tuned (an agent may still tune it on request).
+    #[default]
+    Off,
+    /// Asked (`RINGWATCH_AUTOTUNE=1`); waiting `RINGWATCH_AUTOTUNE_WAIT_SECS` (default 5) for
+    /// an agent to claim it.
+    Waiting,
+    /// A client holds the tuning claim.
+    Agent,
+    /// No agent came: rank 0 tunes itself with `tuner::session`.
+    SelfTuning,
+    /// The claim holder went away before releasing it as completed; the job stays on its
+    /// current knobs and never tunes itself from here.
+    Interrupted,
+    /// Tuned (released with `completed: true`, or self-tuning finished).
+    Done,
+}
+
+impl AutotuneState {
+    /// The state's wire name (`off`, `waiting`, `agent`, `self_tuning`, `interrupted`, `done`).
+    pub fn as_str(&self) -> &'static str {
+        match self {
+            AutotuneState::Off => "off",
+            AutotuneState::Waiting => "waiting",
+            AutotuneState::Agent => "agent",
+            AutotuneState::SelfTuning => "self_tuning",
+            AutotuneState::Interrupted => "interrupted",
+            AutotuneState::Done => "done",
+        }
+    }
+}
+
 /// What the server says first to every client.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct Hello {
@@ -148,6 +207,9 @@ pub struct Hello {
     pub knobs: Knobs,
     /// The cycle the job is at.
     pub cycle: u64,
+    /// Whether and how the job is auto-tuned (absent from older servers: `off`).
+    #[serde(default)]
+    pub autotune: AutotuneState,
 }
 
 /// Statistics of one cycle that did work (cycles with nothing to do are not reported).
@@ -227,6 +289,17 @@ pub enum ServerMessage {
         /// The first cycle that every rank runs with these knobs.
         applied_at_cycle: u64,
     },
+    /// Answer to `claim_tuning` and to `release_tuning`.
+    TuningClaim {
+        /// The request's id.
+        request_id: u64,
+        /// The claim was granted (or the release accepted).
+        granted: bool,
+        /// The job's autotune state after the request.
+        state: AutotuneState,
+        /// Why, in words (who holds the claim when refused).
+        message: String,
+    },
     /// Statistics of one cycle (after `subscribe` with `stats`).
     CycleStats(CycleStats),
     /// Timeline events (after `subscribe` with `timeline`).
@@ -268,6 +341,18 @@ pub enum ClientMessage {
         request_id: u64,
         /// The change.
         knobs: KnobUpdate,
+    },
+    /// Ask to be the one client that tunes this job (answered with `tuning_claim`).
+    ClaimTuning {
+        /// Echoed in the answer.
+        request_id: u64,
+    },
+    /// End this client's claim (answered with `tuning_claim`).
+    ReleaseTuning {
+        /// Echoed in the answer.
+        request_id: u64,
+        /// The session finished (-> `done`); otherwise -> `interrupted`.
+        completed: bool,
     },
 }
 
@@ -452,6 +537,7 @@ impl ControlClient {
             match &message {
                 ServerMessage::Knobs { request_id: id, .. }
                 | ServerMessage::KnobsApplied { request_id: id, .. }
+                | ServerMessage::TuningClaim { request_id: id, .. }
                     if *id == request_id =>
                 {
                     return Ok(message);
@@ -504,6 +590,58 @@ impl ControlClient {
             } => Ok((knobs, applied_at_cycle)),
             other => Err(ControlError::Server(format!("unexpected answer {other:?}"))),
         }
+    }
+}
+
+impl ControlClient {
+    fn tuning_request(
+        &mut self,
+        message: impl FnOnce(u64) -> ClientMessage,
+        timeout: Duration,
+    ) -> Result<AutotuneState, ControlError> {
+        let request_id = self.next_request_id;
+        self.next_request_id += 1;
+        write_message(&mut self.stream, &message(request_id))?;
+        match self.await_answer(request_id, timeout)? {
+            ServerMessage::TuningClaim {
+                granted: true,
+                state,
+                ..
+            } => Ok(state),
+            ServerMessage::TuningClaim {
+                granted: false,
+                message,
+                ..
+            } => Err(ControlError::Server(message)),
+            other => Err(ControlError::Server(format!("unexpected answer {other:?}"))),
+        }
+    }
+
+    /// Claims the job for tuning; returns the state now (`agent`). Refused with
+    /// `Err(ControlError::Server(why))` while another client holds the claim or the job
+    /// tunes itself. The claim lasts until [`Self::release_tuning`] or until this client is
+    /// dropped (the job then goes to `interrupted`).
+    pub fn claim_tuning(&mut self, timeout: Duration) -> Result<AutotuneState, ControlError> {
+        self.tuning_request(
+            |request_id| ClientMessage::ClaimTuning { request_id },
+            timeout,
+        )
+    }
+
+    /// Releases this client's claim: `completed` -> `done`, otherwise `interrupted`; returns
+    /// the state now. `Err(ControlError::Server(why))` when this client holds no claim.
+    pub fn release_tuning(
+        &mut self,
+        completed: bool,
+        timeout: Duration,
+    ) -> Result<AutotuneState, ControlError> {
+        self.tuning_request(
+            |request_id| ClientMessage::ReleaseTuning {
+                request_id,
+                completed,
+            },
+            timeout,
+        )
     }
 }
 
@@ -591,6 +729,50 @@ mod tests {
             read_message::<_, ClientMessage>(&mut &wire[..]),
             Err(ControlError::Malformed(_))
         ));
+    }
+
+    #[test]
+    fn tuning_messages_and_states_have_their_wire_names() {
+        let json = serde_json::to_string(&ClientMessage::ReleaseTuning {
+            request_id: 4,
+            completed: true,
+        })
+        .unwrap();
+        assert_eq!(
+            json,
+            r#"{"type":"release_tuning","request_id":4,"completed":true}"#
+        );
+        let m: ServerMessage = serde_json::from_str(
+            r#"{"type":"tuning_claim","request_id":2,"granted":false,"state":"self_tuning","message":"no"}"#,
+        )
+        .unwrap();
+        assert_eq!(
+            m,
+            ServerMessage::TuningClaim {
+                request_id: 2,
+                granted: false,
+                state: AutotuneState::SelfTuning,
+                message: "no".into()
+            }
+        );
+        for s in [
+            AutotuneState::Off,
+            AutotuneState::Waiting,
+            AutotuneState::Agent,
+            AutotuneState::SelfTuning,
+            AutotuneState::Interrupted,
+            AutotuneState::Done,
+        ] {
+            assert_eq!(
+                serde_json::to_string(&s).unwrap(),
+                format!("\"{}\"", s.as_str())
+            );
+        }
+        // A hello from a server without the field reads as `off`.
+        let hello = serde_json::json!({"protocol_version": 1, "job_id": "j", "world_size": 1,
+            "local_size": 1, "ranks": [], "knobs": Knobs::default(), "cycle": 0});
+        let hello: Hello = serde_json::from_value(hello).unwrap();
+        assert_eq!(hello.autotune, AutotuneState::Off);
     }
 
     #[test]

@@ -75,6 +75,124 @@ pub fn knobs_from_env() -> Result<Knobs> {
     knobs_from(&|n| std::env::var(n).ok())
 }
 
+/// How a job asked to be auto-tuned (`RINGWATCH_AUTOTUNE=1`); see [`autotune_from`].
+#[derive(Clone, Debug, PartialEq)]
+pub struct AutotuneConfig {
+    /// How long rank 0 waits for an agent to claim the tuning before tuning itself
+    /// (`RINGWATCH_AUTOTUNE_WAIT_SECS`, default 5).
+    pub wait: Duration,
+    /// Samples of a self-tuning session (`RINGWATCH_AUTOTUNE_BUDGET`, default 20).
+    pub budget: usize,
+    /// Cycles with work skipped after each knob change (`RINGWATCH_AUTOTUNE_WARMUP_CYCLES`,
+    /// default 3).
+    pub warmup_cycles: u64,
+    /// Cycles with work a sample's window holds at least
+    /// (`RINGWATCH_AUTOTUNE_MEASURED_CYCLES`, default 10).
+    pub measured_cycles: u64,
+    /// Time a sample's window spans at least (`RINGWATCH_AUTOTUNE_MIN_WINDOW_MS`, default
+    /// 1000).
+    pub min_window: Duration,
+    /// Seed of the optimizer (`RINGWATCH_AUTOTUNE_SEED`, default 0).
+    pub seed: u64,
+    /// Where the self-tuning report goes: `PATH.csv`, with `PATH.parquet` and `PATH.html`
+    /// beside it (`RINGWATCH_AUTOTUNE_LOG` / `HOROVOD_AUTOTUNE_LOG`); none: the chosen knobs
+    /// are only logged.
+    pub log: Option<std::path::PathBuf>,
+}
+
+impl Default for AutotuneConfig {
+    fn default() -> Self {
+        AutotuneConfig {
+            wait: Duration::from_secs(5),
+            budget: 20,
+            warmup_cycles: 3,
+            measured_cycles: 10,
+            min_window: Duration::from_secs(1),
+            seed: 0,
+            log: None,
+        }
+    }
+}
+
+fn number<T: std::str::FromStr>(
+    get: &dyn Fn(&str) -> Option<String>,
+    names: &[&str],
+    want: &str,
+) -> Result<Option<T>> {
+    match first_set(get, names) {
+        None => Ok(None),
+        Some((name, v)) => v.trim().parse().map(Some).map_err(|_| bad(&name, &v, want)),
+    }
+}
+
+fn seconds(v: f64) -> Option<Duration> {
+    (v.is_finite() && (0.0..1e7).contains(&v)).then(|| Duration::from_secs_f64(v))
+}
+
+/// The autotune request from variables looked up with `get`: `None` unless
+/// `RINGWATCH_AUTOTUNE` (or Horovod's `HOROVOD_AUTOTUNE`) is true. Reads
+/// `RINGWATCH_AUTOTUNE_WAIT_SECS`, `RINGWATCH_AUTOTUNE_BUDGET`,
+/// `RINGWATCH_AUTOTUNE_WARMUP_CYCLES`, `RINGWATCH_AUTOTUNE_MEASURED_CYCLES`,
+/// `RINGWATCH_AUTOTUNE_MIN_WINDOW_MS`, `RINGWATCH_AUTOTUNE_SEED` and
+/// `RINGWATCH_AUTOTUNE_LOG` / `HOROVOD_AUTOTUNE_LOG` (see [`AutotuneConfig`]).
+pub fn autotune_from(get: &dyn Fn(&str) -> Option<String>) -> Result<Option<AutotuneConfig>> {
+    let on = match first_set(get, &["RINGWATCH_AUTOTUNE", "HOROVOD_AUTOTUNE"]) {
+        Some((name, v)) => parse_bool(&name, &v)?,
+        None => false,
+    };
+    if !on {
+        return Ok(None);
+    }
+    let mut c = AutotuneConfig::default();
+    if let Some(v) = number::<f64>(get, &["RINGWATCH_AUTOTUNE_WAIT_SECS"], "seconds")? {
+        c.wait = seconds(v).ok_or_else(|| {
+            bad(
+                "RINGWATCH_AUTOTUNE_WAIT_SECS",
+                &v.to_string(),
+                "a number of seconds >= 0",
+            )
+        })?;
+    }
+    if let Some(v) = number::<usize>(get, &["RINGWATCH_AUTOTUNE_BUDGET"], "a sample count")? {
+        if v == 0 {
+            return Err(bad("RINGWATCH_AUTOTUNE_BUDGET", "0", "at least 1 sample"));
+        }
+        c.budget = v;
+    }
+    if let Some(v) = number(get, &["RINGWATCH_AUTOTUNE_WARMUP_CYCLES"], "a cycle count")? {
+        c.warmup_cycles = v;
+    }
+    if let Some(v) = number::<u64>(
+        get,
+        &["RINGWATCH_AUTOTUNE_MEASURED_CYCLES"],
+        "a cycle count",
+    )? {
+        if v == 0 {
+            return Err(bad(
+                "RINGWATCH_AUTOTUNE_MEASURED_CYCLES",
+                "0",
+                "at least 1 cycle",
+            ));
+        }
+        c.measured_cycles = v;
+    }
+    if let Some(v) = number::<f64>(get, &["RINGWATCH_AUTOTUNE_MIN_WINDOW_MS"], "milliseconds")? {
+        c.min_window = seconds(v / 1000.0).ok_or_else(|| {
+            bad(
+                "RINGWATCH_AUTOTUNE_MIN_WINDOW_MS",
+                &v.to_string(),
+                "milliseconds >= 0",
+            )
+        })?;
+    }
+    if let Some(v) = number(get, &["RINGWATCH_AUTOTUNE_SEED"], "an integer seed")? {
+        c.seed = v;
+    }
+    c.log = first_set(get, &["RINGWATCH_AUTOTUNE_LOG", "HOROVOD_AUTOTUNE_LOG"])
+        .map(|(_, v)| std::path::PathBuf::from(v));
+    Ok(Some(c))
+}
+
 /// The peer timeout from `RINGWATCH_TIMEOUT_SECS` (seconds, fractions allowed), or
 /// [`DEFAULT_TIMEOUT`].
 pub fn timeout_from(get: &dyn Fn(&str) -> Option<String>) -> Result<Duration> {
@@ -116,6 +234,52 @@ mod tests {
         assert_eq!(k.fusion_threshold_bytes, 2048);
         assert_eq!(k.cycle_time_us, 2500);
         assert!(k.hierarchical_allreduce);
+    }
+
+    #[test]
+    fn autotune_is_off_unless_asked_and_reads_horovods_names() {
+        assert_eq!(autotune_from(&vars(&[])).unwrap(), None);
+        assert_eq!(
+            autotune_from(&vars(&[
+                ("RINGWATCH_AUTOTUNE", "0"),
+                ("HOROVOD_AUTOTUNE", "1")
+            ]))
+            .unwrap(),
+            None
+        );
+        let c = autotune_from(&vars(&[("HOROVOD_AUTOTUNE", "1")]))
+            .unwrap()
+            .unwrap();
+        assert_eq!(c, AutotuneConfig::default());
+        assert_eq!(c.wait, Duration::from_secs(5));
+        let c = autotune_from(&vars(&[
+            ("RINGWATCH_AUTOTUNE", "true"),
+            ("RINGWATCH_AUTOTUNE_WAIT_SECS", "0.5"),
+            ("RINGWATCH_AUTOTUNE_BUDGET", "4"),
+            ("RINGWATCH_AUTOTUNE_WARMUP_CYCLES", "1"),
+            ("RINGWATCH_AUTOTUNE_MEASURED_CYCLES", "2"),
+            ("RINGWATCH_AUTOTUNE_MIN_WINDOW_MS", "50"),
+            ("RINGWATCH_AUTOTUNE_SEED", "9"),
+            ("HOROVOD_AUTOTUNE_LOG", "/tmp/x.csv"),
+        ]))
+        .unwrap()
+        .unwrap();
+        assert_eq!(c.wait, Duration::from_millis(500));
+        assert_eq!((c.budget, c.warmup_cycles, c.measured_cycles), (4, 1, 2));
+        assert_eq!(c.min_window, Duration::from_millis(50));
+        assert_eq!(c.seed, 9);
+        assert_eq!(c.log, Some(std::path::PathBuf::from("/tmp/x.csv")));
+        let err = autotune_from(&vars(&[
+            ("RINGWATCH_AUTOTUNE", "1"),
+            ("RINGWATCH_AUTOTUNE_BUDGET", "0"),
+        ]))
+        .unwrap_err();
+        assert!(
+            err.to_string().contains("RINGWATCH_AUTOTUNE_BUDGET"),
+            "{err}"
+        );
+        let err = autotune_from(&vars(&[("RINGWATCH_AUTOTUNE", "maybe")])).unwrap_err();
+        assert!(err.to_string().contains("RINGWATCH_AUTOTUNE"), "{err}");
     }
 
     #[test]

@@ -7,6 +7,7 @@
 //! others do not also decide, and must never leave a handle waiting forever: a failure
 //! fails every pending handle with an error that names the rank or tensor.
 
+mod claim;
 pub mod coordinator;
 mod faults;
 mod server;
@@ -24,14 +25,16 @@ use crate::algorithms::{
     ring_allgather,
 };
 use crate::control::{
-    CycleStats, Hello, KnobUpdate, Knobs, PROTOCOL_VERSION, Phase, RankInfo, TimelineEvent,
+    AutotuneState, CycleStats, Hello, KnobUpdate, Knobs, PROTOCOL_VERSION, Phase, RankInfo,
+    TimelineEvent,
 };
 use crate::error::{CollectiveError, Result};
-use crate::knobs::{knobs_from_env, parse_bool, timeout_from};
+use crate::knobs::{AutotuneConfig, autotune_from, knobs_from_env, parse_bool, timeout_from};
 use crate::rendezvous::{RendezvousConfig, rendezvous};
 use crate::tensor::{AlignedBuf, ReduceOp, Tensor};
 use crate::timeline::{TimelineFile, activity, now_us};
 use crate::transport::{MAX_FRAME_BYTES, Transport, recv_frame, send_frame};
+use claim::TuningClaims;
 use coordinator::{Coordinator, Item, OpKind, Request, Response, TensorRequest};
 use faults::FaultChannel;
 use server::{ControlServer, ServerState};
@@ -56,6 +59,9 @@ pub struct RuntimeConfig {
     /// Directory of the control socket (`RINGWATCH_RUNTIME_DIR`, default /run/ringwatch
     /// with a fallback to a user-writable dir).
     pub runtime_dir: Option<PathBuf>,
+    /// Auto-tune the job (`RINGWATCH_AUTOTUNE=1`): wait for an agent's claim, else rank 0
+    /// tunes itself. Only rank 0's value matters.
+    pub autotune: Option<AutotuneConfig>,
 }
 
 impl RuntimeConfig {
@@ -68,6 +74,7 @@ impl RuntimeConfig {
             timeline_path: None,
             control_socket: false,
             runtime_dir: None,
+            autotune: None,
         }
     }
 
@@ -88,6 +95,7 @@ impl RuntimeConfig {
             runtime_dir: get("RINGWATCH_RUNTIME_DIR")
                 .filter(|p| !p.is_empty())
                 .map(PathBuf::from),
+            autotune: autotune_from(&get)?,
         })
     }
 }
@@ -245,6 +253,12 @@ impl Runtime {
             bytes_reduced: AtomicU64::new(0),
         });
         let layout = node_layout(&ranks);
+        let claims = Arc::new(match (&config.autotune, rank) {
+            (Some(a), 0) => {
+                TuningClaims::new(AutotuneState::Waiting, Some(Instant::now() + a.wait))
+            }
+            _ => TuningClaims::new(AutotuneState::Off, None),
+        });
         let timeline = match &config.timeline_path {
             Some(p) => {
                 let s = p.to_string_lossy();
@@ -269,12 +283,14 @@ impl Runtime {
                 ranks: ranks.clone(),
                 knobs: config.knobs,
                 cycle: 0,
+                autotune: claims.state(),
             };
             match ControlServer::start(
                 config.runtime_dir.clone(),
                 ServerState {
                     hello,
                     knobs: knobs_state,
+                    claims: claims.clone(),
                 },
             ) {
                 Ok(s) => Some(s),

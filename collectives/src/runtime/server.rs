@@ -4,7 +4,8 @@
 //! It must never touch the data path: it only reads the shared knob state, queues knob
 //! requests for the coordinator, and forwards statistics and timeline events. A client that
 //! misbehaves or reads too slowly is closed or loses messages (counted); the job never
-//! waits on a client.
+//! waits on a client. Tuning claims are kept in [`TuningClaims`], held per connection: when
+//! a connection ends, for whatever reason, its claim ends as `interrupted`.
 
 use std::os::unix::net::{UnixListener, UnixStream};
 use std::path::{Path, PathBuf};
@@ -19,6 +20,7 @@ use crate::control::{
     write_message,
 };
 use crate::error::{CollectiveError, Result};
+use crate::runtime::claim::TuningClaims;
 
 /// Messages queued per client before newer ones are dropped.
 const CLIENT_QUEUE: usize = 4096;
@@ -63,6 +65,8 @@ pub(crate) struct ServerState {
     pub hello: Hello,
     /// The knobs in force and the cycle they are at.
     pub knobs: Arc<Mutex<(Knobs, u64)>>,
+    /// The autotune state and the tuning claim.
+    pub claims: Arc<TuningClaims>,
 }
 
 /// The running server.
@@ -187,6 +191,7 @@ impl ControlServer {
         let mut hello = self.state.hello.clone();
         hello.knobs = knobs;
         hello.cycle = cycle;
+        hello.autotune = self.state.claims.state();
         client.send(ServerMessage::Hello(hello));
         if let Ok(mut clients) = self.clients.lock() {
             clients.push(client.clone());
@@ -247,6 +252,42 @@ impl ControlServer {
                         });
                     }
                 }
+                Ok(ClientMessage::ClaimTuning { request_id }) => {
+                    let answer = self.state.claims.claim(client.id);
+                    tracing::info!(
+                        client = client.id,
+                        granted = answer.granted,
+                        state = answer.state.as_str(),
+                        "tuning claim: {}",
+                        answer.message
+                    );
+                    client.send(ServerMessage::TuningClaim {
+                        request_id,
+                        granted: answer.granted,
+                        state: answer.state,
+                        message: answer.message,
+                    });
+                }
+                Ok(ClientMessage::ReleaseTuning {
+                    request_id,
+                    completed,
+                }) => {
+                    let answer = self.state.claims.release(client.id, completed);
+                    tracing::info!(
+                        client = client.id,
+                        completed,
+                        granted = answer.granted,
+                        state = answer.state.as_str(),
+                        "tuning release: {}",
+                        answer.message
+                    );
+                    client.send(ServerMessage::TuningClaim {
+                        request_id,
+                        granted: answer.granted,
+                        state: answer.state,
+                        message: answer.message,
+                    });
+                }
                 Err(ControlError::Closed) => return,
                 Err(e) => {
                     tracing::warn!(client = client.id, error = %e, "closing a control client");
@@ -261,6 +302,13 @@ impl ControlServer {
     }
 
     fn remove_client(&self, client: &Arc<Client>) {
+        if self.state.claims.disconnected(client.id) {
+            tracing::warn!(
+                client = client.id,
+                "the tuning client went away holding its claim; the job stays on its \
+                 current knobs (autotune state: interrupted)"
+            );
+        }
         adjust(
             &self.stats_subscribers,
             client.stats.swap(false, Ordering::AcqRel),

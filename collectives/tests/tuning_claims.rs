@@ -1,0 +1,175 @@
+//! Tuning claims over a real control socket (one-rank job in this process): the autotune
+//! state in `hello`, one claim holder at a time, release and disconnect semantics, and a
+//! malformed claim that closes only its own connection.
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+use std::os::unix::net::UnixStream;
+use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant};
+
+use collectives::control::{
+    AutotuneState, ClientMessage, ControlClient, ControlError, ServerMessage, read_message,
+    write_message,
+};
+use collectives::knobs::AutotuneConfig;
+use collectives::rendezvous::RendezvousConfig;
+use collectives::runtime::RuntimeConfig;
+use collectives::{ReduceOp, Runtime, Tensor};
+
+const T: Duration = Duration::from_secs(5);
+
+fn one_rank_job(tag: &str, autotune: Option<AutotuneConfig>) -> (Runtime, PathBuf, PathBuf) {
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port();
+    let dir = std::env::temp_dir().join(format!("rw-claims-{tag}-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let mut c = RuntimeConfig::new(RendezvousConfig {
+        rank: 0,
+        world_size: 1,
+        local_rank: 0,
+        local_size: 1,
+        master_addr: "127.0.0.1".into(),
+        master_port: port,
+        job_id: Some(format!("claims-{tag}-{port}")),
+        connect_timeout: Duration::from_secs(20),
+    });
+    c.control_socket = true;
+    c.runtime_dir = Some(dir.clone());
+    c.autotune = autotune;
+    let rt = Runtime::new(c).unwrap();
+    let path = rt.control_socket_path().unwrap().to_path_buf();
+    (rt, path, dir)
+}
+
+/// The state a fresh connection's `hello` reports, polled until it is `want` (the server
+/// notices a closed connection asynchronously).
+fn await_hello_state(path: &Path, want: AutotuneState) {
+    let deadline = Instant::now() + T;
+    loop {
+        let got = ControlClient::connect(path, T).unwrap().hello().autotune;
+        if got == want {
+            return;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "hello says {got:?}, want {want:?}"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+fn still_reduces(rt: &Runtime, i: i32) {
+    let got = rt
+        .allreduce(&format!("t{i}"), Tensor::from_slice(&[i; 8]), ReduceOp::Sum)
+        .unwrap();
+    assert_eq!(got.to_vec::<i32>().unwrap(), vec![i; 8]);
+}
+
+#[test]
+fn a_job_that_did_not_ask_says_off_and_still_grants_an_explicit_claim() {
+    let (rt, path, dir) = one_rank_job("off", None);
+    let mut a = ControlClient::connect(&path, T).unwrap();
+    assert_eq!(a.hello().autotune, AutotuneState::Off);
+    assert_eq!(a.claim_tuning(T).unwrap(), AutotuneState::Agent);
+    assert_eq!(a.release_tuning(true, T).unwrap(), AutotuneState::Done);
+    // Releasing again: this client holds nothing.
+    assert!(matches!(
+        a.release_tuning(true, T),
+        Err(ControlError::Server(_))
+    ));
+    rt.shutdown();
+    std::fs::remove_dir_all(dir).ok();
+}
+
+#[test]
+fn claims_are_exclusive_per_connection_and_end_on_release_or_disconnect() {
+    // A long wait: the job stays `waiting` and never tunes itself during this test.
+    let autotune = AutotuneConfig {
+        wait: Duration::from_secs(600),
+        ..Default::default()
+    };
+    let (rt, path, dir) = one_rank_job("claims", Some(autotune));
+    let mut a = ControlClient::connect(&path, T).unwrap();
+    let mut b = ControlClient::connect(&path, T).unwrap();
+    assert_eq!(a.hello().autotune, AutotuneState::Waiting);
+
+    // Granted to the first, refused to the second, which is told why.
+    assert_eq!(a.claim_tuning(T).unwrap(), AutotuneState::Agent);
+    match b.claim_tuning(T) {
+        Err(ControlError::Server(why)) => assert!(why.contains("another"), "{why}"),
+        other => panic!("second claim should be refused, got {other:?}"),
+    }
+    assert!(
+        matches!(b.release_tuning(true, T), Err(ControlError::Server(_))),
+        "a client without the claim cannot release it"
+    );
+    await_hello_state(&path, AutotuneState::Agent);
+    still_reduces(&rt, 1);
+
+    // Released as completed: done; now the other client may claim (an explicit re-tune).
+    assert_eq!(a.release_tuning(true, T).unwrap(), AutotuneState::Done);
+    await_hello_state(&path, AutotuneState::Done);
+    assert_eq!(b.claim_tuning(T).unwrap(), AutotuneState::Agent);
+
+    // The holder disconnects mid-claim: interrupted, and the claim is free again.
+    drop(b);
+    await_hello_state(&path, AutotuneState::Interrupted);
+    assert_eq!(a.claim_tuning(T).unwrap(), AutotuneState::Agent);
+    assert_eq!(
+        a.release_tuning(false, T).unwrap(),
+        AutotuneState::Interrupted
+    );
+    still_reduces(&rt, 2);
+    rt.shutdown();
+    std::fs::remove_dir_all(dir).ok();
+}
+
+#[test]
+fn a_malformed_claim_closes_only_that_client_and_ends_its_claim() {
+    let (rt, path, dir) = one_rank_job("malformed", None);
+    let mut bystander = ControlClient::connect(&path, T).unwrap();
+
+    let mut raw = UnixStream::connect(&path).unwrap();
+    raw.set_read_timeout(Some(T)).unwrap();
+    let hello: ServerMessage = read_message(&mut raw).unwrap();
+    assert!(matches!(hello, ServerMessage::Hello(_)));
+    write_message(&mut raw, &ClientMessage::ClaimTuning { request_id: 7 }).unwrap();
+    let answer: ServerMessage = read_message(&mut raw).unwrap();
+    assert!(
+        matches!(
+            answer,
+            ServerMessage::TuningClaim {
+                request_id: 7,
+                granted: true,
+                state: AutotuneState::Agent,
+                ..
+            }
+        ),
+        "{answer:?}"
+    );
+    // A claim message with a wrong field type.
+    let body = br#"{"type":"claim_tuning","request_id":"seven"}"#;
+    std::io::Write::write_all(&mut raw, &(body.len() as u32).to_be_bytes()).unwrap();
+    std::io::Write::write_all(&mut raw, body).unwrap();
+    let answer: ServerMessage = read_message(&mut raw).unwrap();
+    assert!(
+        matches!(&answer, ServerMessage::Error { message, .. } if message.contains("closing")),
+        "{answer:?}"
+    );
+    assert!(matches!(
+        read_message::<_, ServerMessage>(&mut raw),
+        Err(ControlError::Closed) | Err(ControlError::Io(_))
+    ));
+
+    // Its claim ended with it; the other client is unaffected and may claim now.
+    await_hello_state(&path, AutotuneState::Interrupted);
+    let (knobs, _) = bystander.get_knobs(T).unwrap();
+    assert_eq!(knobs, rt.knobs().0);
+    assert_eq!(bystander.claim_tuning(T).unwrap(), AutotuneState::Agent);
+    still_reduces(&rt, 3);
+    rt.shutdown();
+    std::fs::remove_dir_all(dir).ok();
+}
