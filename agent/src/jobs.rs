@@ -539,7 +539,7 @@ fn read_job(
                     ServerMessage::Error { message, .. } => {
                         tracing::warn!(job_id, message, "the job reported an error");
                     }
-                    ServerMessage::Hello(_) => {}
+                    ServerMessage::Hello(_) | ServerMessage::TuningClaim { .. } => {}
                 }
             }
             Err(error) => {
