@@ -11,6 +11,9 @@
 //! the CLI for them. The agent only observes and advises: it is never on a
 //! job's data path, and a job keeps running if the agent dies.
 
+// The OpenAPI document is one `json!` literal, deeper than the default limit.
+#![recursion_limit = "256"]
+
 mod api;
 mod discovery;
 mod events;

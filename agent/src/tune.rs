@@ -85,12 +85,25 @@ pub struct TuneArgs {
     pub fixed_hierarchical_allreduce: Option<bool>,
 
     /// Search the fusion threshold only in LO,HI bytes.
-    #[arg(long, value_name = "LO,HI", value_delimiter = ',', num_args = 2)]
-    pub bounds_fusion_threshold_bytes: Option<Vec<u64>>,
+    #[arg(long, value_name = "LO,HI", value_parser = parse_pair::<u64>)]
+    pub bounds_fusion_threshold_bytes: Option<[u64; 2]>,
 
     /// Search the cycle time only in LO,HI ms.
-    #[arg(long, value_name = "LO,HI", value_delimiter = ',', num_args = 2)]
-    pub bounds_cycle_time_ms: Option<Vec<f64>>,
+    #[arg(long, value_name = "LO,HI", value_parser = parse_pair::<f64>)]
+    pub bounds_cycle_time_ms: Option<[f64; 2]>,
+}
+
+/// Parses `LO,HI`.
+fn parse_pair<T: std::str::FromStr>(text: &str) -> Result<[T; 2], String> {
+    let parse = |part: &str| {
+        part.trim()
+            .parse::<T>()
+            .map_err(|_| format!("{part:?} in {text:?} is not a number"))
+    };
+    match text.split_once(',') {
+        Some((lo, hi)) => Ok([parse(lo)?, parse(hi)?]),
+        None => Err(format!("{text:?} is not LO,HI")),
+    }
 }
 
 impl TuneArgs {

@@ -585,11 +585,6 @@ impl Tunings {
         &self.reports
     }
 
-    /// The jobs registry.
-    pub fn jobs(&self) -> &Jobs {
-        &self.jobs
-    }
-
     fn sessions(&self) -> MutexGuard<'_, BTreeMap<String, Arc<Handle>>> {
         self.sessions
             .lock()
@@ -805,7 +800,9 @@ impl Tunings {
                         .map_err(|e| broken("applying knobs", e))?;
                     tracing::debug!(?applied, first_cycle, "knobs applied");
                     handle.view().current_knobs = applied;
-                    session.applied(first_cycle);
+                    session.applied(first_cycle).map_err(|e| {
+                        SessionFailure::Failed(format!("the tuner refused the applied knobs: {e}"))
+                    })?;
                     last_work = Instant::now();
                 }
                 Step::Measure => {
@@ -1052,8 +1049,7 @@ fn update_view(view: &mut SessionView, session: &TuningSession) {
                 first_cycle: s.window.first_cycle,
                 last_cycle: s.window.last_cycle,
                 cycles: s.window.cycles,
-                duration_s: s.window.end_unix_us.saturating_sub(s.window.start_unix_us) as f64
-                    / 1e6,
+                duration_s: s.window.duration_s(),
             },
         })
         .collect();
@@ -1062,11 +1058,7 @@ fn update_view(view: &mut SessionView, session: &TuningSession) {
         predicted_score_bytes_per_s: b.predicted_score,
         sample: b.sample,
     });
-    view.speedup_over_start = view.best.as_ref().and_then(|best| {
-        let start = view.samples.first()?.score_bytes_per_s;
-        let chosen = view.samples.get(best.sample)?.score_bytes_per_s;
-        (start > 0.0).then(|| chosen / start)
-    });
+    view.speedup_over_start = session.speedup_over_start();
 }
 
 #[cfg(test)]
@@ -1163,10 +1155,12 @@ mod tests {
             }]
         );
         // A window past the newest sample: covered up to it.
-        let w = feed.window(&pids, 3_500_000, 9_000_000);
-        assert!(w.is_none(), "{w:?}");
+        let w = feed.window(&pids, 3_500_000, 9_000_000).unwrap();
+        assert_eq!((w.span_s, w.pids[0].run_queue_ns), (1.0, 1_000_000));
         let w = feed.window(&pids, 2_000_000, 9_000_000).unwrap();
         assert_eq!(w.span_s, 2.0);
+        // Starting after the newest sample: nothing covers it.
+        assert!(feed.window(&pids, 4_500_000, 9_000_000).is_none());
         // Before the first sample: nothing to say.
         assert!(feed.window(&pids, 500_000, 900_000).is_none());
     }
