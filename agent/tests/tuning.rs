@@ -50,6 +50,10 @@ struct Job {
 
 impl Job {
     fn start(dir: &Path, id: &str, workload: &[&str]) -> Self {
+        Self::start_with_env(dir, id, workload, &[])
+    }
+
+    fn start_with_env(dir: &Path, id: &str, workload: &[&str], env: &[(&str, &str)]) -> Self {
         let launcher = Command::new(collbench())
             .args(["-n", "2", "--json"])
             .args(workload)
@@ -58,6 +62,8 @@ impl Job {
             .env_remove("RANK")
             .env_remove("OMPI_COMM_WORLD_RANK")
             .env_remove("RINGWATCH_AUTOTUNE")
+            .env_remove("HOROVOD_AUTOTUNE")
+            .envs(env.iter().copied())
             .stdout(Stdio::piped())
             .process_group(0)
             .spawn()
@@ -157,11 +163,11 @@ fn a_short_session_pins_the_reported_best_and_its_report_matches_the_samples() {
     let reports = TempDir::new("e2e-reports");
     let job_id = format!("tune-e2e-{}", std::process::id());
     // One 4 KiB allreduce per cycle, for as long as the test needs: the
-    // cycle time decides the throughput.
+    // cycle time decides the throughput, and the job starts on a slow one.
     let job = Job::start(
         &runtime.0,
         &job_id,
-        &["sweep", "--min-bytes", "4096", "--max-bytes", "4096", "--iters", "1000000000"],
+        &["--cycle-time-ms", "8", "sweep", "--min-bytes", "4096", "--max-bytes", "4096", "--iters", "1000000000"],
     );
     let agent = ApiServer::start(&agent_args(&runtime, &reports), false);
     wait_for_job(&agent, &job_id);
@@ -178,6 +184,11 @@ fn a_short_session_pins_the_reported_best_and_its_report_matches_the_samples() {
     });
     assert_eq!(session["state"], "done", "{session:#}");
     assert_eq!(session["error"], Value::Null);
+    assert_eq!(knobs_of(&session["start_knobs"]).cycle_time_us, 8_000);
+    eprintln!(
+        "session: best {} speedup {} disturbance detection {}",
+        session["best"], session["speedup_over_start"], session["disturbance_detection"]
+    );
     let samples = session["samples"].as_array().unwrap();
     assert_eq!(samples.len(), 5, "{session:#}");
     // Sample 0 measures the job's starting knobs.
@@ -400,4 +411,39 @@ fn beyond_loopback_without_a_token_changes_are_refused() {
     assert_eq!(agent.send("DELETE", "/api/jobs/any/tuning", &[], "").0, 403);
     // Reading is still allowed.
     assert_eq!(agent.get_json("/api/jobs").0, 200);
+}
+
+#[test]
+fn a_job_that_asks_to_be_tuned_is_tuned_as_soon_as_it_is_found() {
+    let runtime = TempDir::new("auto-run");
+    let reports = TempDir::new("auto-reports");
+    let job_id = format!("tune-auto-{}", std::process::id());
+    let job = Job::start_with_env(
+        &runtime.0,
+        &job_id,
+        &["sweep", "--min-bytes", "4096", "--max-bytes", "4096", "--iters", "1000000000"],
+        &[("RINGWATCH_AUTOTUNE", "1"), ("RINGWATCH_AUTOTUNE_WAIT_SECS", "120")],
+    );
+    assert_eq!(job.knobs().1, AutotuneState::Waiting);
+    let mut args = agent_args(&runtime, &reports);
+    args.retain(|a| *a != "--no-autotune");
+    let agent = ApiServer::start(&args, false);
+    let deadline = Instant::now() + Duration::from_secs(30);
+    let session = loop {
+        let (status, session) = agent.get_json(&format!("/api/jobs/{job_id}/tuning"));
+        if status == 200 {
+            break session;
+        }
+        assert!(Instant::now() < deadline, "no session started on its own: {session}");
+        std::thread::sleep(Duration::from_millis(200));
+    };
+    // Default settings.
+    assert_eq!(session["config"]["budget"], 20, "{session:#}");
+    assert_eq!(session["state"], "running", "{session:#}");
+    assert_eq!(job.knobs().1, AutotuneState::Agent);
+    let (status, _, body) = agent.send("DELETE", &format!("/api/jobs/{job_id}/tuning"), &[], "");
+    assert_eq!(status, 200, "{body}");
+    let session = poll_session(&agent, &job_id, Duration::from_secs(60), |s| s["state"] != "running");
+    assert_eq!(session["state"], "stopped", "{session:#}");
+    assert_eq!(job.knobs().1, AutotuneState::Done);
 }
