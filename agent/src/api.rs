@@ -25,8 +25,8 @@ use crate::jobs::Jobs;
 use crate::live::LiveView;
 use crate::metrics::render_metrics;
 use crate::reports::ReportFormat;
-use crate::tuning::{Keep, StartError, TuningRequest, Tunings};
 use crate::timeline::{QueryError, RecordedTrace, TimePoint, TimelineQuery};
+use crate::tuning::{Keep, StartError, TuningRequest, Tunings};
 
 /// What the handlers read. Cheap to clone (everything behind `Arc`).
 #[derive(Clone)]
@@ -477,12 +477,18 @@ async fn report_file(
             ))
         })?,
     };
-    let path = tunings(&state)?.reports().file(&id, format).ok_or_else(|| {
-        ApiError::new(
-            StatusCode::NOT_FOUND,
-            format!("no report {id:?} in {}; GET /api/reports lists them", format.extension()),
-        )
-    })?;
+    let path = tunings(&state)?
+        .reports()
+        .file(&id, format)
+        .ok_or_else(|| {
+            ApiError::new(
+                StatusCode::NOT_FOUND,
+                format!(
+                    "no report {id:?} in {}; GET /api/reports lists them",
+                    format.extension()
+                ),
+            )
+        })?;
     let bytes = tokio::fs::read(&path).await.map_err(|e| {
         ApiError::new(
             StatusCode::INTERNAL_SERVER_ERROR,
@@ -507,27 +513,23 @@ async fn metrics(
     let gpus = state.gpus.clone();
     let live = state.live_view();
     let jobs = state.jobs.as_ref().map(Jobs::jobs).unwrap_or_default();
-    let sessions = state
-        .tunings
-        .as_ref()
-        .map(|t| t.all())
-        .unwrap_or_default();
+    let sessions = state.tunings.as_ref().map(|t| t.all()).unwrap_or_default();
     let text = tokio::task::spawn_blocking(move || {
         render_metrics(&gpus.snapshot(), live.as_deref(), &jobs, &sessions)
     })
     .await
-            .map_err(|e| {
-                ApiError::new(
-                    StatusCode::INTERNAL_SERVER_ERROR,
-                    format!("collecting metrics failed: {e}"),
-                )
-            })?
-            .map_err(|e| {
-                ApiError::new(
-                    StatusCode::INTERNAL_SERVER_ERROR,
-                    format!("encoding metrics failed: {e}"),
-                )
-            })?;
+    .map_err(|e| {
+        ApiError::new(
+            StatusCode::INTERNAL_SERVER_ERROR,
+            format!("collecting metrics failed: {e}"),
+        )
+    })?
+    .map_err(|e| {
+        ApiError::new(
+            StatusCode::INTERNAL_SERVER_ERROR,
+            format!("encoding metrics failed: {e}"),
+        )
+    })?;
     Ok((
         [(
             header::CONTENT_TYPE,

@@ -110,7 +110,11 @@ impl Reports {
     /// `~/.local/state/ringwatch/reports`. Fails only when none is writable.
     pub fn open(wanted: &Path) -> Result<Self> {
         let first = match writable(wanted) {
-            Ok(()) => return Ok(Self { dir: wanted.to_owned() }),
+            Ok(()) => {
+                return Ok(Self {
+                    dir: wanted.to_owned(),
+                });
+            }
             Err(error) => error,
         };
         let fallback = fallback_dir().with_context(|| {
@@ -149,8 +153,7 @@ impl Reports {
         // Written whole under a temporary name, then renamed: a listing
         // never reads half a file.
         let partial = self.dir.join(format!(".{}.json.partial", meta.id));
-        std::fs::write(&partial, text)
-            .with_context(|| format!("writing {}", partial.display()))?;
+        std::fs::write(&partial, text).with_context(|| format!("writing {}", partial.display()))?;
         std::fs::rename(&partial, &path)
             .with_context(|| format!("renaming {} to {}", partial.display(), path.display()))?;
         Ok(path)

@@ -141,10 +141,7 @@ pub async fn run(args: ServeArgs) -> Result<()> {
             let disturbance = match &ebpf_off {
                 None => Disturbance::Ebpf(feed.clone()),
                 Some(reason) => {
-                    tracing::info!(
-                        reason,
-                        "tuning sessions will not detect disturbed windows"
-                    );
+                    tracing::info!(reason, "tuning sessions will not detect disturbed windows");
                     Disturbance::Off(reason.clone())
                 }
             };
@@ -155,11 +152,11 @@ pub async fn run(args: ServeArgs) -> Result<()> {
                 TuningLimits::default(),
             ));
             if args.no_autotune {
-                tracing::info!("--no-autotune: jobs that ask to be tuned are not tuned on their own");
+                tracing::info!(
+                    "--no-autotune: jobs that ask to be tuned are not tuned on their own"
+                );
             } else {
-                tunings
-                    .autotune()
-                    .context("starting the autotune thread")?;
+                tunings.autotune().context("starting the autotune thread")?;
             }
             Some(tunings)
         }

@@ -274,7 +274,9 @@ fn run_blocking(args: &TuneArgs, interrupted: &AtomicBool) -> Result<()> {
     loop {
         if interrupted.load(Ordering::Acquire) && !stop_sent {
             stop_sent = true;
-            eprintln!("interrupted: stopping the session (the job is left on the best knobs found)");
+            eprintln!(
+                "interrupted: stopping the session (the job is left on the best knobs found)"
+            );
             client.session(
                 client.http.delete(&client.url(&format!("{path}{keep}"))),
                 None,

@@ -731,18 +731,19 @@ impl Tunings {
     ) -> Result<(), SessionFailure> {
         let job_id = &job.job_id;
         let limits = &self.limits;
-        let mut client = ControlClient::connect(&job.socket, limits.connect_timeout).map_err(|e| {
-            SessionFailure::BeforeStart(StartError::Unavailable(format!(
-                "cannot connect to job {job_id}'s control socket {}: {e}",
-                job.socket.display()
-            )))
-        })?;
+        let mut client =
+            ControlClient::connect(&job.socket, limits.connect_timeout).map_err(|e| {
+                SessionFailure::BeforeStart(StartError::Unavailable(format!(
+                    "cannot connect to job {job_id}'s control socket {}: {e}",
+                    job.socket.display()
+                )))
+            })?;
         client
             .claim_tuning(limits.connect_timeout)
             .map_err(|e| match e {
-                ControlError::Server(message) => SessionFailure::BeforeStart(
-                    StartError::Conflict(format!("job {job_id} refused the tuning claim: {message}")),
-                ),
+                ControlError::Server(message) => SessionFailure::BeforeStart(StartError::Conflict(
+                    format!("job {job_id} refused the tuning claim: {message}"),
+                )),
                 other => SessionFailure::BeforeStart(StartError::Unavailable(format!(
                     "claiming job {job_id}'s tuning failed: {other}"
                 ))),
@@ -765,9 +766,9 @@ impl Tunings {
             Ok(session) => session,
             Err(e) => {
                 let _ = client.release_tuning(false, limits.connect_timeout);
-                return Err(SessionFailure::BeforeStart(StartError::BadRequest(format!(
-                    "bad tuning configuration: {e}"
-                ))));
+                return Err(SessionFailure::BeforeStart(StartError::BadRequest(
+                    format!("bad tuning configuration: {e}"),
+                )));
             }
         };
         {
@@ -778,7 +779,11 @@ impl Tunings {
         if let Some(ready) = ready.take() {
             let _ = ready.send(Ok(handle.view().clone()));
         }
-        tracing::info!(budget = config.budget, ?start_knobs, "tuning session started");
+        tracing::info!(
+            budget = config.budget,
+            ?start_knobs,
+            "tuning session started"
+        );
 
         let started = Instant::now();
         let pids: BTreeSet<u32> = job.ranks.iter().map(|r| r.pid).collect();
@@ -949,10 +954,7 @@ impl Tunings {
         let title = format!("ringwatch tuning of job {}", view.job_id);
         let files = tuner::session::write_report(session, self.reports.dir(), &id, &title)
             .with_context(|| {
-                format!(
-                    "writing report {id} into {}",
-                    self.reports.dir().display()
-                )
+                format!("writing report {id} into {}", self.reports.dir().display())
             })?;
         let state_name = match state {
             SessionState::Running => "running",
@@ -1127,7 +1129,9 @@ mod tests {
         );
         assert_eq!(
             disturbance_reason(&load(1.0, &[(7, 100, 1), (9, 0, 1)]), &[5.0]).as_deref(),
-            Some("run-queue wait 100 ms/s vs 5 ms/s usual (pid 7); 2 TCP retransmits (pid 7, pid 9)")
+            Some(
+                "run-queue wait 100 ms/s vs 5 ms/s usual (pid 7); 2 TCP retransmits (pid 7, pid 9)"
+            )
         );
     }
 

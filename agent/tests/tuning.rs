@@ -77,10 +77,7 @@ impl Job {
             );
             std::thread::sleep(Duration::from_millis(50));
         }
-        Self {
-            launcher,
-            socket,
-        }
+        Self { launcher, socket }
     }
 
     /// The job's knobs and autotune state, asked on a connection of our own.
@@ -167,7 +164,17 @@ fn a_short_session_pins_the_reported_best_and_its_report_matches_the_samples() {
     let job = Job::start(
         &runtime.0,
         &job_id,
-        &["--cycle-time-ms", "8", "sweep", "--min-bytes", "4096", "--max-bytes", "4096", "--iters", "1000000000"],
+        &[
+            "--cycle-time-ms",
+            "8",
+            "sweep",
+            "--min-bytes",
+            "4096",
+            "--max-bytes",
+            "4096",
+            "--iters",
+            "1000000000",
+        ],
     );
     let agent = ApiServer::start(&agent_args(&runtime, &reports), false);
     wait_for_job(&agent, &job_id);
@@ -195,11 +202,23 @@ fn a_short_session_pins_the_reported_best_and_its_report_matches_the_samples() {
     assert_eq!(samples[0]["knobs"], session["start_knobs"]);
     for (i, sample) in samples.iter().enumerate() {
         assert_eq!(sample["index"], i);
-        assert!(sample["score_bytes_per_s"].as_f64().unwrap() > 0.0, "{sample}");
-        assert!(sample["window"]["cycles"].as_u64().unwrap() >= 21, "{sample}");
-        assert!(sample["window"]["duration_s"].as_f64().unwrap() >= 0.3, "{sample}");
+        assert!(
+            sample["score_bytes_per_s"].as_f64().unwrap() > 0.0,
+            "{sample}"
+        );
+        assert!(
+            sample["window"]["cycles"].as_u64().unwrap() >= 21,
+            "{sample}"
+        );
+        assert!(
+            sample["window"]["duration_s"].as_f64().unwrap() >= 0.3,
+            "{sample}"
+        );
         let cycle_ms = sample["knobs"]["cycle_time_us"].as_f64().unwrap() / 1e3;
-        assert!((0.5..=10.0).contains(&cycle_ms), "outside the bounds: {sample}");
+        assert!(
+            (0.5..=10.0).contains(&cycle_ms),
+            "outside the bounds: {sample}"
+        );
     }
     let best = &session["best"];
     let best_knobs = knobs_of(&best["knobs"]);
@@ -208,7 +227,10 @@ fn a_short_session_pins_the_reported_best_and_its_report_matches_the_samples() {
     let speedup = session["speedup_over_start"].as_f64().unwrap();
     let expected = samples[best_sample]["score_bytes_per_s"].as_f64().unwrap()
         / samples[0]["score_bytes_per_s"].as_f64().unwrap();
-    assert!((speedup - expected).abs() < 1e-9 * expected, "{speedup} vs {expected}");
+    assert!(
+        (speedup - expected).abs() < 1e-9 * expected,
+        "{speedup} vs {expected}"
+    );
 
     // The job runs on the reported best knobs, and its claim was released
     // as completed; the registry lists the same knobs.
@@ -251,7 +273,11 @@ fn a_short_session_pins_the_reported_best_and_its_report_matches_the_samples() {
     let frame = tuner::report::read_parquet(parquet).unwrap();
     assert_eq!(frame.height(), samples.len());
     let column_f64 = |name: &str| -> Vec<f64> {
-        let column = frame.column(name).unwrap().cast(&polars::prelude::DataType::Float64).unwrap();
+        let column = frame
+            .column(name)
+            .unwrap()
+            .cast(&polars::prelude::DataType::Float64)
+            .unwrap();
         column.f64().unwrap().into_no_null_iter().collect()
     };
     let scores = column_f64(tuner::report::COL_SCORE);
@@ -259,10 +285,17 @@ fn a_short_session_pins_the_reported_best_and_its_report_matches_the_samples() {
     let cycle_ms = column_f64("cycle_time_ms");
     for (i, sample) in samples.iter().enumerate() {
         let score = sample["score_bytes_per_s"].as_f64().unwrap();
-        assert!((scores[i] - score).abs() <= 1e-9 * score, "row {i}: {} vs {score}", scores[i]);
+        assert!(
+            (scores[i] - score).abs() <= 1e-9 * score,
+            "row {i}: {} vs {score}",
+            scores[i]
+        );
         let knobs = knobs_of(&sample["knobs"]);
         assert_eq!(fusion[i], knobs.fusion_threshold_bytes as f64, "row {i}");
-        assert!((cycle_ms[i] * 1e3 - knobs.cycle_time_us as f64).abs() <= 0.5, "row {i}");
+        assert!(
+            (cycle_ms[i] * 1e3 - knobs.cycle_time_us as f64).abs() <= 0.5,
+            "row {i}"
+        );
     }
     // The CSV has a header and one row per sample.
     let (status, _, csv) = agent.request("GET", &format!("/api/reports/{report_id}?format=csv"));
@@ -271,10 +304,16 @@ fn a_short_session_pins_the_reported_best_and_its_report_matches_the_samples() {
     let (status, head, html) = agent.request("GET", &format!("/api/reports/{report_id}"));
     assert_eq!(status, 200);
     assert!(head.to_ascii_lowercase().contains("text/html"), "{head}");
-    assert!(html.contains("<html") || html.contains("<!DOCTYPE"), "{html}");
+    assert!(
+        html.contains("<html") || html.contains("<!DOCTYPE"),
+        "{html}"
+    );
     let (status, meta) = agent.get_json(&format!("/api/reports/{report_id}?format=json"));
     assert_eq!(status, 200);
-    assert_eq!(meta["disturbance_detection"], session["disturbance_detection"]);
+    assert_eq!(
+        meta["disturbance_detection"],
+        session["disturbance_detection"]
+    );
 
     // Prometheus: the session's figures.
     let (status, _, metrics) = agent.request("GET", "/metrics");
@@ -318,7 +357,10 @@ fn killing_the_agent_mid_session_leaves_the_job_running_to_a_clean_finish() {
     let (knobs_at_kill, autotune) = job.knobs();
     assert_eq!(autotune, AutotuneState::Interrupted);
     let status = common::wait_within(&mut job.launcher, Duration::from_secs(180));
-    assert!(status.success(), "the job failed after the agent died: {status}");
+    assert!(
+        status.success(),
+        "the job failed after the agent died: {status}"
+    );
     let mut stdout = String::new();
     std::io::Read::read_to_string(job.launcher.stdout.as_mut().unwrap(), &mut stdout).unwrap();
     let result: Value = stdout
@@ -337,7 +379,15 @@ fn the_tuning_api_refuses_what_it_cannot_do_and_checks_its_token() {
     let _job = Job::start(
         &runtime.0,
         &job_id,
-        &["sweep", "--min-bytes", "4096", "--max-bytes", "4096", "--iters", "1000000000"],
+        &[
+            "sweep",
+            "--min-bytes",
+            "4096",
+            "--max-bytes",
+            "4096",
+            "--iters",
+            "1000000000",
+        ],
     );
     let token_file = runtime.0.join("token");
     std::fs::write(&token_file, "s3cret-token\n").unwrap();
@@ -351,12 +401,22 @@ fn the_tuning_api_refuses_what_it_cannot_do_and_checks_its_token() {
 
     // Token: none or wrong -> 401, on POST and DELETE alike.
     assert_eq!(agent.send("POST", &path, &[], long).0, 401);
-    assert_eq!(agent.send("POST", &path, &["Authorization: Bearer nope"], long).0, 401);
+    assert_eq!(
+        agent
+            .send("POST", &path, &["Authorization: Bearer nope"], long)
+            .0,
+        401
+    );
     assert_eq!(agent.send("DELETE", &path, &[], "").0, 401);
     // Reading needs no token; there is no session yet.
     assert_eq!(agent.get_json(&path).0, 404);
     // Unknown job, bad bodies.
-    assert_eq!(agent.send("POST", "/api/jobs/no-such-job/tuning", &[auth], "").0, 404);
+    assert_eq!(
+        agent
+            .send("POST", "/api/jobs/no-such-job/tuning", &[auth], "")
+            .0,
+        404
+    );
     let (status, _, body) = agent.send("POST", &path, &[auth], r#"{"budgett":5}"#);
     assert_eq!(status, 400, "{body}");
     assert!(body.contains("budgett"), "{body}");
@@ -377,7 +437,11 @@ fn the_tuning_api_refuses_what_it_cannot_do_and_checks_its_token() {
     let (status, _, body) = agent.send("POST", &path, &[auth], long);
     assert_eq!(status, 409, "{body}");
     // Another client cannot claim the job meanwhile.
-    let mut other = ControlClient::connect(&runtime.0.join(format!("{job_id}.sock")), Duration::from_secs(5)).unwrap();
+    let mut other = ControlClient::connect(
+        &runtime.0.join(format!("{job_id}.sock")),
+        Duration::from_secs(5),
+    )
+    .unwrap();
     assert!(other.claim_tuning(Duration::from_secs(5)).is_err());
     drop(other);
 
@@ -386,10 +450,17 @@ fn the_tuning_api_refuses_what_it_cannot_do_and_checks_its_token() {
         let (_, session) = agent.get_json(&path);
         knobs_of(&session["start_knobs"])
     };
-    assert_eq!(agent.send("DELETE", &format!("{path}?keep=nonsense"), &[auth], "").0, 400);
+    assert_eq!(
+        agent
+            .send("DELETE", &format!("{path}?keep=nonsense"), &[auth], "")
+            .0,
+        400
+    );
     let (status, _, body) = agent.send("DELETE", &format!("{path}?keep=start"), &[auth], "");
     assert_eq!(status, 200, "{body}");
-    let session = poll_session(&agent, &job_id, Duration::from_secs(60), |s| s["state"] != "running");
+    let session = poll_session(&agent, &job_id, Duration::from_secs(60), |s| {
+        s["state"] != "running"
+    });
     assert_eq!(session["state"], "stopped", "{session:#}");
     assert_eq!(knobs_of(&session["current_knobs"]), start_knobs);
     assert_eq!(_job.knobs().0, start_knobs);
@@ -421,8 +492,19 @@ fn a_job_that_asks_to_be_tuned_is_tuned_as_soon_as_it_is_found() {
     let job = Job::start_with_env(
         &runtime.0,
         &job_id,
-        &["sweep", "--min-bytes", "4096", "--max-bytes", "4096", "--iters", "1000000000"],
-        &[("RINGWATCH_AUTOTUNE", "1"), ("RINGWATCH_AUTOTUNE_WAIT_SECS", "120")],
+        &[
+            "sweep",
+            "--min-bytes",
+            "4096",
+            "--max-bytes",
+            "4096",
+            "--iters",
+            "1000000000",
+        ],
+        &[
+            ("RINGWATCH_AUTOTUNE", "1"),
+            ("RINGWATCH_AUTOTUNE_WAIT_SECS", "120"),
+        ],
     );
     assert_eq!(job.knobs().1, AutotuneState::Waiting);
     let mut args = agent_args(&runtime, &reports);
@@ -434,7 +516,10 @@ fn a_job_that_asks_to_be_tuned_is_tuned_as_soon_as_it_is_found() {
         if status == 200 {
             break session;
         }
-        assert!(Instant::now() < deadline, "no session started on its own: {session}");
+        assert!(
+            Instant::now() < deadline,
+            "no session started on its own: {session}"
+        );
         std::thread::sleep(Duration::from_millis(200));
     };
     // Default settings.
@@ -443,7 +528,9 @@ fn a_job_that_asks_to_be_tuned_is_tuned_as_soon_as_it_is_found() {
     assert_eq!(job.knobs().1, AutotuneState::Agent);
     let (status, _, body) = agent.send("DELETE", &format!("/api/jobs/{job_id}/tuning"), &[], "");
     assert_eq!(status, 200, "{body}");
-    let session = poll_session(&agent, &job_id, Duration::from_secs(60), |s| s["state"] != "running");
+    let session = poll_session(&agent, &job_id, Duration::from_secs(60), |s| {
+        s["state"] != "running"
+    });
     assert_eq!(session["state"], "stopped", "{session:#}");
     assert_eq!(job.knobs().1, AutotuneState::Done);
 }
