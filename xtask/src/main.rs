@@ -7,6 +7,7 @@
 #[path = "../../ebpf/build_support.rs"]
 #[allow(dead_code)] // the layout probe is for ebpf/build.rs only
 mod build_support;
+mod demo;
 mod multinode;
 mod topology;
 mod tuning_grid;
@@ -43,9 +44,11 @@ enum Task {
     /// (the privileged eBPF tests run when root and skip otherwise), and the
     /// UI's end-to-end test in headless Chromium.
     Test,
-    /// Show ringwatch working on this machine (see the README for what the
-    /// demo covers today).
-    Demo,
+    /// ringwatch's main job on this machine (root): the agent, a 2 x 2-rank
+    /// collbench job on two pretend nodes with rate-limited links, tuned live
+    /// by the agent, the UI's URL while it runs, then the chosen knobs,
+    /// steps/s before and after, and the report's path.
+    Demo(demo::Args),
     /// Benchmarks, each printing a table.
     Bench {
         /// Which benchmark.
@@ -60,9 +63,9 @@ enum Task {
 enum Bench {
     /// Bayesian optimization vs random search on test functions.
     Tuner,
-    /// eBPF probes: loopback TCP + context-switch load with and without the
-    /// agent (A/B slowdown), records/s, drops, agent CPU % and peak RSS.
-    /// Needs root.
+    /// eBPF probes: a loopback TCP ping-pong, then a 4-rank collbench
+    /// resnet50 job, each with and without the agent (A/B slowdown),
+    /// records/s, drops, agent CPU % and peak RSS. Needs root.
     Probes,
     /// Exhaustive grid over the tuner's knob space: collbench resnet50 on 2
     /// pretend nodes × 2 ranks (needs root); prints the table, the best
@@ -76,7 +79,7 @@ fn main() -> std::process::ExitCode {
         Task::Setup => setup(),
         Task::BuildEbpf { out } => build_ebpf(&out),
         Task::Test => test(),
-        Task::Demo => demo(),
+        Task::Demo(args) => demo::run(&root(), &args),
         Task::Bench { which, grid } => bench(which, &grid),
     };
     match result {
@@ -273,106 +276,20 @@ fn test() -> Result<()> {
     Ok(())
 }
 
-fn demo() -> Result<()> {
-    setup()?;
-    run("cargo", &["build", "--release", "-p", "agent"])?;
-    let bin = root().join("target/release");
-    println!("ringwatch demo, part 1: the agent's eBPF path (sched_switch tracing).");
-    println!("It runs a workload thread that sleeps 20 times and counts its context switches.");
-    println!("Part 2: a 2-node x 2-rank collbench job on pretend nodes (network namespaces).");
-    if !is_root() {
-        bail!("the demo loads eBPF programs: run it as root (sudo -E cargo xtask demo)");
-    }
-    let mut load = Command::new(bin.join("ringwatch-testload"))
-        .args(["--wait", "sleep", "--count", "20", "--interval", "50ms"])
-        .stdin(std::process::Stdio::piped())
-        .stdout(std::process::Stdio::piped())
-        .spawn()
-        .context("starting ringwatch-testload")?;
-    let mut description = String::new();
-    {
-        use std::io::BufRead;
-        let stdout = load.stdout.take().context("workload stdout")?;
-        std::io::BufReader::new(stdout)
-            .read_line(&mut description)
-            .context("reading the workload's description")?;
-    }
-    println!("workload: {}", description.trim());
-    let pid = load.id().to_string();
-    let mut agent = Command::new(bin.join("ringwatch-agent"))
-        .args(["--pid", &pid, "--duration", "10s"])
-        .spawn()
-        .context("starting ringwatch-agent")?;
-    // Give the agent a moment to attach before the workload starts.
-    std::thread::sleep(std::time::Duration::from_secs(2));
-    {
-        use std::io::Write;
-        let mut stdin = load.stdin.take().context("workload stdin")?;
-        stdin.write_all(b"go\n").context("starting the workload")?;
-    }
-    let load_status = load.wait().context("waiting for the workload")?;
-    let agent_status = agent.wait().context("waiting for the agent")?;
-    if !(load_status.success() && agent_status.success()) {
-        bail!("demo failed: workload {load_status}, agent {agent_status}");
-    }
-    println!("eBPF part done.");
-    demo_pretend_nodes()?;
-    println!(
-        "demo done. Not in the demo yet: the agent finding and tuning this job live, the UI's URL \
-         while it runs, and the tuning report (issue 7); `cargo xtask bench tuning-grid` measures \
-         what tuning could gain on these pretend nodes."
-    );
-    Ok(())
-}
-
-/// The demo's multi-node part: a 2 × 2-rank `collbench resnet50` job on two
-/// pretend nodes whose link is rate-limited, on the runtime's default knobs.
-/// The namespaces are removed when it returns, fails, or gets Ctrl-C.
-fn demo_pretend_nodes() -> Result<()> {
-    let collbench = multinode::collbench(&root())?;
-    let rate_mbit = tuning_grid::DEFAULT_RATE_MBIT;
-    let topology = topology::Topology::create("rwdemo", 2, rate_mbit)?;
-    println!(
-        "pretend nodes: {} ({}) and {} ({}), {rate_mbit} Mbit/s each way between them \
-         (tc tbf), loopback within each",
-        topology.namespace(0),
-        topology.address(0),
-        topology.namespace(1),
-        topology.address(1),
-    );
-    let spec = multinode::Resnet50 {
-        ranks_per_node: 2,
-        steps: 10,
-        warmup: 2,
-        // The control socket stays on (the runtime's default): it is how the
-        // agent will find and tune the job.
-        env: Vec::new(),
-    };
-    println!("running collbench resnet50, 4 ranks, 10 steps, on the runtime's default knobs...");
-    let result = multinode::resnet50(&topology, &collbench, &spec, None, "ringwatch-demo")?;
-    println!(
-        "job ringwatch-demo: ranks 0,1 in {} and ranks 2,3 in {}: {:.2} steps/s, \
-         {:.3} GB/s of gradients allreduced (busbw {:.3} GB/s), knobs {}",
-        topology.namespace(0),
-        topology.namespace(1),
-        result.steps_per_sec,
-        result.algbw_gbps,
-        result.busbw_gbps,
-        result.knobs
-    );
-    drop(topology);
-    println!("pretend nodes removed.");
-    Ok(())
-}
-
 fn bench(which: Bench, grid: &tuning_grid::Args) -> Result<()> {
     match which {
         Bench::Tuner => run("cargo", &["bench", "-p", "tuner", "--bench", "tuner"]),
         Bench::Probes => {
-            run("cargo", &["build", "--release", "-p", "agent"])?;
+            run(
+                "cargo",
+                &["build", "--release", "-p", "agent", "-p", "collectives"],
+            )?;
             let bench = root().join("target/release/ringwatch-bench");
             let bench = bench.to_str().context("non-UTF-8 target path")?;
-            run(bench, &[])
+            // The worst case (every hop an event), then what the agent
+            // watches in practice: a collective job.
+            run(bench, &[])?;
+            run(bench, &["--workload", "collbench", "--pairs", "5"])
         }
         Bench::TuningGrid => {
             if !is_root() {

@@ -9,7 +9,7 @@
 use std::io::Read;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Stdio};
-use std::sync::atomic::{AtomicU16, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU16, Ordering};
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result, bail};
@@ -112,6 +112,13 @@ fn kill_all(ranks: &mut [Rank]) {
 /// every rank, when one rank fails, when the job outlives its timeout, or
 /// when a rank cannot be started.
 pub fn run(job: &Job) -> Result<String> {
+    run_until(job, &AtomicBool::new(false))
+}
+
+/// [`run`], but once `stop` is set every rank is killed and the job counts
+/// as failed ("stopped"): for a workload that is only a backdrop (the demo's
+/// job being tuned), ended when what it was for is done.
+pub fn run_until(job: &Job, stop: &AtomicBool) -> Result<String> {
     let world_size = job.placement.len();
     if world_size == 0 {
         bail!("a job needs at least one rank");
@@ -197,6 +204,9 @@ pub fn run(job: &Job) -> Result<String> {
         }
         if failure.is_some() || done.iter().all(|&d| d) {
             break failure;
+        }
+        if stop.load(Ordering::Relaxed) {
+            break Some(format!("job {} stopped", job.job_id));
         }
         if Instant::now() > deadline {
             break Some(format!(

@@ -1,8 +1,11 @@
 //! `ringwatch-bench`: the probes' overhead and throughput, as a table.
 //!
-//! A/B in one run: a loopback TCP ping-pong (a context switch and a
-//! send/receive per hop) alone, then watched by `ringwatch-agent`,
-//! alternating, reporting the slowdown as a ratio of medians. For the
+//! A/B in one run: a workload alone, then watched by `ringwatch-agent`,
+//! alternating, reporting the slowdown as a ratio of medians. Two
+//! workloads: `ping-pong`, a loopback TCP ping-pong (a context switch and a
+//! send/receive per hop: the worst case, every hop is an event), and
+//! `collbench`, a real 4-rank `collbench resnet50` job on loopback (what
+//! the agent watches in practice; its steps/s is the figure). For the
 //! watched runs it reports the records the pipeline took per second, the
 //! ring-buffer drops, and the agent's CPU % and peak RSS (from wait4).
 //! Needs root (the agent loads eBPF). Runs the sibling binaries of its own
@@ -29,11 +32,29 @@ struct Cli {
     /// Concurrent ping-pong processes per run (more load, more events).
     #[arg(long, default_value_t = 1)]
     loads: usize,
+    /// What to run under the agent.
+    #[arg(long, value_enum, default_value_t = Workload::PingPong)]
+    workload: Workload,
+    /// collbench: ranks of the job (all on this machine).
+    #[arg(long, default_value_t = 4)]
+    ranks: usize,
+    /// collbench: timed resnet50 steps per run.
+    #[arg(long, default_value_t = 20)]
+    steps: usize,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+enum Workload {
+    /// Loopback TCP ping-pong: the most events per unit of work.
+    PingPong,
+    /// A 4-rank `collbench resnet50` job on loopback (steps/s).
+    Collbench,
 }
 
 struct Sibling {
     agent: PathBuf,
     testload: PathBuf,
+    collbench: PathBuf,
 }
 
 impl Sibling {
@@ -50,7 +71,14 @@ impl Sibling {
                 );
             }
         }
-        Ok(Self { agent, testload })
+        // Built by `cargo build --release -p collectives`, beside us in
+        // target/release; only the collbench workload needs it.
+        let collbench = dir.join("collbench");
+        Ok(Self {
+            agent,
+            testload,
+            collbench,
+        })
     }
 }
 
@@ -87,38 +115,23 @@ fn one_run(sib: &Sibling, cli: &Cli, watched: Option<&str>) -> Result<(f64, Opti
     let mut loads = (0..cli.loads)
         .map(|_| start_load(sib, cli.rounds))
         .collect::<Result<Vec<_>>>()?;
-    let agent = if let Some(variant) = watched {
+    let agent = match watched {
         // "unwatched": the agent runs with every probe attached but watches
         // only this benchmark process, not the load.
-        let (min_interval, pids): (&str, Vec<String>) = match variant {
-            "unwatched" => ("0s", vec![std::process::id().to_string()]),
-            v => (v, loads.iter().map(|l| l.pid.to_string()).collect()),
-        };
-        let mut child = Command::new(&sib.agent)
-            .args(["--pid", &pids.join(","), "--duration", "120s", "--json"])
-            .args(["--min-interval", min_interval])
-            .env(
-                "RINGWATCH_LOCK_FILE",
-                std::env::temp_dir().join(format!("ringwatch-bench-{}.lock", std::process::id())),
-            )
-            .env("RINGWATCH_LOG", "warn")
-            .stdout(Stdio::piped())
-            .stderr(Stdio::piped())
-            .spawn()
-            .context("starting ringwatch-agent")?;
-        let stderr = child.stderr.take().context("no stderr")?;
-        let mut err_lines = BufReader::new(stderr).lines();
-        loop {
-            match err_lines.next() {
-                Some(Ok(line)) if line.contains("watching pid") => break,
-                Some(Ok(line)) => eprintln!("[agent] {line}"),
-                _ => bail!("the agent exited before watching"),
-            }
+        Some("unwatched") => Some(start_agent(
+            sib,
+            &["--pid".into(), std::process::id().to_string()],
+            "0s",
+        )?),
+        Some(min_interval) => {
+            let pids: Vec<String> = loads.iter().map(|l| l.pid.to_string()).collect();
+            Some(start_agent(
+                sib,
+                &["--pid".into(), pids.join(",")],
+                min_interval,
+            )?)
         }
-        std::thread::spawn(move || for _ in err_lines {});
-        Some(child)
-    } else {
-        None
+        None => None,
     };
     let started = Instant::now();
     for load in &mut loads {
@@ -137,6 +150,93 @@ fn one_run(sib: &Sibling, cli: &Cli, watched: Option<&str>) -> Result<(f64, Opti
     Ok((rate, agent))
 }
 
+/// Starts the agent watching `target` (agent flags) and returns once it
+/// says it is watching.
+fn start_agent(sib: &Sibling, target: &[String], min_interval: &str) -> Result<Child> {
+    let mut child = Command::new(&sib.agent)
+        .args(target)
+        .args([
+            "--duration",
+            "600s",
+            "--json",
+            "--min-interval",
+            min_interval,
+        ])
+        .env(
+            "RINGWATCH_LOCK_FILE",
+            std::env::temp_dir().join(format!("ringwatch-bench-{}.lock", std::process::id())),
+        )
+        .env("RINGWATCH_LOG", "warn")
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .context("starting ringwatch-agent")?;
+    let stderr = child.stderr.take().context("no stderr")?;
+    let mut err_lines = BufReader::new(stderr).lines();
+    loop {
+        match err_lines.next() {
+            Some(Ok(line)) if line.contains("watching") => break,
+            Some(Ok(line)) => eprintln!("[agent] {line}"),
+            _ => bail!("the agent exited before watching"),
+        }
+    }
+    std::thread::spawn(move || for _ in err_lines {});
+    Ok(child)
+}
+
+/// One collbench job (steps/s), watched by an agent started before it when
+/// `watched` says how.
+fn one_collbench_run(
+    sib: &Sibling,
+    cli: &Cli,
+    watched: Option<&str>,
+) -> Result<(f64, Option<AgentRun>)> {
+    if !sib.collbench.exists() {
+        bail!(
+            "{} is missing: build it beside the agent (cargo build --release -p agent -p collectives)",
+            sib.collbench.display()
+        );
+    }
+    let agent = match watched {
+        // The agent runs with every probe attached, watching only us.
+        Some("unwatched") => Some(start_agent(
+            sib,
+            &["--pid".into(), std::process::id().to_string()],
+            "0s",
+        )?),
+        Some(min_interval) => Some(start_agent(
+            sib,
+            &["--comm".into(), "collbench".into()],
+            min_interval,
+        )?),
+        None => None,
+    };
+    let started = Instant::now();
+    let output = Command::new(&sib.collbench)
+        .args(["-n", &cli.ranks.to_string(), "--json", "resnet50"])
+        .args(["--steps", &cli.steps.to_string(), "--warmup", "2"])
+        .env("RINGWATCH_CONTROL_SOCKET", "0")
+        .stderr(Stdio::inherit())
+        .output()
+        .context("running collbench")?;
+    let load_s = started.elapsed().as_secs_f64();
+    if !output.status.success() {
+        bail!("collbench failed: {}", output.status);
+    }
+    let text = String::from_utf8_lossy(&output.stdout);
+    let steps_per_sec = text
+        .lines()
+        .rev()
+        .find_map(|l| serde_json::from_str::<serde_json::Value>(l).ok())
+        .and_then(|v| v["steps_per_sec"].as_f64())
+        .with_context(|| format!("collbench printed no steps_per_sec: {text}"))?;
+    let agent = match agent {
+        Some(child) => Some(reap_agent(child, load_s)?),
+        None => None,
+    };
+    Ok((steps_per_sec, agent))
+}
+
 struct AgentRun {
     events: u64,
     drops: u64,
@@ -145,7 +245,11 @@ struct AgentRun {
     peak_rss_mib: f64,
 }
 
+/// Interrupts the agent (the load is over; an agent watching a name or only
+/// us would not end by itself), then waits for its summary and usage.
 fn reap_agent(mut child: Child, load_s: f64) -> Result<AgentRun> {
+    // SAFETY: signalling our own, not yet reaped, child by its pid.
+    unsafe { libc::kill(child.id() as libc::pid_t, libc::SIGINT) };
     let mut stdout = child.stdout.take().context("no stdout")?;
     let reader = std::thread::spawn(move || {
         let mut text = String::new();
@@ -201,30 +305,46 @@ fn main() -> Result<()> {
     // Agent attached but the load not watched; watched with every record;
     // and bounded: intervals under 100 µs only in the histograms.
     let variants = ["unwatched", "0s", "100us"];
+    let run = |watched: Option<&str>| match cli.workload {
+        Workload::PingPong => one_run(&sib, &cli, watched),
+        Workload::Collbench => one_collbench_run(&sib, &cli, watched),
+    };
     let mut base = Vec::new();
     let mut watched: Vec<Vec<f64>> = vec![Vec::new(); variants.len()];
     let mut runs: Vec<Vec<AgentRun>> = variants.iter().map(|_| Vec::new()).collect();
     // Warm-up, not counted.
-    one_run(&sib, &cli, None)?;
+    run(None)?;
     for _ in 0..cli.pairs {
         for (i, v) in variants.iter().enumerate() {
-            base.push(one_run(&sib, &cli, None)?.0);
-            let (rate, agent) = one_run(&sib, &cli, Some(v))?;
+            base.push(run(None)?.0);
+            let (rate, agent) = run(Some(v))?;
             watched[i].push(rate);
             runs[i].extend(agent);
         }
     }
     let b = median(&mut base);
-    println!(
-        "ringwatch probes benchmark: {} ping-pong load(s) x {} round trips, {} A/B pairs per variant",
-        cli.loads, cli.rounds, cli.pairs
-    );
+    let unit = match cli.workload {
+        Workload::PingPong => {
+            println!(
+                "ringwatch probes benchmark: {} ping-pong load(s) x {} round trips, {} A/B pairs per variant",
+                cli.loads, cli.rounds, cli.pairs
+            );
+            "round trips/s"
+        }
+        Workload::Collbench => {
+            println!(
+                "ringwatch probes benchmark: collbench resnet50, {} local ranks x {} steps, {} A/B pairs per variant",
+                cli.ranks, cli.steps, cli.pairs
+            );
+            "steps/s"
+        }
+    };
     println!();
     println!(
-        "| run | round trips/s (median) | slowdown | records/s (median) | ring-buffer drops (sum) | agent CPU % (median) | agent peak RSS MiB (max) |"
+        "| run | {unit} (median) | slowdown | records/s (median) | ring-buffer drops (sum) | agent CPU % (median) | agent peak RSS MiB (max) |"
     );
     println!("|---|---:|---:|---:|---:|---:|---:|");
-    println!("| no agent | {b:.0} | | | | | |");
+    println!("| no agent | {b:.3} | | | | | |");
     for (i, v) in variants.iter().enumerate() {
         let w = median(&mut watched[i]);
         let mut rates: Vec<f64> = runs[i].iter().map(|r| r.events as f64 / r.load_s).collect();
@@ -236,7 +356,7 @@ fn main() -> Result<()> {
             v => format!("watched, --min-interval {v}"),
         };
         println!(
-            "| {label} | {w:.0} | {:.1} % | {:.0} | {drops} | {:.1} | {rss:.1} |",
+            "| {label} | {w:.3} | {:.1} % | {:.0} | {drops} | {:.1} | {rss:.1} |",
             100.0 * (b - w) / b,
             median(&mut rates),
             median(&mut cpu),

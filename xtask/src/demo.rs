@@ -1,0 +1,454 @@
+//! `cargo xtask demo`: ringwatch's main job, shown on one machine.
+//!
+//! The agent (`serve --jobs`, with eBPF when root), two pretend nodes
+//! (network namespaces joined by rate-limited veth links, so that the
+//! topology matters as in a cluster), a 2 × 2-rank `collbench resnet50` job
+//! across them started with `RINGWATCH_AUTOTUNE=1`, which the agent finds
+//! through its control socket and tunes live; the UI's URL while it runs;
+//! at the end the chosen knobs, steps/s on the runtime's defaults and on the
+//! chosen knobs (each measured by a separate clean job on the same pretend
+//! nodes), and the report's path. Everything it starts is stopped, and the
+//! namespaces removed, on return, on error and on Ctrl-C.
+//!
+//! It only drives the binaries and reads the agent's HTTP API; it decides
+//! nothing from hard-coded numbers.
+
+use std::io::{BufRead, BufReader};
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::{Duration, Instant};
+
+use anyhow::{Context, Result, bail};
+use serde_json::Value;
+
+use crate::multinode::{self, Knobs};
+use crate::topology::{self, Topology};
+use crate::tuning_grid::DEFAULT_RATE_MBIT;
+
+/// The demo's flags.
+#[derive(Debug, Clone, clap::Args)]
+pub struct Args {
+    /// Address of the agent's API and UI.
+    #[arg(long, default_value = "127.0.0.1:9477")]
+    pub listen: SocketAddr,
+    /// Inter-node bandwidth of the pretend nodes, Mbit/s each way.
+    #[arg(long, default_value_t = DEFAULT_RATE_MBIT)]
+    pub rate_mbit: u32,
+    /// Give up on the tuning session after this many seconds.
+    #[arg(long, default_value_t = 600)]
+    pub max_tuning_secs: u64,
+    /// Timed resnet50 steps of the before and after measurements.
+    #[arg(long, default_value_t = 10)]
+    pub measure_steps: usize,
+    /// Keep the agent serving (UI, report) after the demo until Ctrl-C.
+    #[arg(long)]
+    pub keep_serving: bool,
+}
+
+const JOB_ID: &str = "ringwatch-demo";
+
+/// The agent process; killed (SIGTERM, then SIGKILL) when dropped.
+struct Agent {
+    child: Child,
+    address: SocketAddr,
+    log: PathBuf,
+}
+
+impl Agent {
+    fn start(bin: &Path, args: &Args, run_dir: &Path, reports: &Path, log: &Path) -> Result<Self> {
+        let log_file = std::fs::File::create(log)
+            .with_context(|| format!("creating the agent's log {}", log.display()))?;
+        let mut child = Command::new(bin)
+            .arg("serve")
+            .arg("--jobs")
+            .arg("--listen")
+            .arg(args.listen.to_string())
+            .arg("--runtime-dir")
+            .arg(run_dir)
+            .arg("--reports-dir")
+            .arg(reports)
+            .env("RINGWATCH_LOG", "info")
+            .stdin(Stdio::null())
+            .stdout(log_file.try_clone().context("agent log")?)
+            .stderr(Stdio::piped())
+            .spawn()
+            .with_context(|| format!("starting {}", bin.display()))?;
+        topology::register_child(child.id());
+        let stderr = child.stderr.take().context("agent stderr")?;
+        let (tx, rx) = std::sync::mpsc::channel();
+        // Copy everything the agent says to its log; hand the API address
+        // over once it is printed.
+        std::thread::spawn(move || {
+            use std::io::Write;
+            let mut log_file = log_file;
+            for line in BufReader::new(stderr).lines().map_while(Result::ok) {
+                let _ = writeln!(log_file, "{line}");
+                if let Some(rest) = line.split("serving the API on http://").nth(1) {
+                    let _ = tx.send(rest.trim_end_matches(|c: char| c != '/').to_owned());
+                }
+                if line.contains("eBPF") || line.contains("WARN") || line.contains("ERROR") {
+                    eprintln!("[agent] {line}");
+                }
+            }
+        });
+        let address = match rx.recv_timeout(Duration::from_secs(60)) {
+            Ok(text) => text
+                .trim_end_matches('/')
+                .parse()
+                .with_context(|| format!("the agent printed an odd address {text:?}"))?,
+            Err(_) => {
+                let _ = child.kill();
+                let _ = child.wait();
+                bail!(
+                    "the agent did not start serving within 60 s; its log: {}",
+                    log.display()
+                );
+            }
+        };
+        Ok(Agent {
+            child,
+            address,
+            log: log.to_path_buf(),
+        })
+    }
+
+    fn url(&self, path: &str) -> String {
+        format!("http://{}{path}", self.address)
+    }
+
+    /// GET `path` as JSON: `Ok(None)` on 404.
+    fn get(&self, path: &str) -> Result<Option<Value>> {
+        match ureq::get(&self.url(path))
+            .timeout(Duration::from_secs(10))
+            .call()
+        {
+            Ok(response) => Ok(Some(
+                response
+                    .into_json()
+                    .with_context(|| format!("GET {path}: not JSON"))?,
+            )),
+            Err(ureq::Error::Status(404, _)) => Ok(None),
+            Err(error) => Err(error).with_context(|| format!("GET {}", self.url(path))),
+        }
+    }
+}
+
+impl Drop for Agent {
+    fn drop(&mut self) {
+        if let Ok(pid) = libc::pid_t::try_from(self.child.id()) {
+            // SAFETY: signalling our own, not yet reaped, child by its pid.
+            unsafe { libc::kill(pid, libc::SIGTERM) };
+        }
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while Instant::now() < deadline {
+            if let Ok(Some(_)) = self.child.try_wait() {
+                topology::unregister_child(self.child.id());
+                return;
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+        topology::unregister_child(self.child.id());
+    }
+}
+
+/// The knobs of the API's JSON (`cycle_time_us`) as collbench takes them.
+fn knobs_of(value: &Value) -> Result<Knobs> {
+    let field = |name: &str| {
+        value
+            .get(name)
+            .with_context(|| format!("knobs without {name}: {value}"))
+    };
+    Ok(Knobs {
+        fusion_threshold_bytes: field("fusion_threshold_bytes")?
+            .as_u64()
+            .context("fusion_threshold_bytes is not a number")?,
+        cycle_time_ms: field("cycle_time_us")?
+            .as_u64()
+            .context("cycle_time_us is not a number")? as f64
+            / 1000.0,
+        hierarchical_allreduce: field("hierarchical_allreduce")?
+            .as_bool()
+            .context("hierarchical_allreduce is not a bool")?,
+    })
+}
+
+fn describe(knobs: &Knobs) -> String {
+    let fusion = match knobs.fusion_threshold_bytes {
+        0 => "off".to_owned(),
+        b if b >= 1 << 20 => format!("{:.1} MiB", b as f64 / (1 << 20) as f64),
+        b => format!("{:.0} KiB", b as f64 / 1024.0),
+    };
+    format!(
+        "fusion {fusion}, cycle {:.2} ms, hierarchical {}",
+        knobs.cycle_time_ms,
+        if knobs.hierarchical_allreduce {
+            "on"
+        } else {
+            "off"
+        }
+    )
+}
+
+/// Runs the demo (root: pretend nodes and eBPF).
+pub fn run(root: &Path, args: &Args) -> Result<()> {
+    if !crate::is_root() {
+        bail!(
+            "the demo makes pretend nodes (network namespaces, tc) and loads eBPF, which need root: \
+             run it as root (sudo -E cargo xtask demo). Without root you can still run the agent \
+             (ringwatch-agent serve --jobs) and tune a local job: see the README."
+        );
+    }
+    crate::setup()?;
+    println!("ringwatch demo: building the agent and collbench...");
+    crate::run("cargo", &["build", "-p", "agent"])?;
+    let agent_bin = root.join("target/debug/ringwatch-agent");
+    let collbench = multinode::collbench(root)?;
+    topology::install_signal_cleanup()?;
+
+    let demo_dir = root.join("target/demo");
+    let run_dir = demo_dir.join("run");
+    let reports = demo_dir.join("reports");
+    let _ = std::fs::remove_dir_all(&run_dir);
+    for dir in [&run_dir, &reports] {
+        std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
+    }
+    let agent = Agent::start(
+        &agent_bin,
+        args,
+        &run_dir,
+        &reports,
+        &demo_dir.join("agent.log"),
+    )?;
+    println!(
+        "agent: serving on http://{} (eBPF on: root), finding jobs in {}, log {}",
+        agent.address,
+        run_dir.display(),
+        agent.log.display()
+    );
+
+    let topology = Topology::create("rwdemo", 2, args.rate_mbit)?;
+    println!(
+        "pretend nodes: {} ({}) and {} ({}), {} Mbit/s each way between them (tc tbf)",
+        topology.namespace(0),
+        topology.address(0),
+        topology.namespace(1),
+        topology.address(1),
+        args.rate_mbit
+    );
+
+    let measure = |knobs: Option<Knobs>, job_id: &str| -> Result<f64> {
+        let spec = multinode::Resnet50 {
+            ranks_per_node: 2,
+            steps: args.measure_steps,
+            warmup: 2,
+            env: vec![("RINGWATCH_CONTROL_SOCKET".into(), "0".into())],
+        };
+        Ok(multinode::resnet50(&topology, &collbench, &spec, knobs, job_id)?.steps_per_sec)
+    };
+    println!(
+        "before: a {}-step resnet50 job on the runtime's default knobs (Horovod's)...",
+        args.measure_steps
+    );
+    let before = measure(None, "demo-before")?;
+    println!("before: {before:.2} steps/s");
+
+    // The job being tuned: long enough for any session; stopped once the
+    // session is over.
+    let stop = Arc::new(AtomicBool::new(false));
+    let job = multinode::Job {
+        topology: &topology,
+        placement: multinode::block_placement(2, 2),
+        collbench: collbench.clone(),
+        args: vec![
+            "--json".into(),
+            "resnet50".into(),
+            "--steps".into(),
+            "1000000".into(),
+            "--warmup".into(),
+            "0".into(),
+        ],
+        env: vec![
+            ("RINGWATCH_AUTOTUNE".into(), "1".into()),
+            // The agent claims it within a scan or two; never self-tune here.
+            ("RINGWATCH_AUTOTUNE_WAIT_SECS".into(), "60".into()),
+            (
+                "RINGWATCH_RUNTIME_DIR".into(),
+                run_dir.display().to_string(),
+            ),
+        ],
+        job_id: JOB_ID.into(),
+        timeout: Duration::from_secs(args.max_tuning_secs + 120),
+    };
+    let outcome = std::thread::scope(|scope| -> Result<Value> {
+        let job_thread = scope.spawn(|| multinode::run_until(&job, &stop));
+        let result = follow_session(&agent, args, &job_thread);
+        stop.store(true, Ordering::Relaxed);
+        let _ = job_thread.join();
+        result
+    })?;
+
+    let best = outcome
+        .get("best")
+        .filter(|b| !b.is_null())
+        .context("the session ended without a best point")?;
+    let chosen = knobs_of(best.get("knobs").context("best without knobs")?)?;
+    println!(
+        "after: a {}-step resnet50 job on the chosen knobs ({})...",
+        args.measure_steps,
+        describe(&chosen)
+    );
+    let after = measure(Some(chosen), "demo-after")?;
+    drop(topology);
+
+    let report = outcome.get("report_id").and_then(Value::as_str).map(|id| {
+        (
+            reports.join(format!("{id}.html")),
+            agent.url(&format!("/api/reports/{id}")),
+        )
+    });
+    println!();
+    println!("== ringwatch demo: done ==");
+    println!(
+        "samples taken:   {}",
+        outcome
+            .get("samples")
+            .and_then(Value::as_array)
+            .map_or(0, Vec::len)
+    );
+    println!("knobs chosen:    {}", describe(&chosen));
+    println!(
+        "steps/s before:  {before:.2}  (runtime defaults: fusion 64 MiB, cycle 1 ms, hierarchical off)"
+    );
+    println!(
+        "steps/s after:   {after:.2}  ({:.2}x)",
+        after / before.max(f64::MIN_POSITIVE)
+    );
+    match report {
+        Some((path, url)) => println!("report:          {}  ({url})", path.display()),
+        None => println!(
+            "report:          none (the session wrote no report; see {})",
+            agent.log.display()
+        ),
+    }
+    println!("pretend nodes removed.");
+    if args.keep_serving {
+        println!(
+            "the agent keeps serving on http://{} — Ctrl-C to stop it",
+            agent.address
+        );
+        loop {
+            std::thread::sleep(Duration::from_secs(3600));
+        }
+    }
+    Ok(())
+}
+
+/// Waits for the agent to start tuning the job, prints each sample as it
+/// arrives, and returns the finished session's JSON.
+fn follow_session(
+    agent: &Agent,
+    args: &Args,
+    job: &std::thread::ScopedJoinHandle<'_, Result<String>>,
+) -> Result<Value> {
+    let path = format!("/api/jobs/{JOB_ID}/tuning");
+    let started = Instant::now();
+    let deadline = started + Duration::from_secs(args.max_tuning_secs);
+    println!(
+        "tuning: job {JOB_ID} (2 nodes x 2 ranks) runs with RINGWATCH_AUTOTUNE=1; the agent tunes it live."
+    );
+    println!(
+        "        watch it: {}  (timeline and tuning panel)",
+        agent.url(&format!("/?job={JOB_ID}"))
+    );
+    let mut printed = 0;
+    let mut announced = false;
+    loop {
+        if job.is_finished() {
+            bail!(
+                "the job ended before the tuning session did (see {})",
+                agent.log.display()
+            );
+        }
+        if Instant::now() > deadline {
+            bail!(
+                "no finished tuning session after {} s (raise --max-tuning-secs; agent log: {})",
+                args.max_tuning_secs,
+                agent.log.display()
+            );
+        }
+        let Some(session) = agent.get(&path)? else {
+            if !announced && started.elapsed() > Duration::from_secs(20) {
+                println!("        (still waiting for the agent to find the job...)");
+                announced = true;
+            }
+            std::thread::sleep(Duration::from_millis(500));
+            continue;
+        };
+        if printed == 0 && !announced {
+            println!(
+                "        {:>6} {:>12} {:>10} {:>5} {:>12}  note",
+                "sample", "fusion", "cycle ms", "hier", "GB/s"
+            );
+            announced = true;
+        }
+        let samples = session
+            .get("samples")
+            .and_then(Value::as_array)
+            .cloned()
+            .unwrap_or_default();
+        for sample in samples.iter().skip(printed) {
+            let knobs = sample.get("knobs").map(knobs_of).transpose()?;
+            let score = sample
+                .get("score_bytes_per_s")
+                .and_then(Value::as_f64)
+                .unwrap_or(f64::NAN);
+            let note = [sample.get("remeasured_because"), sample.get("disturbed")]
+                .into_iter()
+                .flatten()
+                .filter_map(Value::as_str)
+                .collect::<Vec<_>>()
+                .join("; ");
+            if let Some(k) = knobs {
+                let fusion = if k.fusion_threshold_bytes == 0 {
+                    "off".to_owned()
+                } else {
+                    format!(
+                        "{:.2} MiB",
+                        k.fusion_threshold_bytes as f64 / (1 << 20) as f64
+                    )
+                };
+                println!(
+                    "        {:>6} {:>12} {:>10.2} {:>5} {:>12.3}  {}",
+                    printed,
+                    fusion,
+                    k.cycle_time_ms,
+                    if k.hierarchical_allreduce {
+                        "on"
+                    } else {
+                        "off"
+                    },
+                    score / 1e9,
+                    note
+                );
+            }
+            printed += 1;
+        }
+        match session.get("state").and_then(Value::as_str) {
+            Some("running") | None => {}
+            Some("done") | Some("stopped") => return Ok(session),
+            Some(other) => bail!(
+                "the tuning session ended {other}: {}",
+                session
+                    .get("error")
+                    .and_then(Value::as_str)
+                    .unwrap_or("no reason given")
+            ),
+        }
+        std::thread::sleep(Duration::from_millis(500));
+    }
+}
