@@ -89,6 +89,29 @@ impl Job {
     }
 }
 
+impl Job {
+    /// The knobs of a cycle that started after any change already asked
+    /// for took effect: two cycles after the one running now.
+    fn settled_knobs(&self) -> Knobs {
+        let mut client = ControlClient::connect(&self.socket, Duration::from_secs(5)).unwrap();
+        let (_, cycle_now) = client.get_knobs(Duration::from_secs(10)).unwrap();
+        client.subscribe(true, false).unwrap();
+        let deadline = Instant::now() + Duration::from_secs(60);
+        loop {
+            assert!(
+                Instant::now() < deadline,
+                "no cycle after {cycle_now} within 60 s"
+            );
+            if let Some(collectives::control::ServerMessage::CycleStats(stats)) =
+                client.next_message(Duration::from_secs(1)).unwrap()
+                && stats.cycle >= cycle_now + 2
+            {
+                return stats.knobs;
+            }
+        }
+    }
+}
+
 impl Drop for Job {
     fn drop(&mut self) {
         // SAFETY: kill has no memory preconditions; the group is the job's.
@@ -353,9 +376,14 @@ fn killing_the_agent_mid_session_leaves_the_job_running_to_a_clean_finish() {
     agent.child.kill().unwrap();
     agent.child.wait().unwrap();
 
-    // The job saw its claim holder vanish: interrupted, on the knobs it had.
-    let (knobs_at_kill, autotune) = job.knobs();
+    // The job saw its claim holder vanish: interrupted, on the knobs it had
+    // (a change the agent sent just before it died may still take effect
+    // at the next cycle boundary: the knobs of the cycles that start
+    // after the one running now are the ones it keeps).
+    let (knobs_now, autotune) = job.knobs();
     assert_eq!(autotune, AutotuneState::Interrupted);
+    let knobs_at_kill = job.settled_knobs();
+    eprintln!("knobs when the agent died: {knobs_now:?}, settled: {knobs_at_kill:?}");
     let status = common::wait_within(&mut job.launcher, Duration::from_secs(180));
     assert!(
         status.success(),
