@@ -750,11 +750,33 @@ impl Tunings {
             })?;
         // From here on the claim is ours: every way out releases it (or the
         // connection breaks, which the job sees as an interrupted claim).
-        let broken = |what: &str, e: ControlError| {
-            SessionFailure::Failed(format!(
+        let result = self.run_claimed(&mut client, handle, job, config, ready);
+        if result.is_err() {
+            // Best effort: a broken connection already ended the claim.
+            let _ = client.release_tuning(false, Duration::from_secs(2));
+        }
+        result
+    }
+
+    /// The session proper, with the job's claim held on `client`.
+    fn run_claimed(
+        &self,
+        client: &mut ControlClient,
+        handle: &Handle,
+        job: &JobSnapshot,
+        config: &ResolvedConfig,
+        ready: &mut Option<tokio::sync::oneshot::Sender<Result<SessionView, StartError>>>,
+    ) -> Result<(), SessionFailure> {
+        let job_id = &job.job_id;
+        let limits = &self.limits;
+        let broken = |what: &str, e: ControlError| match e {
+            ControlError::Server(message) => SessionFailure::Failed(format!(
+                "job {job_id} refused a request while {what}: {message}; it keeps the knobs it has"
+            )),
+            e => SessionFailure::Failed(format!(
                 "lost the control connection to job {job_id} while {what}: {e}; the job keeps \
                  the knobs it had"
-            ))
+            )),
         };
         let (start_knobs, _) = client
             .get_knobs(limits.connect_timeout)
@@ -936,6 +958,14 @@ impl Tunings {
         }
         let load = feed.window(pids, window.start_unix_us, window.end_unix_us)?;
         let reason = disturbance_reason(&load, usual_run_queue);
+        tracing::debug!(
+            run_queue_ms_per_s = load.run_queue_ms_per_s(),
+            retransmits = load.pids.iter().map(|p| p.retransmits).sum::<u64>(),
+            span_s = load.span_s,
+            pids = load.pids.len(),
+            disturbed = reason.as_deref().unwrap_or("no"),
+            "window load (eBPF)"
+        );
         if reason.is_none() {
             usual_run_queue.push(load.run_queue_ms_per_s());
         }

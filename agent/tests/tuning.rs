@@ -562,3 +562,42 @@ fn a_job_that_asks_to_be_tuned_is_tuned_as_soon_as_it_is_found() {
     assert_eq!(session["state"], "stopped", "{session:#}");
     assert_eq!(job.knobs().1, AutotuneState::Done);
 }
+
+#[test]
+fn a_job_that_dies_mid_session_fails_the_session_with_a_clear_error() {
+    let runtime = TempDir::new("dies-run");
+    let reports = TempDir::new("dies-reports");
+    let job_id = format!("tune-dies-{}", std::process::id());
+    let job = Job::start(
+        &runtime.0,
+        &job_id,
+        &[
+            "sweep",
+            "--min-bytes",
+            "4096",
+            "--max-bytes",
+            "4096",
+            "--iters",
+            "1000000000",
+        ],
+    );
+    let agent = ApiServer::start(&agent_args(&runtime, &reports), false);
+    wait_for_job(&agent, &job_id);
+    let body = r#"{"budget":50,"measured_cycles":20,"min_window_ms":300}"#;
+    let (status, _, created) = agent.send("POST", &format!("/api/jobs/{job_id}/tuning"), &[], body);
+    assert_eq!(status, 201, "{created}");
+    poll_session(&agent, &job_id, Duration::from_secs(60), |s| {
+        s["samples"].as_array().is_some_and(|a| !a.is_empty())
+    });
+    drop(job);
+    let session = poll_session(&agent, &job_id, Duration::from_secs(60), |s| {
+        s["state"] != "running"
+    });
+    assert_eq!(session["state"], "failed", "{session:#}");
+    let error = session["error"].as_str().unwrap();
+    assert!(
+        error.contains(&job_id) && error.contains("connection"),
+        "{error}"
+    );
+    assert_eq!(session["report_id"], Value::Null);
+}
