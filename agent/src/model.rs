@@ -585,6 +585,16 @@ impl Model {
         })
     }
 
+    /// TCP retransmits with `from_ns <= ts < to_ns`, as (ts, pid), oldest
+    /// first (within retention).
+    pub fn retransmits_between(&self, from_ns: u64, to_ns: u64) -> Vec<(u64, u32)> {
+        self.retransmits
+            .iter()
+            .copied()
+            .filter(|(ts, _)| (from_ns..to_ns).contains(ts))
+            .collect()
+    }
+
     /// Connections of `pid` (open and closed within retention); every
     /// process's when `pid` is `None`.
     pub fn connections(&self, pid: Option<u32>) -> Vec<Connection> {

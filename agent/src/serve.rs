@@ -23,6 +23,10 @@ use crate::session::{Session, TargetArgs, monotonic_ns, start_jobs};
 use crate::timeline::RecordedTrace;
 use crate::tuning::{Disturbance, LoadFeed, TuningLimits, Tunings};
 
+/// How often the eBPF figures tuning sessions judge windows by are copied
+/// out of the model.
+const FEED_PERIOD: std::time::Duration = std::time::Duration::from_millis(250);
+
 /// Where to serve.
 #[derive(Debug, Clone, Args)]
 pub struct ServeArgs {
@@ -162,6 +166,7 @@ pub async fn run(args: ServeArgs) -> Result<()> {
         }
         None => None,
     };
+    let tunings_on = tunings.is_some();
     let state = ApiState {
         gpus: Arc::new(gpus),
         started: Instant::now(),
@@ -180,7 +185,7 @@ pub async fn run(args: ServeArgs) -> Result<()> {
         // source" while the first second of events comes in.
         let now = monotonic_ns();
         let view = live::build(session, now, now, now)?;
-        feed.record(&view);
+        feed.record(session);
         state.publish(view);
     }
     let listener = tokio::net::TcpListener::bind(args.listen)
@@ -202,17 +207,32 @@ pub async fn run(args: ServeArgs) -> Result<()> {
             eprintln!("ringwatch-agent: watching {} (serve)", session.describe());
             let window_ns = u64::try_from(args.timeline_window.as_nanos()).unwrap_or(u64::MAX);
             let mut figures_from = monotonic_ns();
+            let publish_period = std::time::Duration::from_secs(1);
+            let mut next_publish = tokio::time::Instant::now() + publish_period;
             loop {
-                let until = tokio::time::Instant::now() + std::time::Duration::from_secs(1);
+                // Tuning sessions read the job's run-queue waits from the
+                // feed: copy them out often, so a window is judged soon
+                // after it ends; the view itself is published once a second.
+                let until = (tokio::time::Instant::now() + FEED_PERIOD).min(next_publish);
                 if let Some(stop) = session.pump(until).await? {
                     tracing::info!(?stop, "shutting down");
                     break;
                 }
                 session.drain_now();
+                if tunings_on {
+                    feed.record(&session);
+                }
+                if tokio::time::Instant::now() < next_publish {
+                    continue;
+                }
+                next_publish = tokio::time::Instant::now() + publish_period;
                 session.refresh()?;
                 let now = monotonic_ns();
                 let view = live::build(&session, now.saturating_sub(window_ns), figures_from, now)?;
-                feed.record(&view);
+                tracing::debug!(
+                    took_ms = monotonic_ns().saturating_sub(now) / 1_000_000,
+                    "built the live view"
+                );
                 state.publish(view);
                 figures_from = now;
             }

@@ -12,7 +12,7 @@
 //! whose agent dies or whose socket breaks keeps the knobs it has (that is
 //! the job's side of the protocol).
 
-use std::collections::{BTreeMap, BTreeSet, VecDeque};
+use std::collections::{BTreeMap, BTreeSet};
 use std::path::PathBuf;
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
@@ -25,7 +25,6 @@ use tuner::session::{
 use tuner::space::CollectiveKnobs;
 
 use crate::jobs::{JobSnapshot, JobState, Jobs};
-use crate::live::LiveView;
 use crate::reports::{ReportMeta, Reports, report_id};
 
 // ---------------------------------------------------------------------------
@@ -322,19 +321,51 @@ impl WindowLoad {
         let ns: u64 = self.pids.iter().map(|p| p.run_queue_ns).sum();
         ns as f64 / 1e6 / self.span_s
     }
+
+    /// TCP segments the job retransmitted during the window.
+    pub fn retransmits(&self) -> u64 {
+        self.pids.iter().map(|p| p.retransmits).sum()
+    }
+
+    /// The window's rates, for the session's notion of "usual".
+    pub fn rates(&self) -> WindowRates {
+        WindowRates {
+            run_queue_ms_per_s: self.run_queue_ms_per_s(),
+            retransmits_per_s: if self.span_s > 0.0 {
+                self.retransmits() as f64 / self.span_s
+            } else {
+                0.0
+            },
+        }
+    }
 }
 
-/// Why a window was disturbed, or `None`: its run-queue wait rate is more
-/// than [`RUN_QUEUE_FACTOR`] × the median of `usual_ms_per_s` (the rates of
-/// this session's earlier undisturbed windows; with none, run-queue waits
-/// are not judged) and above [`RUN_QUEUE_FLOOR_MS_PER_S`], or the job
-/// retransmitted TCP segments during it.
-pub fn disturbance_reason(load: &WindowLoad, usual_ms_per_s: &[f64]) -> Option<String> {
+/// One judged window's rates.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct WindowRates {
+    /// Run-queue wait, ms per second.
+    pub run_queue_ms_per_s: f64,
+    /// TCP retransmits per second.
+    pub retransmits_per_s: f64,
+}
+
+/// Why a window was disturbed, or `None`. `usual` holds the rates of this
+/// session's earlier judged windows; "usual" is their median, so a
+/// minority of disturbed windows does not move it.
+/// - Run-queue waits: disturbed above [`RUN_QUEUE_FACTOR`] × the usual
+///   rate and above [`RUN_QUEUE_FLOOR_MS_PER_S`]; not judged before there
+///   is a usual rate.
+/// - TCP retransmits: any retransmit disturbs while the usual rate is zero
+///   (or unknown); a job that retransmits all the time (an overloaded
+///   link, or loopback under CPU starvation) is disturbed only above
+///   [`RUN_QUEUE_FACTOR`] × its usual rate.
+pub fn disturbance_reason(load: &WindowLoad, usual: &[WindowRates]) -> Option<String> {
     let mut reasons = Vec::new();
-    let rate = load.run_queue_ms_per_s();
-    if let Some(usual) = median(usual_ms_per_s)
-        && rate > RUN_QUEUE_FLOOR_MS_PER_S
-        && rate > RUN_QUEUE_FACTOR * usual
+    let rates = load.rates();
+    let usual_run_queue: Vec<f64> = usual.iter().map(|r| r.run_queue_ms_per_s).collect();
+    if let Some(usual) = median(&usual_run_queue)
+        && rates.run_queue_ms_per_s > RUN_QUEUE_FLOOR_MS_PER_S
+        && rates.run_queue_ms_per_s > RUN_QUEUE_FACTOR * usual
     {
         let worst = load
             .pids
@@ -343,11 +374,14 @@ pub fn disturbance_reason(load: &WindowLoad, usual_ms_per_s: &[f64]) -> Option<S
             .map(|p| format!(" (pid {})", p.pid))
             .unwrap_or_default();
         reasons.push(format!(
-            "run-queue wait {rate:.0} ms/s vs {usual:.0} ms/s usual{worst}"
+            "run-queue wait {:.0} ms/s vs {usual:.0} ms/s usual{worst}",
+            rates.run_queue_ms_per_s
         ));
     }
-    let retransmits: u64 = load.pids.iter().map(|p| p.retransmits).sum();
-    if retransmits > 0 {
+    let retransmits = load.retransmits();
+    let usual_retransmits: Vec<f64> = usual.iter().map(|r| r.retransmits_per_s).collect();
+    let usual_retransmits = median(&usual_retransmits).unwrap_or(0.0);
+    if retransmits > 0 && rates.retransmits_per_s > RUN_QUEUE_FACTOR * usual_retransmits {
         let pids: Vec<String> = load
             .pids
             .iter()
@@ -355,8 +389,16 @@ pub fn disturbance_reason(load: &WindowLoad, usual_ms_per_s: &[f64]) -> Option<S
             .map(|p| format!("pid {}", p.pid))
             .collect();
         let plural = if retransmits == 1 { "" } else { "s" };
+        let versus = if usual_retransmits > 0.0 {
+            format!(
+                "{:.1}/s vs {usual_retransmits:.1}/s usual; ",
+                rates.retransmits_per_s
+            )
+        } else {
+            String::new()
+        };
         reasons.push(format!(
-            "{retransmits} TCP retransmit{plural} ({})",
+            "{retransmits} TCP retransmit{plural} ({versus}{})",
             pids.join(", ")
         ));
     }
@@ -377,89 +419,180 @@ fn median(values: &[f64]) -> Option<f64> {
     })
 }
 
-/// Per-process cumulative figures at one moment.
-#[derive(Debug, Clone)]
-struct LoadPoint {
-    unix_us: u64,
-    /// pid → (run-queue ns since first seen, retransmits since first seen).
-    per_pid: BTreeMap<u32, (u64, u64)>,
+/// How far back each recording re-reads the model (intervals are
+/// recorded when they end, so a wait that began before the last recording
+/// may only appear now).
+const FEED_REREAD_NS: u64 = 2_000_000_000;
+
+/// How long the feed keeps waits and retransmits.
+const FEED_KEEP_NS: u64 = 120_000_000_000;
+
+/// Run-queue waits longer than this are not looked for before a window's
+/// start (the feed's index is by start time).
+const LONGEST_WAIT_NS: u64 = 10_000_000_000;
+
+#[derive(Debug, Default)]
+struct FeedData {
+    /// Run-queue waits of watched threads: (start ns, tid) → (pid, ns).
+    waits: BTreeMap<(u64, u32), (u32, u64)>,
+    /// TCP retransmits: (ts ns, pid) → how many at that instant.
+    retransmits: BTreeMap<(u64, u32), u64>,
+    /// The model was read up to here (CLOCK_MONOTONIC ns); 0: never.
+    covered_until_ns: u64,
+    /// CLOCK_REALTIME − CLOCK_MONOTONIC when last read, ns.
+    unix_minus_monotonic_ns: i128,
+    /// Records the kernel could not deliver (ring buffer full) or held
+    /// back (per-thread rate limit), at the last reading.
+    records_lost: u64,
+    /// Ranges (monotonic ns) during which records were lost: windows that
+    /// overlap one are not judged.
+    lossy: Vec<(u64, u64)>,
 }
 
-/// The live eBPF view's cumulative per-process run-queue waits and
-/// retransmits, sampled each time `serve` publishes a view (once a second),
-/// so a window's figures are the difference between the samples around it.
+/// The live eBPF pipeline's run-queue waits and TCP retransmits of the
+/// watched processes, copied out of the model several times a second by
+/// `serve` (the model itself stays on serve's loop), so a tuning session
+/// can say exactly what happened to the job's threads during a window
+/// given in the job's Unix-time microseconds.
 #[derive(Debug, Default)]
 pub struct LoadFeed {
-    points: Mutex<VecDeque<LoadPoint>>,
+    data: Mutex<FeedData>,
 }
 
-/// Samples kept (10 minutes at one a second).
-const LOAD_POINTS_KEPT: usize = 600;
-
 impl LoadFeed {
-    /// Records the totals of a freshly published view.
-    pub fn record(&self, view: &LiveView) {
-        let per_pid = view
-            .processes
-            .iter()
-            .map(|p| {
-                (
-                    p.snapshot.pid,
-                    (p.snapshot.totals.run_queue_ns, p.snapshot.retransmits_total),
-                )
-            })
-            .collect();
-        self.push(LoadPoint {
-            unix_us: unix_us(),
-            per_pid,
-        });
-    }
-
-    fn push(&self, point: LoadPoint) {
-        let mut points = self.lock();
-        points.push_back(point);
-        while points.len() > LOAD_POINTS_KEPT {
-            points.pop_front();
+    /// Copies what the session's model learned since the last call.
+    pub fn record(&self, session: &crate::session::Session) {
+        let now = crate::session::monotonic_ns();
+        let unix_minus_monotonic_ns = i128::from(unix_us()) * 1_000 - i128::from(now);
+        let from = {
+            let data = self.lock();
+            if data.covered_until_ns == 0 {
+                now.saturating_sub(FEED_REREAD_NS)
+            } else {
+                data.covered_until_ns.saturating_sub(FEED_REREAD_NS)
+            }
+        };
+        let model = &session.model;
+        let mut waits = Vec::new();
+        for &pid in session.watched() {
+            for tid in model.tids(pid) {
+                for interval in model.intervals(tid, from, now) {
+                    if interval.kind == ebpf::IntervalKind::RunQueue {
+                        waits.push(((interval.start_ns, tid), (pid, interval.duration_ns)));
+                    }
+                }
+            }
         }
+        let retransmits = model.retransmits_between(from, now);
+        let probes = session.probes();
+        let records_lost = [
+            ebpf::Counter::RingbufDrops,
+            ebpf::Counter::IntervalsRateLimited,
+        ]
+        .into_iter()
+        .map(|counter| probes.counter(counter).unwrap_or(0))
+        .sum::<u64>();
+        let mut data = self.lock();
+        if records_lost > data.records_lost {
+            let lost_from = if data.covered_until_ns == 0 {
+                0
+            } else {
+                data.covered_until_ns
+            };
+            data.lossy.push((lost_from, now));
+        }
+        data.records_lost = records_lost;
+        data.waits.extend(waits);
+        // The model is the truth for [from, now): replace that range.
+        let stale: Vec<(u64, u32)> = data
+            .retransmits
+            .range((from, 0)..)
+            .map(|(k, _)| *k)
+            .collect();
+        for key in stale {
+            data.retransmits.remove(&key);
+        }
+        for (ts, pid) in retransmits {
+            *data.retransmits.entry((ts, pid)).or_default() += 1;
+        }
+        let keep_from = now.saturating_sub(FEED_KEEP_NS);
+        data.waits = data.waits.split_off(&(keep_from, 0));
+        data.retransmits = data.retransmits.split_off(&(keep_from, 0));
+        data.lossy.retain(|&(_, end)| end >= keep_from);
+        data.covered_until_ns = now;
+        data.unix_minus_monotonic_ns = unix_minus_monotonic_ns;
     }
 
-    fn lock(&self) -> MutexGuard<'_, VecDeque<LoadPoint>> {
-        self.points
+    fn lock(&self) -> MutexGuard<'_, FeedData> {
+        self.data
             .lock()
             .unwrap_or_else(std::sync::PoisonError::into_inner)
     }
 
-    /// When the newest sample was taken, µs since the Unix epoch.
-    fn newest_unix_us(&self) -> Option<u64> {
-        self.lock().back().map(|p| p.unix_us)
+    /// Whether the feed has read the model past `unix_us` (µs since the
+    /// Unix epoch).
+    fn covers(&self, unix_us: u64) -> bool {
+        let data = self.lock();
+        data.covered_until_ns != 0
+            && i128::from(data.covered_until_ns)
+                >= i128::from(unix_us) * 1_000 - data.unix_minus_monotonic_ns
     }
 
-    /// The figures of `pids` between the last sample at or before
-    /// `from_us` and the first at or after `to_us` (or the newest, if none
-    /// is that late yet); `None` without two such samples.
+    /// What `pids` went through between `from_us` and `to_us` (µs since
+    /// the Unix epoch), as far as the feed has read the model; `None` when
+    /// it has read nothing of that range.
     pub fn window(&self, pids: &BTreeSet<u32>, from_us: u64, to_us: u64) -> Option<WindowLoad> {
-        let points = self.lock();
-        let start = points.iter().rev().find(|p| p.unix_us <= from_us)?;
-        let end = points
+        let data = self.lock();
+        if data.covered_until_ns == 0 {
+            return None;
+        }
+        let to_monotonic = |unix_us: u64| {
+            let ns = i128::from(unix_us) * 1_000 - data.unix_minus_monotonic_ns;
+            u64::try_from(ns.max(0)).unwrap_or(u64::MAX)
+        };
+        let from_ns = to_monotonic(from_us);
+        let to_ns = to_monotonic(to_us).min(data.covered_until_ns);
+        if to_ns <= from_ns {
+            return None;
+        }
+        if data
+            .lossy
             .iter()
-            .find(|p| p.unix_us >= to_us)
-            .or_else(|| points.back())
-            .filter(|p| p.unix_us > start.unix_us)?;
-        let pids = pids
+            .any(|&(start, end)| start < to_ns && end > from_ns)
+        {
+            tracing::debug!("records were lost during this window: it is not judged");
+            return None;
+        }
+        let mut per_pid: BTreeMap<u32, PidLoad> = pids
             .iter()
-            .filter_map(|pid| {
-                let (rq_end, rt_end) = *end.per_pid.get(pid)?;
-                let (rq_start, rt_start) = start.per_pid.get(pid).copied().unwrap_or((0, 0));
-                Some(PidLoad {
-                    pid: *pid,
-                    run_queue_ns: rq_end.saturating_sub(rq_start),
-                    retransmits: rt_end.saturating_sub(rt_start),
-                })
+            .map(|&pid| {
+                (
+                    pid,
+                    PidLoad {
+                        pid,
+                        run_queue_ns: 0,
+                        retransmits: 0,
+                    },
+                )
             })
             .collect();
+        let earliest = from_ns.saturating_sub(LONGEST_WAIT_NS);
+        for (&(start, _tid), &(pid, duration)) in data.waits.range((earliest, 0)..(to_ns, 0)) {
+            let overlap = (start + duration)
+                .min(to_ns)
+                .saturating_sub(start.max(from_ns));
+            if let Some(load) = per_pid.get_mut(&pid) {
+                load.run_queue_ns += overlap;
+            }
+        }
+        for (&(_, pid), &count) in data.retransmits.range((from_ns, 0)..(to_ns, 0)) {
+            if let Some(load) = per_pid.get_mut(&pid) {
+                load.retransmits += count;
+            }
+        }
         Some(WindowLoad {
-            span_s: (end.unix_us - start.unix_us) as f64 / 1e6,
-            pids,
+            span_s: (to_ns - from_ns) as f64 / 1e9,
+            pids: per_pid.into_values().collect(),
         })
     }
 }
@@ -809,7 +942,7 @@ impl Tunings {
 
         let started = Instant::now();
         let pids: BTreeSet<u32> = job.ranks.iter().map(|r| r.pid).collect();
-        let mut usual_run_queue: Vec<f64> = Vec::new();
+        let mut usual: Vec<WindowRates> = Vec::new();
         let mut last_work = Instant::now();
         let mut stopped: Option<Keep> = None;
         loop {
@@ -856,7 +989,7 @@ impl Tunings {
                     let Some(window) = session.observe_cycle(&observation) else {
                         continue;
                     };
-                    let disturbed = self.judge_window(&window, &pids, &mut usual_run_queue);
+                    let disturbed = self.judge_window(&window, &pids, &mut usual);
                     let wall_time_s = started.elapsed().as_secs_f64();
                     let verdict = session
                         .judge(&window, disturbed.clone(), wall_time_s)
@@ -941,34 +1074,39 @@ impl Tunings {
         &self,
         window: &Window,
         pids: &BTreeSet<u32>,
-        usual_run_queue: &mut Vec<f64>,
+        usual: &mut Vec<WindowRates>,
     ) -> Option<String> {
         let Disturbance::Ebpf(feed) = &self.disturbance else {
             return None;
         };
-        // The feed is sampled once a second: wait (briefly) for a sample
-        // taken after the window ended, so the window is covered.
+        // The feed copies the model a few times a second: wait (a little)
+        // until it has read past the window's end. A window it has not
+        // read whole (serve's loop is behind) is not judged: a verdict on
+        // part of it would be noise.
         let deadline = Instant::now() + Duration::from_millis(1_500);
-        while feed
-            .newest_unix_us()
-            .is_none_or(|newest| newest < window.end_unix_us)
-            && Instant::now() < deadline
-        {
+        while !feed.covers(window.end_unix_us) {
+            if Instant::now() >= deadline {
+                tracing::info!(
+                    first_cycle = window.first_cycle,
+                    last_cycle = window.last_cycle,
+                    "the eBPF figures for this window are not read yet (serve's loop is \
+                     behind): the window is not judged"
+                );
+                return None;
+            }
             std::thread::sleep(Duration::from_millis(50));
         }
         let load = feed.window(pids, window.start_unix_us, window.end_unix_us)?;
-        let reason = disturbance_reason(&load, usual_run_queue);
+        let reason = disturbance_reason(&load, usual);
         tracing::debug!(
             run_queue_ms_per_s = load.run_queue_ms_per_s(),
-            retransmits = load.pids.iter().map(|p| p.retransmits).sum::<u64>(),
+            retransmits = load.retransmits(),
             span_s = load.span_s,
             pids = load.pids.len(),
             disturbed = reason.as_deref().unwrap_or("no"),
             "window load (eBPF)"
         );
-        if reason.is_none() {
-            usual_run_queue.push(load.run_queue_ms_per_s());
-        }
+        usual.push(load.rates());
         reason
     }
 
@@ -1129,16 +1267,31 @@ mod tests {
         assert_eq!(to_wire_knobs(&odd).cycle_time_us, 600);
     }
 
+    fn usual(run_queue_ms_per_s: &[f64], retransmits_per_s: f64) -> Vec<WindowRates> {
+        run_queue_ms_per_s
+            .iter()
+            .map(|&r| WindowRates {
+                run_queue_ms_per_s: r,
+                retransmits_per_s,
+            })
+            .collect()
+    }
+
     #[test]
     fn a_run_queue_spike_over_three_times_the_usual_is_a_disturbance() {
         // 2 s window: pid 7 waited 60 ms, pid 8 22 ms: 41 ms/s.
         let spiky = load(2.0, &[(7, 60, 0), (8, 22, 0)]);
         assert_eq!(
-            disturbance_reason(&spiky, &[6.0, 5.0, 7.0]).as_deref(),
+            disturbance_reason(&spiky, &usual(&[6.0, 5.0, 7.0], 0.0)).as_deref(),
             Some("run-queue wait 41 ms/s vs 6 ms/s usual (pid 7)")
         );
+        // A disturbed minority does not move the usual rate (median).
+        assert!(disturbance_reason(&spiky, &usual(&[6.0, 50.0, 7.0], 0.0)).is_some());
         // Just under 3x the median: not disturbed.
-        assert_eq!(disturbance_reason(&load(1.0, &[(7, 17, 0)]), &[6.0]), None);
+        assert_eq!(
+            disturbance_reason(&load(1.0, &[(7, 17, 0)]), &usual(&[6.0], 0.0)),
+            None
+        );
         // No history yet: run-queue waits are not judged.
         assert_eq!(disturbance_reason(&spiky, &[]), None);
     }
@@ -1146,57 +1299,88 @@ mod tests {
     #[test]
     fn tiny_waits_never_count_even_against_a_zero_baseline() {
         let quiet = load(1.0, &[(7, 4, 0)]);
-        assert_eq!(disturbance_reason(&quiet, &[0.0, 0.0]), None);
+        assert_eq!(disturbance_reason(&quiet, &usual(&[0.0, 0.0], 0.0)), None);
         let busy = load(1.0, &[(7, 6, 0)]);
-        assert!(disturbance_reason(&busy, &[0.0]).is_some());
+        assert!(disturbance_reason(&busy, &usual(&[0.0], 0.0)).is_some());
     }
 
     #[test]
-    fn any_retransmit_is_a_disturbance() {
+    fn retransmits_disturb_unless_the_job_always_retransmits_that_much() {
         assert_eq!(
-            disturbance_reason(&load(1.0, &[(7, 1, 3), (8, 1, 0)]), &[1.0]).as_deref(),
+            disturbance_reason(&load(1.0, &[(7, 1, 3), (8, 1, 0)]), &usual(&[1.0], 0.0)).as_deref(),
             Some("3 TCP retransmits (pid 7)")
         );
+        // No history: any retransmit disturbs.
+        assert!(disturbance_reason(&load(1.0, &[(7, 1, 1)]), &[]).is_some());
         assert_eq!(
-            disturbance_reason(&load(1.0, &[(7, 100, 1), (9, 0, 1)]), &[5.0]).as_deref(),
+            disturbance_reason(&load(1.0, &[(7, 100, 1), (9, 0, 1)]), &usual(&[5.0], 0.0))
+                .as_deref(),
             Some(
                 "run-queue wait 100 ms/s vs 5 ms/s usual (pid 7); 2 TCP retransmits (pid 7, pid 9)"
             )
         );
+        // A job that usually retransmits 4/s: 10 in 2 s is its usual.
+        let usual_4 = usual(&[1.0, 1.0, 1.0], 4.0);
+        assert_eq!(
+            disturbance_reason(&load(2.0, &[(7, 2, 10)]), &usual_4),
+            None
+        );
+        assert_eq!(
+            disturbance_reason(&load(2.0, &[(7, 2, 30)]), &usual_4).as_deref(),
+            Some("30 TCP retransmits (15.0/s vs 4.0/s usual; pid 7)")
+        );
     }
 
     #[test]
-    fn the_feed_differences_the_samples_around_a_window() {
+    fn the_feed_counts_what_overlaps_a_window_in_the_jobs_clock() {
         let feed = LoadFeed::default();
-        let point = |unix_us: u64, rq_ms: u64, rt: u64| LoadPoint {
-            unix_us,
-            per_pid: BTreeMap::from([(7, (rq_ms * 1_000_000, rt)), (99, (1, 1))]),
-        };
-        feed.push(point(1_000_000, 10, 0));
-        feed.push(point(2_000_000, 15, 0));
-        feed.push(point(3_000_000, 60, 2));
-        feed.push(point(4_000_000, 61, 2));
+        {
+            let mut data = feed.lock();
+            // Unix time = monotonic time + 1000 s.
+            data.unix_minus_monotonic_ns = 1_000_000_000_000;
+            data.covered_until_ns = 20_000_000_000;
+            let s = 1_000_000_000u64;
+            // pid 7: a 2 s wait across the window's start (1 s inside), a
+            // 0.5 s wait inside, one after it; pid 99 is not the job's.
+            data.waits.insert((9 * s, 70), (7, 2 * s));
+            data.waits.insert((11 * s, 71), (7, s / 2));
+            data.waits.insert((16 * s, 70), (7, s));
+            data.waits.insert((11 * s, 990), (99, s));
+            data.retransmits.insert((12 * s, 7), 2);
+            data.retransmits.insert((13 * s, 99), 1);
+            data.retransmits.insert((15 * s, 7), 1);
+        }
         let pids = BTreeSet::from([7, 8]);
-        // Window 2.5 s .. 2.9 s: samples at 2 s and 3 s.
-        let w = feed.window(&pids, 2_500_000, 2_900_000).unwrap();
-        assert_eq!(w.span_s, 1.0);
+        // Window: monotonic 10 s .. 15 s.
+        let w = feed.window(&pids, 1_010_000_000, 1_015_000_000).unwrap();
+        assert_eq!(w.span_s, 5.0);
         assert_eq!(
             w.pids,
-            [PidLoad {
-                pid: 7,
-                run_queue_ns: 45_000_000,
-                retransmits: 2
-            }]
+            [
+                PidLoad {
+                    pid: 7,
+                    run_queue_ns: 1_500_000_000,
+                    retransmits: 2
+                },
+                PidLoad {
+                    pid: 8,
+                    run_queue_ns: 0,
+                    retransmits: 0
+                },
+            ]
         );
-        // A window past the newest sample: covered up to it.
-        let w = feed.window(&pids, 3_500_000, 9_000_000).unwrap();
-        assert_eq!((w.span_s, w.pids[0].run_queue_ns), (1.0, 1_000_000));
-        let w = feed.window(&pids, 2_000_000, 9_000_000).unwrap();
+        assert_eq!(w.run_queue_ms_per_s(), 300.0);
+        // Only what the feed has read counts: up to 20 s.
+        assert!(feed.covers(1_020_000_000));
+        assert!(!feed.covers(1_020_000_001));
+        let w = feed.window(&pids, 1_018_000_000, 1_030_000_000).unwrap();
         assert_eq!(w.span_s, 2.0);
-        // Starting after the newest sample: nothing covers it.
-        assert!(feed.window(&pids, 4_500_000, 9_000_000).is_none());
-        // Before the first sample: nothing to say.
-        assert!(feed.window(&pids, 500_000, 900_000).is_none());
+        assert!(feed.window(&pids, 1_021_000_000, 1_030_000_000).is_none());
+        // Records lost from 14 s to 14.5 s: windows across that say nothing.
+        feed.lock().lossy.push((14_000_000_000, 14_500_000_000));
+        assert!(feed.window(&pids, 1_010_000_000, 1_015_000_000).is_none());
+        assert!(feed.window(&pids, 1_014_500_000, 1_015_000_000).is_some());
+        assert!(LoadFeed::default().window(&pids, 0, 1).is_none());
     }
 
     #[test]
