@@ -240,6 +240,46 @@ impl Gpus {
     }
 }
 
+/// The pids of the compute processes on `devices`, sorted, each once. A
+/// device whose list fails is skipped (logged at debug: NVML is asked once
+/// a second).
+pub fn compute_pids<'a>(devices: impl IntoIterator<Item = &'a dyn GpuDevice>) -> Vec<u32> {
+    let mut pids = Vec::new();
+    for device in devices {
+        match device.compute_processes() {
+            Ok(processes) => pids.extend(processes.into_iter().map(|(pid, _)| pid)),
+            Err(error) => tracing::debug!(%error, "a GPU's compute processes could not be read"),
+        }
+    }
+    pids.sort_unstable();
+    pids.dedup();
+    pids
+}
+
+impl Gpus {
+    /// The node's GPUs, loaded once per agent process and shared (by the
+    /// API and by the discovery of GPU compute processes).
+    pub fn shared() -> std::sync::Arc<Gpus> {
+        static SHARED: std::sync::OnceLock<std::sync::Arc<Gpus>> = std::sync::OnceLock::new();
+        SHARED
+            .get_or_init(|| std::sync::Arc::new(Gpus::init()))
+            .clone()
+    }
+}
+
+impl crate::discovery::GpuProcessLister for Gpus {
+    fn compute_pids(&self) -> Vec<u32> {
+        let Ok(nvml) = &self.nvml else {
+            return Vec::new();
+        };
+        let count = nvml.device_count().unwrap_or(0);
+        let devices: Vec<NvmlDevice<'_>> = (0..count)
+            .filter_map(|index| nvml.device_by_index(index).ok().map(NvmlDevice))
+            .collect();
+        compute_pids(devices.iter().map(|d| d as &dyn GpuDevice))
+    }
+}
+
 /// A person-readable reason why NVML is not usable.
 fn explain(error: &NvmlError) -> String {
     match error {
@@ -316,17 +356,26 @@ impl GpuDevice for NvmlDevice<'_> {
     }
 }
 
+/// A GPU whose figures a test sets, for every module's tests.
 #[cfg(test)]
-mod tests {
+pub(crate) mod fake {
     use super::*;
 
     /// A device whose figures the test sets; `None` means "not supported".
     #[derive(Default)]
-    struct FakeDevice {
-        power_mw: Option<u32>,
-        pcie_kb: Option<(u32, u32)>,
-        nvlink_kib: Option<(u64, u64)>,
-        temperature_fails: bool,
+    pub struct FakeDevice {
+        /// Board power in mW (`None`: not supported).
+        pub power_mw: Option<u32>,
+        /// PCIe (tx, rx) in KB/s (`None`: not supported).
+        pub pcie_kb: Option<(u32, u32)>,
+        /// NVLink (tx, rx) totals in KiB (`None`: not supported).
+        pub nvlink_kib: Option<(u64, u64)>,
+        /// The temperature read fails (GPU lost).
+        pub temperature_fails: bool,
+        /// Compute processes; `None`: the default two (4242, 4243).
+        pub processes: Option<Vec<(u32, Option<u64>)>>,
+        /// The process list fails (as on a GPU that fell off the bus).
+        pub processes_fail: bool,
     }
 
     fn supported<T>(value: Option<T>) -> Result<T, NvmlError> {
@@ -376,9 +425,21 @@ mod tests {
             supported(self.nvlink_kib)
         }
         fn compute_processes(&self) -> Result<Vec<(u32, Option<u64>)>, NvmlError> {
-            Ok(vec![(4242, Some(1 << 30)), (4243, None)])
+            if self.processes_fail {
+                return Err(NvmlError::GpuLost);
+            }
+            Ok(self
+                .processes
+                .clone()
+                .unwrap_or_else(|| vec![(4242, Some(1 << 30)), (4243, None)]))
         }
     }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::fake::FakeDevice;
+    use super::*;
 
     #[test]
     fn maps_nvml_units_to_metric_units() {

@@ -287,10 +287,6 @@ impl Jobs {
     /// The kept timeline events of `job_id` with `from_us <= ts_us < to_us`
     /// (microseconds since the Unix epoch), in arrival order; `None` for an
     /// unknown job.
-    #[cfg_attr(
-        not(test),
-        allow(dead_code, reason = "read by the HTTP API, which lands separately")
-    )]
     pub fn timeline_events(
         &self,
         job_id: &str,
@@ -604,7 +600,7 @@ impl PidSource for JobPids {
 }
 
 /// This machine's host name, as the collectives runtime reports it.
-fn host_name() -> String {
+pub fn host_name() -> String {
     std::fs::read_to_string("/proc/sys/kernel/hostname")
         .map(|s| s.trim().to_owned())
         .unwrap_or_default()

@@ -29,6 +29,7 @@ mod serve;
 mod session;
 mod timeline;
 mod top;
+mod tracks;
 mod tune;
 mod tuning;
 mod watch;

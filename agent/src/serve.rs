@@ -21,6 +21,7 @@ use crate::live;
 use crate::reports::{DEFAULT_REPORTS_DIR, Reports};
 use crate::session::{Session, TargetArgs, monotonic_ns, start_jobs};
 use crate::timeline::RecordedTrace;
+use crate::tracks::CounterHistory;
 use crate::tuning::{Disturbance, LoadFeed, TuningLimits, Tunings};
 
 /// How often the eBPF figures tuning sessions judge windows by are copied
@@ -51,8 +52,8 @@ pub struct ServeArgs {
     )]
     pub timeline_event_limit: usize,
 
-    /// How much recent timeline (thread states, NCCL calls) the live view
-    /// keeps for /api/timeline, e.g. `60s`.
+    /// How much recent timeline (thread states, NCCL calls, job activities,
+    /// TCP and GPU counters) the live view keeps for /api/timeline, e.g. `60s`.
     #[arg(long, default_value = "60s", value_parser = humantime::parse_duration, env = "RINGWATCH_TIMELINE_WINDOW")]
     pub timeline_window: std::time::Duration,
 
@@ -91,7 +92,7 @@ pub async fn run(args: ServeArgs) -> Result<()> {
         }
         None => None,
     };
-    let gpus = tokio::task::spawn_blocking(Gpus::init)
+    let gpus = tokio::task::spawn_blocking(Gpus::shared)
         .await
         .context("loading NVML")?;
     let token = api_token(args.token_file.as_deref())?;
@@ -101,6 +102,9 @@ pub async fn run(args: ServeArgs) -> Result<()> {
     let fixed_targets = !(args.targets.pids.is_empty()
         && args.targets.comm.is_empty()
         && args.targets.cgroup.is_empty());
+    // GPU processes are watched beside the jobs (eBPF only, like the jobs'
+    // ranks): without eBPF they are skipped with the rest of the live view.
+    let watch_gpu_processes = args.targets.watch_gpu_processes(false);
     let jobs = if watch_jobs {
         Some(start_jobs(&args.targets)?)
     } else {
@@ -110,7 +114,7 @@ pub async fn run(args: ServeArgs) -> Result<()> {
     // agent) is reported before anyone can connect. With --jobs alone the
     // agent goes on without them.
     let mut ebpf_off: Option<String> = None;
-    let session = if !(watch_jobs || fixed_targets) {
+    let session = if !(watch_jobs || watch_gpu_processes || fixed_targets) {
         tracing::info!(
             "no --pid/--comm/--cgroup/--jobs: serving GPUs and --replay only, no live eBPF view"
         );
@@ -168,7 +172,7 @@ pub async fn run(args: ServeArgs) -> Result<()> {
     };
     let tunings_on = tunings.is_some();
     let state = ApiState {
-        gpus: Arc::new(gpus),
+        gpus: gpus.clone(),
         started: Instant::now(),
         recorded,
         timeline_event_limit: args.timeline_event_limit,
@@ -180,11 +184,13 @@ pub async fn run(args: ServeArgs) -> Result<()> {
             loopback_only: args.listen.ip().is_loopback(),
         }),
     };
+    // TCP and GPU counter samples of the live window, once a second.
+    let mut counters = CounterHistory::new(args.timeline_window.as_secs_f64() * 1e6);
     if let Some(session) = &session {
         // Publish an (empty) view at once, so the API never answers "no
         // source" while the first second of events comes in.
         let now = monotonic_ns();
-        let view = live::build(session, now, now, now)?;
+        let view = live::build(session, &mut counters, &gpus, now, now, now)?;
         feed.record(session);
         state.publish(view);
     }
@@ -228,7 +234,14 @@ pub async fn run(args: ServeArgs) -> Result<()> {
                 next_publish = tokio::time::Instant::now() + publish_period;
                 session.refresh()?;
                 let now = monotonic_ns();
-                let view = live::build(&session, now.saturating_sub(window_ns), figures_from, now)?;
+                let view = live::build(
+                    &session,
+                    &mut counters,
+                    &gpus,
+                    now.saturating_sub(window_ns),
+                    figures_from,
+                    now,
+                )?;
                 tracing::debug!(
                     took_ms = monotonic_ns().saturating_sub(now) / 1_000_000,
                     "built the live view"

@@ -16,8 +16,9 @@ use tokio::io::Interest;
 use tokio::io::unix::AsyncFd;
 use tokio::signal::unix::{Signal, SignalKind, signal};
 
-use crate::discovery::{self, ByCgroup, ByComm, Discovery, FixedPids};
+use crate::discovery::{self, ByCgroup, ByComm, Discovery, FixedPids, GpuPids};
 use crate::events::decode;
+use crate::gpu::Gpus;
 use crate::jobs::{JobPids, Jobs, JobsConfig};
 use crate::lock::{AgentLock, DEFAULT_LOCK_FILE};
 use crate::model::Model;
@@ -54,6 +55,20 @@ pub struct TargetArgs {
     /// Do not look for jobs' control sockets.
     #[arg(long, overrides_with = "jobs")]
     pub no_jobs: bool,
+
+    /// Also watch the compute processes NVML lists on this node's GPUs
+    /// (they join the watched set within a second). On by default whenever
+    /// jobs are watched; finds nothing without an NVIDIA driver.
+    #[arg(
+        long,
+        overrides_with = "no_gpu_processes",
+        env = "RINGWATCH_GPU_PROCESSES"
+    )]
+    pub gpu_processes: bool,
+
+    /// Do not watch GPU compute processes (not even with --jobs).
+    #[arg(long, overrides_with = "gpu_processes")]
+    pub no_gpu_processes: bool,
 
     /// Where jobs put their control sockets (`<job_id>.sock`); also
     /// scanned: `$XDG_RUNTIME_DIR/ringwatch` and `/tmp/ringwatch-<uid>`,
@@ -103,6 +118,12 @@ impl TargetArgs {
         } else {
             self.jobs || default
         }
+    }
+
+    /// Whether to watch GPU compute processes: `--gpu-processes` or
+    /// `--no-gpu-processes` if given, else whether jobs are watched.
+    pub fn watch_gpu_processes(&self, jobs_watched: bool) -> bool {
+        !self.no_gpu_processes && (self.gpu_processes || jobs_watched)
     }
 }
 
@@ -190,16 +211,21 @@ impl Session {
         if let Some(jobs) = &jobs {
             discovery.add(Box::new(JobPids::new(jobs.clone())));
         }
+        let gpu_processes = args.watch_gpu_processes(jobs.is_some());
+        if gpu_processes {
+            discovery.add(Box::new(GpuPids(Gpus::shared())));
+        }
         if discovery.is_empty() {
             bail!(
                 "nothing to watch: give --pid PID, --comm NAME, --cgroup PATH or --jobs (see --help)"
             );
         }
-        let only_fixed_pids = if args.comm.is_empty() && args.cgroup.is_empty() && jobs.is_none() {
-            args.pids.clone()
-        } else {
-            Vec::new()
-        };
+        let only_fixed_pids =
+            if args.comm.is_empty() && args.cgroup.is_empty() && jobs.is_none() && !gpu_processes {
+                args.pids.clone()
+            } else {
+                Vec::new()
+            };
         let lock = AgentLock::acquire(&args.lock_file)?;
         tracing::debug!(lock = %lock.path().display(), "holding the agent lock");
         let min_interval_ns = u64::try_from(args.min_interval.as_nanos()).unwrap_or(u64::MAX);
@@ -416,6 +442,12 @@ mod tests {
         // The last of the two flags wins.
         assert!(parse(&["--no-jobs", "--jobs"]).watch_jobs(false));
         assert!(!parse(&["--jobs", "--no-jobs"]).watch_jobs(true));
+        // GPU compute processes follow the jobs unless a flag says otherwise.
+        assert!(parse(&[]).watch_gpu_processes(true));
+        assert!(!parse(&[]).watch_gpu_processes(false));
+        assert!(parse(&["--gpu-processes"]).watch_gpu_processes(false));
+        assert!(!parse(&["--no-gpu-processes"]).watch_gpu_processes(true));
+        assert!(!parse(&["--gpu-processes", "--no-gpu-processes"]).watch_gpu_processes(true));
         let dir = parse(&["--runtime-dir", "/srv/jobs"]).runtime_dir;
         assert_eq!(dir, PathBuf::from("/srv/jobs"));
     }

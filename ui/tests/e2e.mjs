@@ -97,6 +97,27 @@ function near(a, b, tol, msg) { if (!(Math.abs(a - b) <= tol)) throw new Error(`
     assert(s.tx === '1,1,7' && s.rx === '2,5,5', JSON.stringify(s));
     assert(c.max === 7 && c.min === 0, 'scale');
   });
+  await check('parser: the live agent\'s job tracks (a thread per tensor, remote ranks on named pids) group job → rank', async () => {
+    // The shapes agent/src/tracks.rs writes (see ui/README.md).
+    const r = parse(JSON.stringify([
+      { ph: 'M', name: 'process_name', pid: 4101, args: { name: 'collbench (pid 4101)', job: 'j1', rank: 0 } },
+      { ph: 'M', name: 'process_name', pid: 'j1 rank 1', args: { name: 'j1 rank 1 (n2 pid 77)', job: 'j1', rank: 1 } },
+      { ph: 'M', name: 'thread_name', pid: 4101, tid: 'tensor grad.w', args: { name: 'grad.w' } },
+      { ph: 'M', name: 'process_name', pid: 'gpu0', args: { name: 'GPU 0 (H100)' } },
+      { ph: 'X', cat: 'thread_state', name: 'running', pid: 4101, tid: 4101, ts: 0, dur: 5 },
+      { ph: 'X', cat: 'job', name: 'ALLREDUCE', pid: 4101, tid: 'tensor grad.w', ts: 10, dur: 500, args: { bytes: '4096' } },
+      { ph: 'X', cat: 'job', name: 'QUEUE', pid: 4101, tid: 'tensor grad.w', ts: 20, dur: 30 },
+      { ph: 'X', cat: 'job', name: 'ALLREDUCE', pid: 'j1 rank 1', tid: 'tensor grad.w', ts: 12, dur: 480 },
+      { ph: 'C', cat: 'gpu', name: 'utilization', pid: 'gpu0', ts: 0, args: { gpu_percent: 80, memory_percent: 20 } },
+    ]), { defaultGroup: 'other processes' });
+    const job = r.groups.find((g) => g.name === 'j1');
+    assert(job && job.processes.map((p) => p.rank).join() === '0,1', 'ranks of j1: ' + JSON.stringify(r.groups.map((g) => [g.name, g.processes.map((p) => p.pid)])));
+    const tensor = job.processes[0].tracks.find((t) => t.name === 'grad.w');
+    assert(tensor && tensor.slices.count === 2 && tensor.slices.levels === 2, 'tensor track: ' + JSON.stringify(tensor && tensor.slices));
+    assert(job.processes[1].tracks[0].slices.count === 1, 'remote rank activity');
+    const gpu = r.groups.find((g) => g.name === 'other processes');
+    assert(gpu && gpu.processes[0].tracks[0].kind === 'counter', 'GPU counter under other processes');
+  });
 }
 
 if (!existsSync(CHROMIUM)) {
@@ -436,6 +457,125 @@ try {
     assert(agent.requests.some((q) => q === '/api/timeline?from=now-10s&pid=4201'), 'the pid filter did not reach the API: ' + agent.requests.slice(-3));
     await page.screenshot({ path: join(OUT_DIR, 'screenshot-live.png') });
   });
+
+  // The tuning panel against Contract C's endpoints, mocked with page.route
+  // (GET/POST/DELETE /api/jobs/{id}/tuning, GET /api/reports): a session whose
+  // samples arrive one per poll, a token the mock demands, reports with links.
+  const K = (fusion, cycleUs, hier) => ({ fusion_threshold_bytes: fusion, cycle_time_us: cycleUs, hierarchical_allreduce: hier });
+  const PLAN = [[K(64 << 20, 1000, false), 1.0e9], [K(0, 5000, true), 0.6e9], [K(16 << 20, 500, false), 1.5e9], [K(8 << 20, 2000, true), 1.2e9], [K(32 << 20, 800, false), 1.4e9]];
+  const mock = { session: null, gets: 0, posts: [], deletes: [] };
+  const report = (id, samples, speedup) => ({ id, job_id: 'resnet50', created_unix_ms: 1_700_000_000_000, samples, best: K(16 << 20, 500, false), speedup_over_start: speedup,
+    html: '/api/reports/' + id, csv: `/api/reports/${id}?format=csv`, parquet: `/api/reports/${id}?format=parquet` });
+  const reports = [report('r1', 12, 1.21)];
+  const newSession = (budget) => ({ job_id: 'resnet50', state: 'running', error: null, started_unix_ms: Date.now(), config: { budget },
+    start_knobs: PLAN[0][0], current_knobs: PLAN[0][0], samples: [], best: null, speedup_over_start: null, report_id: null });
+  const addSample = (s) => {
+    const i = s.samples.length;
+    const [knobs, score] = PLAN[i % PLAN.length];
+    s.samples.push({ index: i, knobs, score_bytes_per_s: score, noise_hint: null, disturbed: i === 1 ? 'run-queue wait 12% of the window' : null,
+      remeasured_because: null, wall_time_s: 1.5 * (i + 1), window: { first_cycle: 10 * i, last_cycle: 10 * i + 9, cycles: 10, duration_s: 1.0 } });
+    s.current_knobs = knobs;
+    const best = s.samples.reduce((a, b) => (b.score_bytes_per_s > a.score_bytes_per_s ? b : a));
+    s.best = { knobs: best.knobs, predicted_score_bytes_per_s: best.score_bytes_per_s, sample: best.index };
+    s.speedup_over_start = best.score_bytes_per_s / s.samples[0].score_bytes_per_s;
+    if (s.samples.length >= s.config.budget) { s.state = 'done'; s.report_id = 'r2'; reports.push(report('r2', s.samples.length, s.speedup_over_start)); }
+  };
+  await page.route((url) => url.pathname.startsWith('/api/jobs/') || url.pathname === '/api/reports', async (route) => {
+    const req = route.request();
+    const url = new URL(req.url());
+    const send = (status, body) => route.fulfill({ status, contentType: 'application/json', body: JSON.stringify(body) });
+    if (url.pathname === '/api/reports') return send(200, { reports });
+    if (url.pathname !== '/api/jobs/resnet50/tuning') return send(404, { error: 'no job ' + url.pathname });
+    const auth = req.headers().authorization;
+    if (req.method() === 'GET') {
+      mock.gets++;
+      if (!mock.session) return send(404, { error: 'job resnet50 never had a tuning session' });
+      if (mock.session.state === 'running') addSample(mock.session);
+      return send(200, mock.session);
+    }
+    if (auth !== 'Bearer s3cret') return send(401, { error: 'this endpoint needs Authorization: Bearer TOKEN' });
+    if (req.method() === 'POST') {
+      const body = JSON.parse(req.postData() || '{}');
+      mock.posts.push({ auth, body });
+      if (mock.session && mock.session.state === 'running') return send(409, { error: 'a session already runs' });
+      mock.session = newSession(body.budget || 20);
+      return send(201, mock.session);
+    }
+    if (req.method() === 'DELETE') {
+      mock.deletes.push({ auth, search: url.search });
+      if (!mock.session) return send(404, { error: 'no session' });
+      mock.session.state = 'stopped';
+      return send(200, mock.session);
+    }
+    return send(405, { error: 'method' });
+  });
+  const tuning = () => hook(() => window.ringwatchViewer.tuning());
+
+  await check('tuning panel: only when served by an agent; lists the jobs, no session yet, reports with links', async () => {
+    const plain = await context.newPage();
+    await plain.goto(`${site.base}/index.html?trace=tests/fixtures/ringwatch-2ranks.json`);
+    await plain.evaluate(() => window.ringwatchViewer.whenReady());
+    assert(await plain.isHidden('#tuning-toggle'), 'the tuning button shows on a page no agent serves');
+    await plain.close();
+    assert(await page.isVisible('#tuning-toggle'), 'no tuning button on the agent page');
+    await page.click('#tuning-toggle');
+    await page.waitForFunction(() => document.querySelector('#tuning-job').value === 'resnet50', null, { timeout: 5000 });
+    await page.waitForFunction(() => /No tuning session for resnet50/.test(document.querySelector('#tuning-session').textContent), null, { timeout: 5000 });
+    await page.waitForSelector('#tuning-report-list tr[data-id="r1"]', { timeout: 5000 });
+    const links = await page.$$eval('#tuning-report-list tr[data-id="r1"] a', (as) => as.map((a) => [a.textContent, a.getAttribute('href')]));
+    const hrefs = Object.fromEntries(links.filter(([t]) => t !== 'r1'));
+    assert(hrefs.html === '/api/reports/r1' && hrefs.csv === '/api/reports/r1?format=csv' && hrefs.parquet === '/api/reports/r1?format=parquet', 'report links: ' + JSON.stringify(links));
+    assert(/1\.21×/.test(await page.textContent('#tuning-report-list')), 'speedup of r1');
+    assert(!(await page.isDisabled('#tuning-start')) && await page.isDisabled('#tuning-stop'), 'start enabled, stop disabled without a session');
+  });
+
+  await check('tuning panel: start needs the token; samples arrive by polling into the table and chart; best, state, report', async () => {
+    await page.fill('#tuning-budget', '5');
+    await page.click('#tuning-start');
+    await page.waitForFunction(() => /401/.test(document.querySelector('#tuning-message').textContent), null, { timeout: 5000 });
+    assert(/Bearer/.test(await page.textContent('#tuning-message')), 'the 401 message is shown: ' + await page.textContent('#tuning-message'));
+    await page.fill('#tuning-token', 's3cret');
+    await page.click('#tuning-start');
+    await page.waitForFunction(() => document.querySelectorAll('#tuning-samples tbody tr').length >= 2, null, { timeout: 8000 });
+    assert(/running/.test(await page.textContent('#tuning-state')), 'running state while samples arrive');
+    assert(mock.posts.length === 1 && mock.posts[0].auth === 'Bearer s3cret' && mock.posts[0].body.budget === 5, 'POST: ' + JSON.stringify(mock.posts));
+    await page.waitForFunction(() => document.querySelector('#tuning-state') && document.querySelector('#tuning-state').textContent === 'done', null, { timeout: 10000 });
+    const rows = await page.$$eval('#tuning-samples tbody tr', (trs) => trs.map((tr) => Array.from(tr.children, (td) => td.textContent)));
+    assert(rows.length === 5, 'rows: ' + rows.length);
+    assert(rows[2].join('|') === '2|16.0 MiB|0.50 ms|no|1.50 GB/s|1.50 GB/s|', 'row 2: ' + rows[2].join('|'));
+    assert(rows[1][1] === 'off' && /disturbed/.test(rows[1][6]) && rows[1][5] === '1.00 GB/s', 'row 1: ' + rows[1].join('|'));
+    assert(rows[4][4] === '1.40 GB/s' && rows[4][5] === '1.50 GB/s', 'best so far stays at 1.5 GB/s: ' + rows[4].join('|'));
+    const dots = await page.$$eval('#tuning-chart circle', (cs) => cs.map((c) => Number(c.getAttribute('cy'))));
+    assert(dots.length === 5 && dots[2] === Math.min(...dots) && dots[1] === Math.max(...dots), 'chart dots (cy): ' + dots);
+    assert(await page.$$eval('#tuning-chart circle.disturbed', (cs) => cs.length) === 1, 'the disturbed sample is marked');
+    const facts = await page.textContent('#tuning-session .facts');
+    assert(/best so far.*fusion 16\.0 MiB · cycle 0\.50 ms · flat · 1\.50 GB\/s \(sample 2\)/.test(facts), 'best: ' + facts);
+    assert(/1\.50×/.test(facts) && /5 of 5/.test(facts), 'speedup and samples: ' + facts);
+    await page.waitForSelector('#tuning-report-list tr[data-id="r2"]', { timeout: 5000 });
+    // Done: polling slows to every 5 s.
+    const gets = mock.gets;
+    await page.waitForTimeout(2500);
+    assert(mock.gets - gets <= 1, `still polling every second after done: ${mock.gets - gets} GETs in 2.5 s`);
+    await page.screenshot({ path: join(OUT_DIR, 'screenshot-tuning.png') });
+  });
+
+  await check('tuning panel: stop sends DELETE with the token (keep=start) and shows the stopped session', async () => {
+    await page.fill('#tuning-budget', '50');
+    await page.click('#tuning-start');
+    await page.waitForFunction(() => document.querySelector('#tuning-state').textContent === 'running' && !document.querySelector('#tuning-stop').disabled, null, { timeout: 5000 });
+    assert(await page.isDisabled('#tuning-start'), 'start is disabled while a session runs');
+    await page.check('#tuning-keep-start');
+    await page.click('#tuning-stop');
+    await page.waitForFunction(() => document.querySelector('#tuning-state').textContent === 'stopped', null, { timeout: 5000 });
+    assert(mock.deletes.length === 1 && mock.deletes[0].auth === 'Bearer s3cret' && mock.deletes[0].search === '?keep=start', 'DELETE: ' + JSON.stringify(mock.deletes));
+    assert(await page.isDisabled('#tuning-stop') && !(await page.isDisabled('#tuning-start')), 'buttons after stop');
+    assert((await tuning()).state === 'stopped', 'hook state');
+    await page.click('#tuning-close');
+    assert(await page.isHidden('#tuning'), 'the panel closes');
+    // The intended 404 (no session yet) and 401 (no token) are logged by the browser.
+    for (let i = pageErrors.length - 1; i >= 0; i--) if (/status of (401|404)/.test(pageErrors[i])) pageErrors.splice(i, 1);
+  });
+  await page.unroute((url) => url.pathname.startsWith('/api/jobs/') || url.pathname === '/api/reports');
 
   // The real agent (cargo xtask test sets RINGWATCH_AGENT_BIN): the page and
   // the recorded trace both come from `ringwatch-agent serve --replay`.

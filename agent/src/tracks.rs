@@ -1,0 +1,636 @@
+//! `tracks`: the live timeline's tracks that do not come from the scheduler
+//! probes: job activities (the jobs' own timeline events, read from their
+//! control sockets) and counter tracks (TCP throughput and retransmits per
+//! connection, GPU figures), as Chrome-trace events on the live trace's
+//! clock (CLOCK_MONOTONIC µs).
+//!
+//! Pure: it is given what the registry, the model and NVML hold and returns
+//! JSON events; the only clock it reads is in [`unix_minus_monotonic_us`].
+//! It must never hold more than one live window of counter samples.
+
+use std::collections::{BTreeMap, BTreeSet, HashMap, VecDeque};
+
+use collectives::control::{Phase, RankInfo, TimelineEvent};
+use serde_json::{Map, Value, json};
+
+use crate::gpu::GpuSnapshot;
+use crate::jobs::JobSnapshot;
+use crate::model::Connection;
+
+/// The offset from CLOCK_MONOTONIC to the Unix clock now, in µs:
+/// `unix_us - offset` is the same instant on the live trace's clock.
+/// Read as the midpoint of two realtime reads around one monotonic read.
+pub fn unix_minus_monotonic_us() -> i64 {
+    fn read(clock: libc::clockid_t) -> i128 {
+        let mut ts = libc::timespec {
+            tv_sec: 0,
+            tv_nsec: 0,
+        };
+        // SAFETY: a valid pointer to a timespec; both clocks always exist.
+        unsafe { libc::clock_gettime(clock, &mut ts) };
+        i128::from(ts.tv_sec) * 1_000_000_000 + i128::from(ts.tv_nsec)
+    }
+    let before = read(libc::CLOCK_REALTIME);
+    let monotonic = read(libc::CLOCK_MONOTONIC);
+    let after = read(libc::CLOCK_REALTIME);
+    let offset_ns = (before + after) / 2 - monotonic;
+    i64::try_from(offset_ns / 1_000).unwrap_or(i64::MAX)
+}
+
+/// This node, as the job ranks' `hello` names it: its host name, and the
+/// pids the live view has (watched now or seen within retention).
+#[derive(Debug, Clone, Copy)]
+pub struct Here<'a> {
+    /// This machine's host name.
+    pub host: &'a str,
+    /// Pids with threads or watched here.
+    pub pids: &'a BTreeSet<u32>,
+}
+
+impl Here<'_> {
+    /// Whether a rank runs here: on this host, and its pid one of ours (a
+    /// rank on another host may have the same pid number).
+    fn is_local(&self, rank: &RankInfo) -> bool {
+        rank.host == self.host && self.pids.contains(&rank.pid)
+    }
+}
+
+/// A job as the tracks need it: its id and its ranks.
+#[derive(Debug, Clone, Copy)]
+pub struct JobRanks<'a> {
+    /// The job's id.
+    pub job_id: &'a str,
+    /// Every rank (host, pid).
+    pub ranks: &'a [RankInfo],
+}
+
+impl<'a> From<&'a JobSnapshot> for JobRanks<'a> {
+    fn from(job: &'a JobSnapshot) -> Self {
+        Self {
+            job_id: &job.job_id,
+            ranks: &job.ranks,
+        }
+    }
+}
+
+/// The Chrome-trace pid of a job's rank: its real pid when the rank runs on
+/// this node (so its activities group with its threads' states), else a
+/// name of its own (`<job> rank <n>`).
+fn rank_pid(job: JobRanks<'_>, rank: usize, here: &Here<'_>) -> Value {
+    match job.ranks.iter().find(|r| r.rank == rank) {
+        Some(info) if here.is_local(info) => json!(info.pid),
+        _ => json!(format!("{} rank {rank}", job.job_id)),
+    }
+}
+
+/// The `job`/`rank` every local rank's pid carries in its `process_name`
+/// (`pid → (job, rank)`), so a `?job=` query keeps its threads too.
+pub fn local_ranks(jobs: &[JobRanks<'_>], here: &Here<'_>) -> BTreeMap<u32, (String, usize)> {
+    let mut out = BTreeMap::new();
+    for job in jobs {
+        for rank in job.ranks {
+            if here.is_local(rank) {
+                out.insert(rank.pid, (job.job_id.to_owned(), rank.rank));
+            }
+        }
+    }
+    out
+}
+
+/// A job's activities as Chrome-trace events: every begin/end pair of one
+/// (rank, tensor, activity) becomes one `X` slice on the rank's pid and a
+/// thread named after the tensor; instants stay `i`. `events` are the job's
+/// kept events (Unix µs, any order); `offset_us` comes from
+/// [`unix_minus_monotonic_us`]. A slice that began before `window_start_us`
+/// is kept when it ends inside the window; one still open at `now_us` lasts
+/// until then (`args.open: true`). Also returns the `process_name`
+/// metadata of remote ranks (local ranks are named with their threads) and
+/// the `thread_name` of each tensor track.
+pub fn job_activities(
+    job: JobRanks<'_>,
+    events: &[TimelineEvent],
+    here: &Here<'_>,
+    offset_us: i64,
+    window_start_us: f64,
+    now_us: f64,
+) -> Vec<Value> {
+    let to_trace = |unix_us: u64| -> f64 {
+        // Exact in i128, then one rounding to f64 (monotonic µs are small).
+        (i128::from(unix_us) - i128::from(offset_us)) as f64
+    };
+    let mut out = Vec::new();
+    for rank in job.ranks {
+        if !here.is_local(rank) {
+            out.push(json!({
+                "ph": "M", "name": "process_name", "pid": rank_pid(job, rank.rank, here),
+                "args": { "name": format!("{} rank {} ({} pid {})", job.job_id, rank.rank, rank.host, rank.pid), "job": job.job_id, "rank": rank.rank },
+            }));
+        }
+    }
+    // Per (rank, tensor): time order, then pair B with E of the same activity.
+    let mut tracks: BTreeMap<(usize, &str), Vec<&TimelineEvent>> = BTreeMap::new();
+    for event in events {
+        tracks
+            .entry((event.rank, event.tensor.as_str()))
+            .or_default()
+            .push(event);
+    }
+    let args_of = |event: &TimelineEvent| -> Map<String, Value> {
+        event
+            .args
+            .iter()
+            .map(|(k, v)| (k.clone(), Value::String(v.clone())))
+            .collect()
+    };
+    for ((rank, tensor), mut list) in tracks {
+        list.sort_by_key(|e| e.ts_us);
+        let pid = rank_pid(job, rank, here);
+        let tid = format!("tensor {tensor}");
+        let mut slices = Vec::new();
+        let mut any = false;
+        let mut open: Vec<(&TimelineEvent, f64)> = Vec::new();
+        for event in list {
+            let ts = to_trace(event.ts_us);
+            match event.phase {
+                Phase::Begin => open.push((event, ts)),
+                Phase::End => {
+                    let Some(at) = open.iter().rposition(|(b, _)| b.activity == event.activity)
+                    else {
+                        // Its begin was pushed out of the registry's ring.
+                        continue;
+                    };
+                    let (begin, start) = open.remove(at);
+                    let mut args = args_of(begin);
+                    args.extend(args_of(event));
+                    slices.push((begin.activity.as_str(), start, ts - start, args));
+                }
+                Phase::Instant => {
+                    if ts >= window_start_us {
+                        any = true;
+                        out.push(json!({
+                            "ph": "i", "s": "t", "cat": "job", "name": event.activity,
+                            "pid": pid, "tid": tid, "ts": ts, "args": args_of(event),
+                        }));
+                    }
+                }
+            }
+        }
+        for (begin, start) in open {
+            let mut args = args_of(begin);
+            args.insert("open".into(), Value::Bool(true));
+            slices.push((
+                begin.activity.as_str(),
+                start,
+                (now_us - start).max(0.0),
+                args,
+            ));
+        }
+        for (name, start, dur, args) in slices {
+            if start + dur < window_start_us || start > now_us {
+                continue;
+            }
+            any = true;
+            out.push(json!({
+                "ph": "X", "cat": "job", "name": name, "pid": pid, "tid": tid,
+                "ts": start, "dur": dur, "args": args,
+            }));
+        }
+        if any {
+            out.push(json!({ "ph": "M", "name": "thread_name", "pid": pid, "tid": tid, "args": { "name": tensor } }));
+        }
+    }
+    out
+}
+
+/// A connection's identity: its process and 4-tuple.
+type ConnKey = (u32, String, String);
+
+/// What a connection had sent, received and retransmitted at the last sample.
+#[derive(Debug, Clone, Copy)]
+struct ConnTotals {
+    tx: u64,
+    rx: u64,
+    retransmits: u64,
+    closed: bool,
+}
+
+/// Counter samples of the live window, taken once a second: TCP throughput
+/// and retransmits per connection, GPU utilization, memory, power and
+/// temperature. Bounded: samples older than the window are dropped.
+#[derive(Debug)]
+pub struct CounterHistory {
+    window_us: f64,
+    first_sample_us: Option<f64>,
+    last_sample_us: Option<f64>,
+    last: HashMap<ConnKey, ConnTotals>,
+    samples: VecDeque<Value>,
+    /// GPU pid → its `process_name` metadata.
+    gpu_names: BTreeMap<String, Value>,
+}
+
+impl CounterHistory {
+    /// An empty history keeping `window_us` of samples.
+    pub fn new(window_us: f64) -> Self {
+        Self {
+            window_us,
+            first_sample_us: None,
+            last_sample_us: None,
+            last: HashMap::new(),
+            samples: VecDeque::new(),
+            gpu_names: BTreeMap::new(),
+        }
+    }
+
+    /// Takes one sample at `now_us` (monotonic µs): the connections' totals
+    /// as the model has them (`opened_ns`/`closed_ns` on the same clock),
+    /// and the GPUs' figures.
+    pub fn sample(&mut self, now_us: f64, connections: &[Connection], gpus: &GpuSnapshot) {
+        let previous_us = self.last_sample_us;
+        let mut seen = HashMap::new();
+        for conn in connections {
+            let key = (conn.pid, conn.local.clone(), conn.remote.clone());
+            let totals = ConnTotals {
+                tx: conn.tx_bytes,
+                rx: conn.rx_bytes,
+                retransmits: conn.retransmits,
+                closed: conn.closed_ns.is_some(),
+            };
+            let before = match (self.last.get(&key), self.first_sample_us) {
+                (Some(before), _) => Some(*before),
+                // Opened (or first seen by the kernel) while we were
+                // sampling: it started from nothing, all its bytes are new.
+                (None, Some(first)) if conn.opened_ns as f64 / 1e3 >= first => Some(ConnTotals {
+                    tx: 0,
+                    rx: 0,
+                    retransmits: 0,
+                    closed: false,
+                }),
+                _ => None,
+            };
+            seen.insert(key.clone(), totals);
+            let (Some(before), Some(prev)) = (before, previous_us) else {
+                continue;
+            };
+            if before.closed {
+                continue;
+            }
+            let seconds = (now_us - prev) / 1e6;
+            if seconds <= 0.0 {
+                continue;
+            }
+            let tuple = format!("{}\u{2192}{}", conn.local, conn.remote);
+            // A counter's value holds from its timestamp to the next one: the
+            // rate of (prev, now] is stamped at prev.
+            self.samples.push_back(json!({
+                "ph": "C", "cat": "tcp", "name": format!("tcp {tuple}"), "pid": conn.pid, "ts": prev,
+                "args": {
+                    "tx_bytes_per_s": totals.tx.saturating_sub(before.tx) as f64 / seconds,
+                    "rx_bytes_per_s": totals.rx.saturating_sub(before.rx) as f64 / seconds,
+                },
+            }));
+            self.samples.push_back(json!({
+                "ph": "C", "cat": "tcp", "name": format!("tcp retransmits {tuple}"), "pid": conn.pid, "ts": prev,
+                "args": { "retransmits": totals.retransmits.saturating_sub(before.retransmits) },
+            }));
+            if totals.closed {
+                // Closed: back to zero from now on, and no more samples.
+                self.samples.push_back(json!({
+                    "ph": "C", "cat": "tcp", "name": format!("tcp {tuple}"), "pid": conn.pid, "ts": now_us,
+                    "args": { "tx_bytes_per_s": 0.0, "rx_bytes_per_s": 0.0 },
+                }));
+                self.samples.push_back(json!({
+                    "ph": "C", "cat": "tcp", "name": format!("tcp retransmits {tuple}"), "pid": conn.pid, "ts": now_us,
+                    "args": { "retransmits": 0 },
+                }));
+            }
+        }
+        self.last = seen;
+        for gpu in &gpus.gpus {
+            let pid = format!("gpu{}", gpu.index);
+            let label = match &gpu.name {
+                Some(name) => format!("GPU {} ({name})", gpu.index),
+                None => format!("GPU {}", gpu.index),
+            };
+            self.gpu_names.insert(
+                pid.clone(),
+                json!({ "ph": "M", "name": "process_name", "pid": pid, "args": { "name": label } }),
+            );
+            let mut counter = |name: &str, args: Value| {
+                self.samples.push_back(
+                    json!({ "ph": "C", "cat": "gpu", "name": name, "pid": pid, "ts": now_us, "args": args }),
+                );
+            };
+            if gpu.utilization_gpu_percent.is_some() || gpu.utilization_memory_percent.is_some() {
+                let mut args = Map::new();
+                if let Some(v) = gpu.utilization_gpu_percent {
+                    args.insert("gpu_percent".into(), json!(v));
+                }
+                if let Some(v) = gpu.utilization_memory_percent {
+                    args.insert("memory_percent".into(), json!(v));
+                }
+                counter("utilization", Value::Object(args));
+            }
+            if let Some(used) = gpu.memory_used_bytes {
+                counter("memory used", json!({ "bytes": used }));
+            }
+            if let Some(watts) = gpu.power_watts {
+                counter("power", json!({ "watts": watts }));
+            }
+            if let Some(celsius) = gpu.temperature_celsius {
+                counter("temperature", json!({ "celsius": celsius }));
+            }
+        }
+        self.last_sample_us = Some(now_us);
+        self.first_sample_us.get_or_insert(now_us);
+        let oldest = now_us - self.window_us;
+        while self
+            .samples
+            .front()
+            .and_then(|e| e["ts"].as_f64())
+            .is_some_and(|ts| ts < oldest)
+        {
+            self.samples.pop_front();
+        }
+    }
+
+    /// The kept samples and the GPUs' `process_name` metadata.
+    pub fn events(&self) -> impl Iterator<Item = &Value> {
+        self.gpu_names.values().chain(self.samples.iter())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::gpu::fake::FakeDevice;
+    use crate::gpu::read_device;
+
+    fn ranks(list: &[(usize, u32, &str)]) -> Vec<RankInfo> {
+        list.iter()
+            .map(|&(rank, pid, host)| RankInfo {
+                rank,
+                local_rank: rank,
+                local_size: list.len(),
+                host: host.into(),
+                pid,
+            })
+            .collect()
+    }
+
+    fn job(ranks: &[RankInfo]) -> JobRanks<'_> {
+        JobRanks {
+            job_id: "j1",
+            ranks,
+        }
+    }
+
+    fn event(rank: usize, tensor: &str, activity: &str, phase: Phase, ts_us: u64) -> TimelineEvent {
+        TimelineEvent {
+            rank,
+            tensor: tensor.into(),
+            activity: activity.into(),
+            phase,
+            ts_us,
+            args: [("bytes".to_owned(), "4096".to_owned())].into(),
+        }
+    }
+
+    fn timed(events: &[Value]) -> Vec<String> {
+        events
+            .iter()
+            .filter(|e| e["ph"] != "M")
+            .map(|e| {
+                format!(
+                    "{} {} {} {}@{}+{}",
+                    e["ph"].as_str().unwrap(),
+                    e["pid"],
+                    e["tid"].as_str().unwrap(),
+                    e["name"].as_str().unwrap(),
+                    e["ts"],
+                    e["dur"]
+                )
+            })
+            .collect()
+    }
+
+    #[test]
+    fn job_events_pair_per_tensor_and_land_on_the_monotonic_clock() {
+        // Unix 1_700_000_000_000_000 µs is monotonic 5_000_000 µs.
+        let offset = 1_700_000_000_000_000 - 5_000_000;
+        let base = 1_700_000_000_000_000u64;
+        // Rank 2 runs on another host under a pid number that is also ours.
+        let list = ranks(&[(0, 4101, "n1"), (1, 4202, "n2"), (2, 4101, "n2")]);
+        let j = job(&list);
+        let pids: BTreeSet<u32> = [4101].into();
+        let local = Here {
+            host: "n1",
+            pids: &pids,
+        };
+        let events = vec![
+            // Arrival order is not time order across ranks.
+            event(1, "grad.w", "ALLREDUCE", Phase::Begin, base + 300),
+            event(0, "grad.w", "ALLREDUCE", Phase::Begin, base + 100),
+            event(0, "grad.w", "QUEUE", Phase::Begin, base + 120),
+            event(0, "grad.w", "QUEUE", Phase::End, base + 150),
+            event(0, "grad.w", "ALLREDUCE", Phase::End, base + 600),
+            event(
+                0,
+                "grad.b",
+                "NEGOTIATE_ALLREDUCE",
+                Phase::Instant,
+                base + 90,
+            ),
+            // An end whose begin is gone is dropped.
+            event(
+                0,
+                "grad.b",
+                "MEMCPY_IN_FUSION_BUFFER",
+                Phase::End,
+                base + 95,
+            ),
+        ];
+        let out = job_activities(j, &events, &local, offset, 0.0, 5_001_000.0);
+        let mut got = timed(&out);
+        got.sort();
+        assert_eq!(
+            got,
+            [
+                "X \"j1 rank 1\" tensor grad.w ALLREDUCE@5000300.0+700.0",
+                "X 4101 tensor grad.w ALLREDUCE@5000100.0+500.0",
+                "X 4101 tensor grad.w QUEUE@5000120.0+30.0",
+                "i 4101 tensor grad.b NEGOTIATE_ALLREDUCE@5000090.0+null",
+            ]
+        );
+        // The open slice says so; args are kept.
+        let open = out
+            .iter()
+            .find(|e| e["pid"] == "j1 rank 1" && e["ph"] == "X")
+            .unwrap();
+        assert_eq!(open["args"]["open"], true);
+        assert_eq!(open["args"]["bytes"], "4096");
+        // The remote rank gets its own process, with job and rank.
+        let remote = out.iter().find(|e| e["name"] == "process_name").unwrap();
+        assert_eq!(remote["pid"], "j1 rank 1");
+        assert_eq!(remote["args"]["job"], "j1");
+        assert_eq!(remote["args"]["rank"], 1);
+        assert!(out.iter().any(|e| e["name"] == "thread_name"
+            && e["pid"] == 4101
+            && e["tid"] == "tensor grad.w"
+            && e["args"]["name"] == "grad.w"));
+        assert_eq!(
+            local_ranks(&[j], &local),
+            [(4101, ("j1".to_owned(), 0))].into()
+        );
+    }
+
+    #[test]
+    fn slices_outside_the_window_are_left_out() {
+        let list = ranks(&[(0, 1, "n1")]);
+        let j = job(&list);
+        let pids: BTreeSet<u32> = [1].into();
+        let local = Here {
+            host: "n1",
+            pids: &pids,
+        };
+        let events = vec![
+            event(0, "t", "ALLREDUCE", Phase::Begin, 100),
+            event(0, "t", "ALLREDUCE", Phase::End, 200),
+            event(0, "t", "ALLREDUCE", Phase::Begin, 900),
+            event(0, "t", "ALLREDUCE", Phase::End, 1_100),
+        ];
+        let out = job_activities(j, &events, &local, 0, 1_000.0, 2_000.0);
+        assert_eq!(timed(&out), ["X 1 tensor t ALLREDUCE@900.0+200.0"]);
+    }
+
+    fn conn(
+        pid: u32,
+        tx: u64,
+        rx: u64,
+        retransmits: u64,
+        opened_ns: u64,
+        closed: bool,
+    ) -> Connection {
+        Connection {
+            pid,
+            local: "10.0.0.1:5000".into(),
+            remote: "10.0.0.2:6000".into(),
+            tx_bytes: tx,
+            rx_bytes: rx,
+            retransmits,
+            srtt_us: 0,
+            cwnd: 0,
+            opened_ns,
+            closed_ns: closed.then_some(opened_ns + 1),
+        }
+    }
+
+    fn no_gpus() -> GpuSnapshot {
+        GpuSnapshot {
+            gpus: Vec::new(),
+            unavailable_reason: Some("none here".into()),
+        }
+    }
+
+    #[test]
+    fn tcp_counters_are_rates_per_second_per_connection() {
+        let mut history = CounterHistory::new(10e6);
+        // Before the first sample: no baseline for a connection that already
+        // existed, so nothing yet.
+        history.sample(1e6, &[conn(7, 1_000, 0, 0, 0, false)], &no_gpus());
+        assert_eq!(history.events().count(), 0);
+        // 2 s later: 4,000 bytes more sent, 1 retransmit.
+        history.sample(3e6, &[conn(7, 5_000, 600, 1, 0, false)], &no_gpus());
+        let events: Vec<&Value> = history.events().collect();
+        assert_eq!(events.len(), 2);
+        let rate = events
+            .iter()
+            .find(|e| e["name"] == "tcp 10.0.0.1:5000\u{2192}10.0.0.2:6000")
+            .unwrap();
+        assert_eq!(rate["ph"], "C");
+        assert_eq!(rate["pid"], 7);
+        assert_eq!(rate["ts"], 1e6);
+        assert_eq!(rate["args"]["tx_bytes_per_s"], 2_000.0);
+        assert_eq!(rate["args"]["rx_bytes_per_s"], 300.0);
+        let retrans = events
+            .iter()
+            .find(|e| e["name"] == "tcp retransmits 10.0.0.1:5000\u{2192}10.0.0.2:6000")
+            .unwrap();
+        assert_eq!(retrans["args"]["retransmits"], 1);
+        // A connection opened (monotonic 3.5 s) and closed since: counted
+        // from zero, then a zero sample at the close; nothing afterwards.
+        let mut other = conn(8, 1_000_000, 0, 0, 3_500_000_000, true);
+        other.remote = "10.0.0.3:1".into();
+        history.sample(
+            4e6,
+            &[conn(7, 5_000, 600, 1, 0, false), other.clone()],
+            &no_gpus(),
+        );
+        history.sample(5e6, &[conn(7, 5_000, 600, 1, 0, false), other], &no_gpus());
+        let closed: Vec<(f64, f64)> = history
+            .events()
+            .filter(|e| {
+                e["pid"] == 8 && e["cat"] == "tcp" && e["args"].get("tx_bytes_per_s").is_some()
+            })
+            .map(|e| {
+                (
+                    e["ts"].as_f64().unwrap(),
+                    e["args"]["tx_bytes_per_s"].as_f64().unwrap(),
+                )
+            })
+            .collect();
+        assert_eq!(closed, [(3e6, 1_000_000.0), (4e6, 0.0)]);
+        // The window keeps 10 s: an old sample goes.
+        history.sample(14.5e6, &[], &no_gpus());
+        assert!(history.events().all(|e| e["ts"].as_f64().unwrap() >= 4.5e6));
+    }
+
+    #[test]
+    fn gpu_figures_become_counter_tracks_per_gpu() {
+        let device = FakeDevice {
+            power_mw: Some(312_500),
+            ..FakeDevice::default()
+        };
+        let gpus = GpuSnapshot {
+            gpus: vec![read_device(&device, 0)],
+            unavailable_reason: None,
+        };
+        let mut history = CounterHistory::new(60e6);
+        history.sample(2e6, &[], &gpus);
+        let events: Vec<&Value> = history.events().collect();
+        let name = events.iter().find(|e| e["ph"] == "M").unwrap();
+        assert_eq!(name["pid"], "gpu3");
+        assert_eq!(name["args"]["name"], "GPU 3 (Fake H100)");
+        let counter = |n: &str| {
+            events
+                .iter()
+                .find(|e| e["ph"] == "C" && e["name"] == n)
+                .unwrap_or_else(|| panic!("no {n} counter: {events:?}"))
+        };
+        assert_eq!(
+            counter("utilization")["args"],
+            json!({"gpu_percent": 87, "memory_percent": 41})
+        );
+        assert_eq!(counter("memory used")["args"]["bytes"], 10u64 << 30);
+        assert_eq!(counter("power")["args"]["watts"], 312.5);
+        assert_eq!(counter("temperature")["args"]["celsius"], 64);
+        assert!(
+            events
+                .iter()
+                .filter(|e| e["ph"] == "C")
+                .all(|e| e["pid"] == "gpu3" && e["ts"] == 2e6)
+        );
+        // An unsupported figure is simply absent.
+        let device = FakeDevice::default();
+        let mut history = CounterHistory::new(60e6);
+        let gpus = GpuSnapshot {
+            gpus: vec![read_device(&device, 0)],
+            unavailable_reason: None,
+        };
+        history.sample(1e6, &[], &gpus);
+        assert!(!history.events().any(|e| e["name"] == "power"));
+        // No GPU: no GPU tracks.
+        let mut history = CounterHistory::new(60e6);
+        history.sample(1e6, &[], &no_gpus());
+        assert_eq!(history.events().count(), 0);
+    }
+}
