@@ -267,6 +267,13 @@ pub async fn run(args: ServeArgs) -> Result<()> {
             tracing::info!("shutting down");
         }
     }
+    if let Some(tunings) = state.tunings.clone() {
+        // Running sessions end the way a stop request ends them: the best
+        // knobs pinned, the claim released, the report written.
+        tokio::task::spawn_blocking(move || tunings.stop_all(std::time::Duration::from_secs(15)))
+            .await
+            .context("stopping the tuning sessions")?;
+    }
     let _ = shutdown_tx.send(());
     server
         .await

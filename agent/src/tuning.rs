@@ -749,6 +749,38 @@ impl Tunings {
         Some(view)
     }
 
+    /// Stops every running session (best knobs kept) and waits up to
+    /// `limit` for them to end (the agent is shutting down).
+    pub fn stop_all(&self, limit: Duration) {
+        let running: Vec<String> = self
+            .sessions()
+            .iter()
+            .filter(|(_, h)| h.view().state == SessionState::Running)
+            .map(|(job_id, _)| job_id.clone())
+            .collect();
+        if running.is_empty() {
+            return;
+        }
+        tracing::info!(
+            sessions = running.len(),
+            "stopping the running tuning sessions (best knobs kept)"
+        );
+        for job_id in &running {
+            self.stop(job_id, Keep::Best);
+        }
+        let deadline = Instant::now() + limit;
+        while self.all().iter().any(|v| v.state == SessionState::Running) {
+            if Instant::now() >= deadline {
+                tracing::warn!(
+                    "tuning sessions still running after {limit:?}; their jobs keep the knobs \
+                     they have"
+                );
+                return;
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    }
+
     /// Checks the request, reserves the job's session slot and starts the
     /// session's thread; the receiver answers once the session holds the
     /// job's claim (or why it could not).

@@ -601,3 +601,52 @@ fn a_job_that_dies_mid_session_fails_the_session_with_a_clear_error() {
     );
     assert_eq!(session["report_id"], Value::Null);
 }
+
+#[test]
+fn sigterm_ends_a_running_session_on_its_best_knobs_with_a_report() {
+    let runtime = TempDir::new("term-run");
+    let reports = TempDir::new("term-reports");
+    let job_id = format!("tune-term-{}", std::process::id());
+    let job = Job::start(
+        &runtime.0,
+        &job_id,
+        &[
+            "sweep",
+            "--min-bytes",
+            "4096",
+            "--max-bytes",
+            "4096",
+            "--iters",
+            "1000000000",
+        ],
+    );
+    let mut agent = ApiServer::start(&agent_args(&runtime, &reports), false);
+    wait_for_job(&agent, &job_id);
+    let body = r#"{"budget":50,"measured_cycles":20,"min_window_ms":300}"#;
+    let (status, _, created) = agent.send("POST", &format!("/api/jobs/{job_id}/tuning"), &[], body);
+    assert_eq!(status, 201, "{created}");
+    poll_session(&agent, &job_id, Duration::from_secs(60), |s| {
+        s["samples"].as_array().is_some_and(|a| a.len() >= 2)
+    });
+    // SAFETY: kill has no memory preconditions; the agent is our child.
+    unsafe { libc::kill(agent.child.id() as i32, libc::SIGTERM) };
+    let status = common::wait_within(&mut agent.child, Duration::from_secs(60));
+    assert!(status.success(), "the agent did not exit cleanly: {status}");
+
+    let (knobs, autotune) = job.knobs();
+    assert_eq!(
+        autotune,
+        AutotuneState::Done,
+        "the claim was not released as completed"
+    );
+    let metas: Vec<Value> = std::fs::read_dir(&reports.0)
+        .unwrap()
+        .flatten()
+        .filter(|e| e.path().extension().is_some_and(|x| x == "json"))
+        .map(|e| serde_json::from_slice(&std::fs::read(e.path()).unwrap()).unwrap())
+        .collect();
+    assert_eq!(metas.len(), 1, "{metas:?}");
+    assert_eq!(metas[0]["state"], "stopped", "{}", metas[0]);
+    assert!(metas[0]["samples"].as_u64().unwrap() >= 2, "{}", metas[0]);
+    assert_eq!(knobs_of(&metas[0]["best"]), knobs);
+}
