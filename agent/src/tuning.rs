@@ -842,6 +842,7 @@ impl Tunings {
                 stop: Mutex::new(None),
             });
             sessions.insert(job_id.to_owned(), handle.clone());
+            forget_oldest_finished(&mut sessions);
             handle
         };
         let (ready_tx, ready_rx) = tokio::sync::oneshot::channel();
@@ -1218,6 +1219,29 @@ impl Tunings {
                 }
             })?;
         Ok(())
+    }
+}
+
+/// Finished sessions kept for `GET` (the newest; running ones always stay).
+const FINISHED_SESSIONS_KEPT: usize = 100;
+
+/// Keeps memory bounded: forgets the oldest finished sessions beyond
+/// [`FINISHED_SESSIONS_KEPT`].
+fn forget_oldest_finished(sessions: &mut BTreeMap<String, Arc<Handle>>) {
+    let mut finished: Vec<(u64, String)> = sessions
+        .iter()
+        .filter_map(|(job_id, h)| {
+            let view = h.view();
+            (view.state != SessionState::Running).then(|| (view.started_unix_ms, job_id.clone()))
+        })
+        .collect();
+    if finished.len() <= FINISHED_SESSIONS_KEPT {
+        return;
+    }
+    finished.sort();
+    let excess = finished.len() - FINISHED_SESSIONS_KEPT;
+    for (_, job_id) in finished.into_iter().take(excess) {
+        sessions.remove(&job_id);
     }
 }
 
