@@ -424,6 +424,10 @@ fn median(values: &[f64]) -> Option<f64> {
 /// may only appear now).
 const FEED_REREAD_NS: u64 = 2_000_000_000;
 
+/// A stretch in which more than this share of the kernel's records was
+/// lost says too little about the job's waits to judge a window by.
+const MAX_LOST_SHARE: f64 = 0.01;
+
 /// How long the feed keeps waits and retransmits.
 const FEED_KEEP_NS: u64 = 120_000_000_000;
 
@@ -444,6 +448,8 @@ struct FeedData {
     /// Records the kernel could not deliver (ring buffer full) or held
     /// back (per-thread rate limit), at the last reading.
     records_lost: u64,
+    /// Records delivered (decoded), at the last reading.
+    records_delivered: u64,
     /// Ranges (monotonic ns) during which records were lost: windows that
     /// overlap one are not judged.
     lossy: Vec<(u64, u64)>,
@@ -492,16 +498,25 @@ impl LoadFeed {
         .into_iter()
         .map(|counter| probes.counter(counter).unwrap_or(0))
         .sum::<u64>();
+        let records_delivered = session.events;
         let mut data = self.lock();
-        if records_lost > data.records_lost {
+        let lost = records_lost.saturating_sub(data.records_lost);
+        let delivered = records_delivered.saturating_sub(data.records_delivered);
+        if lost as f64 > MAX_LOST_SHARE * (lost + delivered) as f64 {
             let lost_from = if data.covered_until_ns == 0 {
                 0
             } else {
                 data.covered_until_ns
             };
+            tracing::debug!(
+                lost,
+                delivered,
+                "the kernel lost records: windows across this stretch are not judged"
+            );
             data.lossy.push((lost_from, now));
         }
         data.records_lost = records_lost;
+        data.records_delivered = records_delivered;
         data.waits.extend(waits);
         // The model is the truth for [from, now): replace that range.
         let stale: Vec<(u64, u32)> = data
