@@ -482,7 +482,7 @@ impl LoadFeed {
         let mut waits = Vec::new();
         for &pid in session.watched() {
             for tid in model.tids(pid) {
-                for interval in model.intervals(tid, from, now) {
+                for interval in model.intervals_ended_since(tid, from) {
                     if interval.kind == ebpf::IntervalKind::RunQueue {
                         waits.push(((interval.start_ns, tid), (pid, interval.duration_ns)));
                     }
