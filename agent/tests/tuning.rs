@@ -54,7 +54,22 @@ impl Job {
     }
 
     fn start_with_env(dir: &Path, id: &str, workload: &[&str], env: &[(&str, &str)]) -> Self {
-        let launcher = Command::new(collbench())
+        Self::start_as(dir, id, workload, env, None)
+    }
+
+    /// Starts the job, as user `uid` (and group `uid`) when given.
+    fn start_as(
+        dir: &Path,
+        id: &str,
+        workload: &[&str],
+        env: &[(&str, &str)],
+        uid: Option<u32>,
+    ) -> Self {
+        let mut command = Command::new(collbench());
+        if let Some(uid) = uid {
+            command.uid(uid).gid(uid);
+        }
+        let launcher = command
             .args(["-n", "2", "--json"])
             .args(workload)
             .env("RINGWATCH_RUNTIME_DIR", dir)
@@ -649,4 +664,61 @@ fn sigterm_ends_a_running_session_on_its_best_knobs_with_a_report() {
     assert_eq!(metas[0]["state"], "stopped", "{}", metas[0]);
     assert!(metas[0]["samples"].as_u64().unwrap() >= 2, "{}", metas[0]);
     assert_eq!(knobs_of(&metas[0]["best"]), knobs);
+}
+
+#[test]
+fn an_unprivileged_agent_tunes_a_job_without_ebpf() {
+    // As root, drop to `nobody` for both the job and the agent; otherwise
+    // this test already runs unprivileged.
+    // SAFETY: geteuid has no preconditions.
+    let root = unsafe { libc::geteuid() } == 0;
+    let uid = root.then_some(65534u32);
+    let runtime = TempDir::new("unpriv-run");
+    let reports = TempDir::new("unpriv-reports");
+    for dir in [&runtime.0, &reports.0] {
+        std::fs::set_permissions(dir, std::os::unix::fs::PermissionsExt::from_mode(0o777)).unwrap();
+    }
+    let job_id = format!("tune-unpriv-{}", std::process::id());
+    let job = Job::start_as(
+        &runtime.0,
+        &job_id,
+        &[
+            "--cycle-time-ms",
+            "8",
+            "sweep",
+            "--min-bytes",
+            "4096",
+            "--max-bytes",
+            "4096",
+            "--iters",
+            "1000000000",
+        ],
+        &[],
+        uid,
+    );
+    let agent = ApiServer::start_configured(
+        "127.0.0.1:0",
+        &agent_args(&runtime, &reports),
+        false,
+        |command| {
+            if let Some(uid) = uid {
+                command.uid(uid).gid(uid).env("HOME", &reports.0);
+            }
+        },
+    );
+    wait_for_job(&agent, &job_id);
+    let body = r#"{"budget":4,"warmup_cycles":2,"measured_cycles":20,"min_window_ms":300,"bounds":{"cycle_time_ms":[0.5,10]}}"#;
+    let (status, _, created) = agent.send("POST", &format!("/api/jobs/{job_id}/tuning"), &[], body);
+    assert_eq!(status, 201, "{created}");
+    let session = poll_session(&agent, &job_id, Duration::from_secs(120), |s| {
+        s["state"] != "running"
+    });
+    assert_eq!(session["state"], "done", "{session:#}");
+    // Root dropped to nobody, or not root from the start: no eBPF either way.
+    assert_eq!(session["disturbance_detection"], "off: no eBPF (not root)");
+    assert_eq!(session["samples"].as_array().unwrap().len(), 4);
+    let best = knobs_of(&session["best"]["knobs"]);
+    assert_eq!(job.knobs().0, best);
+    let report_id = session["report_id"].as_str().unwrap();
+    assert!(reports.0.join(format!("{report_id}.parquet")).is_file());
 }

@@ -219,7 +219,20 @@ impl ApiServer {
 
     /// Like [`ApiServer::start`], listening on `listen` (port 0: any).
     pub fn start_listening(listen: &str, extra: &[&str], watching: bool) -> Self {
-        let mut child = Command::new(AGENT)
+        Self::start_configured(listen, extra, watching, |_| {})
+    }
+
+    /// Like [`ApiServer::start_listening`], with the command adjusted by
+    /// `configure` first (e.g. another uid).
+    pub fn start_configured(
+        listen: &str,
+        extra: &[&str],
+        watching: bool,
+        configure: impl FnOnce(&mut Command),
+    ) -> Self {
+        let mut command = Command::new(AGENT);
+        configure(&mut command);
+        let mut child = command
             .args(["serve", "--listen", listen])
             .args(extra)
             .env("RINGWATCH_LOCK_FILE", unique_lock_file())
