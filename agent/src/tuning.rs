@@ -989,7 +989,14 @@ impl Tunings {
         );
 
         let started = Instant::now();
-        let pids: BTreeSet<u32> = job.ranks.iter().map(|r| r.pid).collect();
+        // The job's ranks on this node (eBPF sees only those).
+        let host = crate::jobs::host_name();
+        let pids: BTreeSet<u32> = job
+            .ranks
+            .iter()
+            .filter(|r| r.host == host)
+            .map(|r| r.pid)
+            .collect();
         let mut usual: Vec<WindowRates> = Vec::new();
         let mut last_work = Instant::now();
         let mut stopped: Option<Keep> = None;
