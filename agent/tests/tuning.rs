@@ -722,3 +722,104 @@ fn an_unprivileged_agent_tunes_a_job_without_ebpf() {
     let report_id = session["report_id"].as_str().unwrap();
     assert!(reports.0.join(format!("{report_id}.parquet")).is_file());
 }
+
+#[test]
+fn the_tune_command_prints_one_row_per_sample_and_the_outcome() {
+    let runtime = TempDir::new("cli-run");
+    let reports = TempDir::new("cli-reports");
+    let job_id = format!("tune-cli-{}", std::process::id());
+    let job = Job::start(
+        &runtime.0,
+        &job_id,
+        &[
+            "--cycle-time-ms",
+            "8",
+            "sweep",
+            "--min-bytes",
+            "4096",
+            "--max-bytes",
+            "4096",
+            "--iters",
+            "1000000000",
+        ],
+    );
+    let token_file = runtime.0.join("token");
+    std::fs::write(&token_file, "cli-token\n").unwrap();
+    let mut args = agent_args(&runtime, &reports);
+    args.extend(["--token-file", token_file.to_str().unwrap()]);
+    let agent = ApiServer::start(&args, false);
+    wait_for_job(&agent, &job_id);
+    let url = format!("http://{}", agent.addr);
+    let run = |extra: &[&str]| {
+        let output = Command::new(common::AGENT)
+            .args(["tune", "--job", &job_id, "--agent", &url, "--token-file"])
+            .arg(&token_file)
+            .args(extra)
+            .env_remove("RINGWATCH_API_TOKEN")
+            .output()
+            .unwrap();
+        (
+            output.status,
+            String::from_utf8_lossy(&output.stdout).into_owned(),
+            String::from_utf8_lossy(&output.stderr).into_owned(),
+        )
+    };
+    let (status, stdout, stderr) = run(&[
+        "--budget",
+        "4",
+        "--warmup-cycles",
+        "2",
+        "--measured-cycles",
+        "20",
+        "--min-window-ms",
+        "300",
+        "--bounds-cycle-time-ms",
+        "0.5,10",
+    ]);
+    assert!(status.success(), "{stdout}\n{stderr}");
+    let rows: Vec<&str> = stdout
+        .lines()
+        .filter(|l| {
+            l.split_whitespace()
+                .next()
+                .is_some_and(|w| w.parse::<usize>().is_ok())
+        })
+        .collect();
+    assert_eq!(rows.len(), 4, "{stdout}");
+    assert!(stdout.contains("session done: 4 samples"), "{stdout}");
+    assert!(
+        stdout.contains("chosen knobs: fusion threshold"),
+        "{stdout}"
+    );
+    assert!(
+        stdout.contains("speedup over the starting knobs:"),
+        "{stdout}"
+    );
+    assert!(stdout.contains("/api/reports/"), "{stdout}");
+    // The printed knobs are the session's, and the job's now.
+    let (_, session) = agent.get_json(&format!("/api/jobs/{job_id}/tuning"));
+    let best = knobs_of(&session["best"]["knobs"]);
+    assert!(
+        stdout.contains(&format!(
+            "chosen knobs: fusion threshold {} bytes, cycle time {:.3} ms",
+            best.fusion_threshold_bytes,
+            best.cycle_time_us as f64 / 1e3
+        )),
+        "{stdout}"
+    );
+    assert_eq!(job.knobs().0, best);
+
+    let (status, stdout, _) = run(&["--status"]);
+    assert!(status.success());
+    assert!(stdout.contains("session done: 4 samples"), "{stdout}");
+    // A wrong token: the agent's 401 is the command's error.
+    let output = Command::new(common::AGENT)
+        .args(["tune", "--job", &job_id, "--agent", &url, "--stop"])
+        .env("RINGWATCH_API_TOKEN", "wrong")
+        .env_remove("RINGWATCH_API_TOKEN_FILE")
+        .output()
+        .unwrap();
+    assert!(!output.status.success());
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert!(stderr.contains("401"), "{stderr}");
+}
