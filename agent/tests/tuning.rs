@@ -399,6 +399,20 @@ fn killing_the_agent_mid_session_leaves_the_job_running_to_a_clean_finish() {
     assert_eq!(autotune, AutotuneState::Interrupted);
     let knobs_at_kill = job.settled_knobs();
     eprintln!("knobs when the agent died: {knobs_now:?}, settled: {knobs_at_kill:?}");
+    // An agent that restarts finds the job again, and sees it interrupted
+    // (with autotune on it would tune it again; here it only looks).
+    let agent = ApiServer::start(&agent_args(&runtime, &reports), false);
+    wait_for_job(&agent, &job_id);
+    let (_, jobs) = agent.get_json("/api/jobs");
+    let listed = jobs["jobs"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|j| j["job_id"] == job_id.as_str())
+        .cloned()
+        .unwrap();
+    assert_eq!(listed["autotune"], "interrupted", "{listed}");
+    assert_eq!(agent.get_json(&format!("/api/jobs/{job_id}/tuning")).0, 404);
     let status = common::wait_within(&mut job.launcher, Duration::from_secs(180));
     assert!(
         status.success(),
