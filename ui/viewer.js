@@ -730,6 +730,10 @@ class Viewer {
     q.set('from', 'now-' + Math.round(this.live.windowUs / 1e6) + 's');
     if (this.filter.startsWith('job:')) q.set('job', this.filter.slice(4));
     else if (this.filter.startsWith('pid:')) q.set('pid', this.filter.slice(4));
+    // A busy job's last seconds can hold more thread states than one answer
+    // may carry: ask the agent to keep the longest ones (it says so) rather
+    // than refuse.
+    q.set('downsample', 'true');
     return '/api/timeline?' + q.toString();
   }
   async liveTick() {

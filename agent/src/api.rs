@@ -289,7 +289,7 @@ async fn timeline(
     State(state): State<ApiState>,
     Query(params): Params,
 ) -> Result<Response, ApiError> {
-    reject_unknown(&params, &["from", "to", "job", "pid"])?;
+    reject_unknown(&params, &["from", "to", "job", "pid", "downsample"])?;
     let point = |name: &str| -> Result<Option<TimePoint>, ApiError> {
         params
             .get(name)
@@ -304,6 +304,15 @@ async fn timeline(
         to: point("to")?,
         job: params.get("job").cloned(),
         pid: params.get("pid").cloned(),
+        downsample: match params.get("downsample").map(String::as_str) {
+            None | Some("0") | Some("false") => false,
+            Some("1") | Some("true") => true,
+            Some(other) => {
+                return Err(ApiError::bad_request(format!(
+                    "bad downsample: {other:?} (use true or false)"
+                )));
+            }
+        },
     };
     let limit = state.timeline_event_limit;
     // A recorded trace when one was given, else the live view.
@@ -655,7 +664,8 @@ pub fn openapi_document() -> serde_json::Value {
                     { "name": "from", "in": "query", "schema": { "type": "string" }, "description": "µs on the trace clock, or now-<duration> (now-10s)" },
                     { "name": "to", "in": "query", "schema": { "type": "string" }, "description": "µs, or now-<duration>; default now" },
                     { "name": "job", "in": "query", "schema": { "type": "string" }, "description": "only this job's ranks" },
-                    { "name": "pid", "in": "query", "schema": { "type": "string" }, "description": "only this process" }
+                    { "name": "pid", "in": "query", "schema": { "type": "string" }, "description": "only this process" },
+                    { "name": "downsample", "in": "query", "schema": { "type": "boolean" }, "description": "over the event limit, keep every job activity, counter and NCCL call and the longest thread-state slices (metadata.downsampled says what was dropped) instead of answering 413" }
                 ],
                 "responses": {
                     "200": { "description": "a Chrome trace", "content": { "application/json": { "schema": {

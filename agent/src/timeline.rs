@@ -62,6 +62,10 @@ pub struct TimelineQuery {
     pub job: Option<String>,
     /// Only this process (a Chrome-trace pid: a number, or a name like `gpu0`).
     pub pid: Option<String>,
+    /// Over the limit, answer anyway with the longest thread-state slices
+    /// (every other event kept), saying so in `metadata.downsampled`,
+    /// instead of refusing.
+    pub downsample: bool,
 }
 
 /// Why a query could not be answered.
@@ -260,20 +264,71 @@ impl RecordedTrace {
             .iter()
             .filter(|e| end(e) >= from && wanted(e))
             .collect();
-        if selected.len() > limit {
+        let mut downsampled = Value::Null;
+        let selected = if selected.len() <= limit {
+            selected
+        } else if query.downsample {
+            let count = selected.len();
+            let (kept, note) =
+                downsample(selected, limit).ok_or(QueryError::TooLarge { count, limit })?;
+            downsampled = note;
+            kept
+        } else {
             return Err(QueryError::TooLarge {
                 count: selected.len(),
                 limit,
             });
-        }
+        };
         let mut trace_events: Vec<&Value> = self.metadata.iter().filter(|e| wanted(e)).collect();
         trace_events.extend(selected);
+        let mut metadata =
+            json!({ "now": self.now_us, "source": format!("recorded: {}", self.source) });
+        if !downsampled.is_null() {
+            metadata["downsampled"] = downsampled;
+        }
         Ok(json!({
             "traceEvents": trace_events,
             "displayTimeUnit": "ms",
-            "metadata": { "now": self.now_us, "source": format!("recorded: {}", self.source) },
+            "metadata": metadata,
         }))
     }
+}
+
+/// Thins `selected` (in time order) to at most `limit` events: every event
+/// that is not a thread-state slice stays (job activities, counters, NCCL
+/// calls), and of the thread-state slices the longest are kept. Returns the
+/// kept events, still in time order, and a note for the answer's metadata;
+/// `None` when the other events alone exceed the limit.
+fn downsample(selected: Vec<&Value>, limit: usize) -> Option<(Vec<&Value>, Value)> {
+    let is_state = |e: &Value| e.get("cat").and_then(Value::as_str) == Some("thread_state");
+    let others = selected.iter().filter(|e| !is_state(e)).count();
+    let room = limit.checked_sub(others)?;
+    let mut states: Vec<(usize, f64)> = selected
+        .iter()
+        .enumerate()
+        .filter(|(_, e)| is_state(e))
+        .map(|(i, e)| (i, end(e) - ts(e)))
+        .collect();
+    // Longest first; ties by time so the choice is deterministic.
+    states.sort_by(|a, b| b.1.total_cmp(&a.1).then(a.0.cmp(&b.0)));
+    let dropped = states.len().saturating_sub(room);
+    let shortest_kept = states.get(room.saturating_sub(1)).map(|s| s.1);
+    let mut keep = vec![true; selected.len()];
+    for &(i, _) in states.iter().skip(room) {
+        keep[i] = false;
+    }
+    let note = json!({
+        "reason": format!("the range holds {} events, more than the {limit} one answer may carry", selected.len()),
+        "thread_state_slices_dropped": dropped,
+        "thread_state_slices_kept": states.len() - dropped,
+        "shortest_kept_us": shortest_kept,
+    });
+    let kept = selected
+        .into_iter()
+        .zip(keep)
+        .filter_map(|(e, k)| k.then_some(e))
+        .collect();
+    Some((kept, note))
 }
 
 fn parse_unterminated_array(text: &str) -> Result<Value> {
@@ -422,6 +477,70 @@ mod tests {
         let processes = trace.processes();
         assert_eq!(processes.len(), 3);
         assert_eq!(processes[2]["pid"], "gpu0");
+    }
+
+    #[test]
+    fn downsampling_keeps_other_events_and_the_longest_thread_states() {
+        let mut events = vec![
+            json!({"ph": "M", "name": "process_name", "pid": 1, "args": {"name": "p"}}),
+            json!({"ph": "X", "cat": "job", "name": "ALLREDUCE", "pid": 1, "tid": 1, "ts": 5.0, "dur": 1.0}),
+            json!({"ph": "C", "name": "tcp", "pid": 1, "ts": 6.0, "args": {"tx": 1}}),
+        ];
+        // Thread states of durations 10, 1, 7, 3 µs at ts 0, 20, 40, 60.
+        for (i, dur) in [10.0, 1.0, 7.0, 3.0].into_iter().enumerate() {
+            events.push(json!({"ph": "X", "cat": "thread_state", "name": "running",
+                "pid": 1, "tid": 2, "ts": 20.0 * i as f64, "dur": dur}));
+        }
+        let trace = RecordedTrace::from_events(events, Some(100.0), "t").unwrap();
+        let q = TimelineQuery {
+            downsample: true,
+            ..TimelineQuery::default()
+        };
+        // 6 events, room for 4: the job slice, the counter and the two
+        // longest states (10 and 7 µs), in time order.
+        let answer = trace.query(&q, 4).unwrap();
+        let kept: Vec<(String, f64)> = answer["traceEvents"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .filter(|e| e["ph"] != "M")
+            .map(|e| {
+                (
+                    e["name"].as_str().unwrap().to_owned(),
+                    e["ts"].as_f64().unwrap(),
+                )
+            })
+            .collect();
+        assert_eq!(
+            kept,
+            [
+                ("running".to_owned(), 0.0),
+                ("ALLREDUCE".to_owned(), 5.0),
+                ("tcp".to_owned(), 6.0),
+                ("running".to_owned(), 40.0)
+            ]
+        );
+        let note = &answer["metadata"]["downsampled"];
+        assert_eq!(note["thread_state_slices_dropped"], 2);
+        assert_eq!(note["shortest_kept_us"], 7.0);
+        // Under the limit nothing is said; with only room for the others,
+        // every state goes; below that it is refused.
+        assert!(
+            trace.query(&q, 6).unwrap()["metadata"]
+                .get("downsampled")
+                .is_none()
+        );
+        assert_eq!(
+            trace.query(&q, 2).unwrap()["traceEvents"]
+                .as_array()
+                .unwrap()
+                .len(),
+            3
+        );
+        assert!(matches!(
+            trace.query(&q, 1),
+            Err(QueryError::TooLarge { .. })
+        ));
     }
 
     #[test]

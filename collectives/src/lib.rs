@@ -27,12 +27,28 @@
 //!   `RINGWATCH_RUNTIME_DIR` (control socket dir, default /run/ringwatch, falling back to
 //!   `$XDG_RUNTIME_DIR/ringwatch` or `/tmp/ringwatch-<uid>`), `RINGWATCH_CONTROL_SOCKET=0`
 //!   to not serve it.
+//! - Tuning: `RINGWATCH_AUTOTUNE=1` (or `HOROVOD_AUTOTUNE=1`) puts the job in `waiting`
+//!   for `RINGWATCH_AUTOTUNE_WAIT_SECS` (default 5) so that an agent may claim it (see
+//!   [`control`]); if none does, rank 0 tunes the job itself (feature `autotune`) with
+//!   `RINGWATCH_AUTOTUNE_BUDGET` samples (20), `RINGWATCH_AUTOTUNE_WARMUP_CYCLES` (3),
+//!   `RINGWATCH_AUTOTUNE_MEASURED_CYCLES` (10), `RINGWATCH_AUTOTUNE_MIN_WINDOW_MS` (1000),
+//!   `RINGWATCH_AUTOTUNE_SEED` (0), pins the best knobs and writes its report to
+//!   `RINGWATCH_AUTOTUNE_LOG=PATH.csv` (or `HOROVOD_AUTOTUNE_LOG`) plus `PATH.parquet` and
+//!   `PATH.html`. Without an agent there is no disturbance detection: every measured
+//!   window counts as clean.
 //!
 //! # Determinism
 //! Every rank gets bit-identical results. Each element's reduction order depends only on
 //! its index in its own tensor, the world size and the algorithm, never on fusion or cycle
 //! time. Switching `hierarchical_allreduce` changes the order, so float sums may differ in
 //! the last bits between the two algorithms (integers, min and max never do).
+//!
+//! # Dependencies
+//! This crate depends on nothing else of ringwatch's, with one exception behind the default
+//! feature `autotune`: `tuner`, which is allowed because it is pure (no I/O, threads or
+//! clock of its own; the one file-writing call, the report, runs on a helper thread here),
+//! so it cannot put anything on the job's data path. The agent uses this crate with
+//! `default-features = false` and so never pulls it in.
 //!
 //! # Invariants
 //! - Never depends on the agent: a job runs the same with or without one; the control socket

@@ -173,3 +173,82 @@ fn a_malformed_claim_closes_only_that_client_and_ends_its_claim() {
     rt.shutdown();
     std::fs::remove_dir_all(dir).ok();
 }
+
+/// Keeps the one-rank job busy for `for_how_long` (cycles with work).
+fn keep_busy(rt: &Runtime, for_how_long: Duration) {
+    let until = Instant::now() + for_how_long;
+    let mut i = 100;
+    while Instant::now() < until {
+        still_reduces(rt, i);
+        i += 1;
+    }
+}
+
+#[test]
+fn an_agent_claim_during_the_wait_means_the_job_never_tunes_itself() {
+    let autotune = AutotuneConfig {
+        wait: Duration::from_millis(200),
+        min_window: Duration::from_millis(10),
+        measured_cycles: 1,
+        warmup_cycles: 0,
+        ..Default::default()
+    };
+    let (rt, path, dir) = one_rank_job("agent-first", Some(autotune));
+    let start_knobs = rt.knobs().0;
+    let mut agent = ControlClient::connect(&path, T).unwrap();
+    assert_eq!(agent.claim_tuning(T).unwrap(), AutotuneState::Agent);
+    keep_busy(&rt, Duration::from_millis(800));
+    assert_eq!(rt.autotune_state(), AutotuneState::Agent);
+    drop(agent);
+    await_hello_state(&path, AutotuneState::Interrupted);
+    keep_busy(&rt, Duration::from_millis(500));
+    // Interrupted stays interrupted, on the knobs it had: no self-tuning after an agent.
+    assert_eq!(rt.autotune_state(), AutotuneState::Interrupted);
+    assert_eq!(rt.knobs().0, start_knobs);
+    assert!(rt.self_tune_outcome().is_none());
+    rt.shutdown();
+    std::fs::remove_dir_all(dir).ok();
+}
+
+/// Built without the `autotune` feature, an unclaimed job keeps waiting for an agent and
+/// runs untuned (`cargo test -p collectives --no-default-features`).
+#[cfg(not(feature = "autotune"))]
+#[test]
+fn without_the_autotune_feature_an_unclaimed_job_runs_untuned_and_keeps_waiting() {
+    let autotune = AutotuneConfig {
+        wait: Duration::from_millis(100),
+        ..Default::default()
+    };
+    let (rt, path, dir) = one_rank_job("no-feature", Some(autotune));
+    let start_knobs = rt.knobs().0;
+    keep_busy(&rt, Duration::from_millis(500));
+    assert_eq!(rt.autotune_state(), AutotuneState::Waiting);
+    assert_eq!(rt.knobs().0, start_knobs);
+    let mut agent = ControlClient::connect(&path, T).unwrap();
+    assert_eq!(agent.claim_tuning(T).unwrap(), AutotuneState::Agent);
+    rt.shutdown();
+    std::fs::remove_dir_all(dir).ok();
+}
+
+/// With the feature, the same job tunes itself once the wait is over.
+#[cfg(feature = "autotune")]
+#[test]
+fn an_unclaimed_job_starts_tuning_itself_after_the_wait_and_refuses_claims_meanwhile() {
+    let autotune = AutotuneConfig {
+        wait: Duration::from_millis(100),
+        // Long windows: the session is still running when the claim comes.
+        min_window: Duration::from_secs(60),
+        ..Default::default()
+    };
+    let (rt, path, dir) = one_rank_job("self", Some(autotune));
+    keep_busy(&rt, Duration::from_millis(400));
+    assert_eq!(rt.autotune_state(), AutotuneState::SelfTuning);
+    let mut agent = ControlClient::connect(&path, T).unwrap();
+    assert_eq!(agent.hello().autotune, AutotuneState::SelfTuning);
+    match agent.claim_tuning(T) {
+        Err(ControlError::Server(why)) => assert!(why.contains("tuning itself"), "{why}"),
+        other => panic!("a claim during self-tuning must be refused, got {other:?}"),
+    }
+    rt.shutdown();
+    std::fs::remove_dir_all(dir).ok();
+}

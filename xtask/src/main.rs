@@ -11,6 +11,7 @@ mod demo;
 mod multinode;
 mod topology;
 mod tuning_grid;
+mod tuning_session;
 
 use std::path::{Path, PathBuf};
 use std::process::Command;
@@ -56,6 +57,8 @@ enum Task {
         which: Bench,
         #[command(flatten)]
         grid: tuning_grid::Args,
+        #[command(flatten)]
+        session: tuning_session::Args,
     },
 }
 
@@ -71,6 +74,11 @@ enum Bench {
     /// pretend nodes × 2 ranks (needs root); prints the table, the best
     /// point and the runtime defaults' throughput, writes the table as JSON.
     TuningGrid,
+    /// Self-tuning sessions (RINGWATCH_AUTOTUNE=1, no agent) on the grid's
+    /// topology (needs root): each session's chosen knobs, the runtime
+    /// defaults and the grid's best, measured in the same run; writes
+    /// target/bench/tuning-session.json.
+    TuningSession,
 }
 
 fn main() -> std::process::ExitCode {
@@ -80,7 +88,11 @@ fn main() -> std::process::ExitCode {
         Task::BuildEbpf { out } => build_ebpf(&out),
         Task::Test => test(),
         Task::Demo(args) => demo::run(&root(), &args),
-        Task::Bench { which, grid } => bench(which, &grid),
+        Task::Bench {
+            which,
+            grid,
+            session,
+        } => bench(which, &grid, &session),
     };
     match result {
         Ok(()) => std::process::ExitCode::SUCCESS,
@@ -276,7 +288,7 @@ fn test() -> Result<()> {
     Ok(())
 }
 
-fn bench(which: Bench, grid: &tuning_grid::Args) -> Result<()> {
+fn bench(which: Bench, grid: &tuning_grid::Args, session: &tuning_session::Args) -> Result<()> {
     match which {
         Bench::Tuner => run("cargo", &["bench", "-p", "tuner", "--bench", "tuner"]),
         Bench::Probes => {
@@ -299,5 +311,24 @@ fn bench(which: Bench, grid: &tuning_grid::Args) -> Result<()> {
             }
             tuning_grid::run(&root(), grid)
         }
+        Bench::TuningSession => {
+            if !is_root() {
+                bail!(
+                    "the tuning sessions run on pretend nodes (network namespaces): run it as root (sudo -E cargo xtask bench tuning-session)"
+                );
+            }
+            tuning_session::run(&root(), session, grid)
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_command_line_is_well_formed() {
+        // clap checks flag and group names only when a command is built.
+        <Cli as clap::CommandFactory>::command().debug_assert();
     }
 }

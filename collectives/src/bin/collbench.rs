@@ -15,6 +15,8 @@ use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result, bail};
 use clap::{Args, Parser, Subcommand};
+use collectives::Knobs;
+use collectives::control::AutotuneState;
 use collectives::runtime::RuntimeConfig;
 use collectives::transport::configure_stream;
 use collectives::{ReduceOp, Runtime, Tensor};
@@ -89,13 +91,27 @@ enum Workload {
     },
     /// Each step allreduces ResNet-50's 161 gradient tensors (real sizes, f32) in backward
     /// order, as a framework would; prints steps/s and effective bandwidth.
+    ///
+    /// With --duration or --until-tuned the number of steps is decided by rank 0 (its
+    /// clock, its autotune state) and carried to every rank by a one-element allreduce
+    /// enqueued with each step's gradients. The output then also gives steps/s of the first
+    /// steps (all on the starting knobs) and of the last steps (all on the final knobs),
+    /// leaving out steps during which the knobs changed.
     Resnet50 {
-        /// Timed steps.
+        /// Timed steps (with --until-tuned: timed steps after tuning is over).
         #[arg(long, default_value_t = 10)]
         steps: usize,
         /// Untimed warm-up steps.
         #[arg(long, default_value_t = 2)]
         warmup: usize,
+        /// Run timed steps until this many seconds have passed (instead of --steps); with
+        /// --until-tuned, a limit.
+        #[arg(long, env = "COLLBENCH_DURATION_SECS")]
+        duration: Option<f64>,
+        /// Run until the job's tuning is over (RINGWATCH_AUTOTUNE=1: rank 0 tunes itself or
+        /// an agent tunes it), then --steps more timed steps on the final knobs.
+        #[arg(long)]
+        until_tuned: bool,
     },
     /// Plain TCP throughput between two local processes (the bound a ring cannot beat).
     Link {
@@ -250,7 +266,20 @@ fn worker(cli: &Cli, workload: &Workload) -> Result<()> {
             factor,
             iters,
         } => sweep(cli, *min_bytes, *max_bytes, (*factor).max(2), *iters),
-        Workload::Resnet50 { steps, warmup } => resnet50(cli, *steps, *warmup),
+        Workload::Resnet50 {
+            steps,
+            warmup,
+            duration,
+            until_tuned,
+        } => resnet50(
+            cli,
+            Resnet50Run {
+                steps: *steps,
+                warmup: *warmup,
+                duration: *duration,
+                until_tuned: *until_tuned,
+            },
+        ),
         Workload::Link { bytes } => link(cli, *bytes),
     }
 }
@@ -377,22 +406,92 @@ fn resnet50_shapes() -> Vec<usize> {
     sizes
 }
 
-fn resnet50(cli: &Cli, steps: usize, warmup: usize) -> Result<()> {
+/// How many steps `resnet50` runs.
+#[derive(Debug, Clone, Copy)]
+struct Resnet50Run {
+    steps: usize,
+    warmup: usize,
+    duration: Option<f64>,
+    until_tuned: bool,
+}
+
+/// One timed step: its wall time and the knobs in force when it started and ended.
+#[derive(Debug, Clone, Copy)]
+struct StepRecord {
+    seconds: f64,
+    knobs_before: Knobs,
+    knobs_after: Knobs,
+}
+
+/// Steps/s of a run of steps that all ran on `knobs`.
+#[derive(Debug, Clone, Serialize, PartialEq)]
+struct Phase {
+    knobs: Knobs,
+    steps: usize,
+    steps_per_sec: f64,
+}
+
+fn phase_of<'a>(records: impl Iterator<Item = &'a StepRecord>, knobs: Knobs) -> Option<Phase> {
+    let mut steps = 0;
+    let mut seconds = 0.0;
+    for r in records {
+        if r.knobs_before != knobs || r.knobs_after != knobs {
+            break;
+        }
+        steps += 1;
+        seconds += r.seconds;
+    }
+    (steps > 0 && seconds > 0.0).then(|| Phase {
+        knobs,
+        steps,
+        steps_per_sec: steps as f64 / seconds,
+    })
+}
+
+/// The leading steps on the first step's knobs, and the trailing steps on the last
+/// step's knobs (a step during which the knobs changed belongs to neither).
+fn first_and_last(records: &[StepRecord]) -> (Option<Phase>, Option<Phase>) {
+    let first = records
+        .first()
+        .and_then(|r| phase_of(records.iter(), r.knobs_before));
+    let last = records
+        .last()
+        .and_then(|r| phase_of(records.iter().rev(), r.knobs_after));
+    (first, last)
+}
+
+fn resnet50(cli: &Cli, run: Resnet50Run) -> Result<()> {
     let rt = runtime(cli)?;
     let n = rt.world_size();
     let rank = rt.rank();
+    if run.until_tuned && rank == 0 && rt.autotune_state() == AutotuneState::Off {
+        bail!("--until-tuned needs RINGWATCH_AUTOTUNE=1 (the job is not being tuned)");
+    }
+    if let Some(d) = run.duration
+        && !(d.is_finite() && d > 0.0)
+    {
+        bail!("--duration must be a positive number of seconds, got {d}");
+    }
+    let decided_by_rank0 = run.duration.is_some() || run.until_tuned;
     let shapes = resnet50_shapes();
     let total_bytes: usize = shapes.iter().map(|s| s * 4).sum();
     let mut grads: Vec<Option<Tensor>> = shapes
         .iter()
         .map(|&s| Some(Tensor::from_slice(&vec![1.0f32 / n as f32; s])))
         .collect();
-    let bar = progress(
-        (warmup + steps) as u64,
-        rank == 0 && !cli.common.json,
-        "resnet50",
-    );
-    let mut step = || -> Result<Duration> {
+    let bar = if decided_by_rank0 {
+        ProgressBar::hidden()
+    } else {
+        progress(
+            (run.warmup + run.steps) as u64,
+            rank == 0 && !cli.common.json,
+            "resnet50",
+        )
+    };
+    let mut index = 0usize;
+    // One step; `last` is rank 0's vote that it is the last (other ranks vote 0). Returns
+    // the step's wall time and whether every rank now stops.
+    let mut step = |last: bool| -> Result<(Duration, bool)> {
         let start = Instant::now();
         // Backward order: the last layer's gradients are ready first.
         let mut handles = Vec::with_capacity(grads.len());
@@ -403,33 +502,104 @@ fn resnet50(cli: &Cli, steps: usize, warmup: usize) -> Result<()> {
                 rt.allreduce_async(&format!("grad.{i}"), t, ReduceOp::Average)?,
             ));
         }
+        let stop = if decided_by_rank0 {
+            let vote = Tensor::from_slice(&[i32::from(last)]);
+            Some(rt.allreduce_async(&format!("collbench.stop.{index}"), vote, ReduceOp::Max)?)
+        } else {
+            None
+        };
+        index += 1;
         for (i, h) in handles {
             grads[i] = Some(h.wait()?);
         }
-        Ok(start.elapsed())
+        let stop = match stop {
+            Some(h) => h.wait()?.to_vec::<i32>().context("stop flag")?[0] == 1,
+            None => false,
+        };
+        Ok((start.elapsed(), stop))
     };
-    for _ in 0..warmup {
-        step()?;
+    for _ in 0..run.warmup {
+        step(false)?;
         bar.inc(1);
     }
-    let mut times = Vec::new();
-    for _ in 0..steps {
-        times.push(step()?);
+    let mut records: Vec<StepRecord> = Vec::new();
+    let started = Instant::now();
+    // The timed step index at whose start rank 0 first saw tuning over.
+    let mut tuned_at: Option<usize> = None;
+    let mut tuned_after_s: Option<f64> = None;
+    loop {
+        let k = records.len();
+        let last = if !decided_by_rank0 {
+            k + 1 >= run.steps
+        } else {
+            let out_of_time = run
+                .duration
+                .is_some_and(|d| started.elapsed().as_secs_f64() >= d);
+            if run.until_tuned
+                && tuned_at.is_none()
+                && matches!(
+                    rt.autotune_state(),
+                    AutotuneState::Done | AutotuneState::Interrupted
+                )
+            {
+                tuned_at = Some(k);
+                tuned_after_s = Some(started.elapsed().as_secs_f64());
+            }
+            let tail_done =
+                run.until_tuned && tuned_at.is_some_and(|t| k + 1 >= t + run.steps.max(1));
+            rank == 0 && (out_of_time || tail_done)
+        };
+        if run.steps == 0 && !decided_by_rank0 {
+            break;
+        }
+        let knobs_before = rt.knobs().0;
+        let (elapsed, stop) = step(last)?;
+        records.push(StepRecord {
+            seconds: elapsed.as_secs_f64(),
+            knobs_before,
+            knobs_after: rt.knobs().0,
+        });
         bar.inc(1);
+        if stop || (!decided_by_rank0 && last) {
+            break;
+        }
     }
     bar.finish_and_clear();
-    let total: f64 = times.iter().map(|d| d.as_secs_f64()).sum();
-    let steps_per_sec = steps as f64 / total;
+    let steps = records.len();
+    let total: f64 = records.iter().map(|r| r.seconds).sum();
+    let steps_per_sec = if total > 0.0 {
+        steps as f64 / total
+    } else {
+        0.0
+    };
     let algbw = total_bytes as f64 * steps_per_sec / 1e9;
     if rank == 0 {
         let (knobs, _) = rt.knobs();
+        let (first, last) = first_and_last(&records);
+        let tail = tuned_at.and_then(|t| {
+            let after = &records[t.min(records.len())..];
+            let seconds: f64 = after.iter().map(|r| r.seconds).sum();
+            (!after.is_empty() && seconds > 0.0).then(|| {
+                serde_json::json!({"steps": after.len(), "steps_per_sec": after.len() as f64 / seconds,
+                    "knobs_changed": after.iter().any(|r| r.knobs_before != knobs || r.knobs_after != knobs)})
+            })
+        });
+        let autotune = rt.self_tune_outcome().map(|o| {
+            serde_json::json!({"start": o.start, "best": o.best, "samples": o.samples,
+                "session_wall_s": o.wall.as_secs_f64(), "speedup_over_start": o.speedup_over_start,
+                "report": o.report})
+        });
         if cli.common.json {
             println!(
                 "{}",
                 serde_json::json!({"workload": "resnet50", "world_size": n, "knobs": knobs,
                     "tensors": shapes.len(), "bytes_per_step": total_bytes, "steps": steps,
                     "steps_per_sec": steps_per_sec, "algbw_gbps": algbw,
-                    "busbw_gbps": algbw * busbw_factor(n)})
+                    "busbw_gbps": algbw * busbw_factor(n),
+                    "seconds": total, "first": first, "last": last,
+                    "autotune_state": rt.autotune_state().as_str(),
+                    "tuned_after_s": tuned_after_s, "after_tuning": tail,
+                    "self_tuning": autotune})
             );
         } else {
             println!(
@@ -448,6 +618,32 @@ fn resnet50(cli: &Cli, steps: usize, warmup: usize) -> Result<()> {
                 algbw,
                 algbw * busbw_factor(n)
             );
+            if decided_by_rank0 {
+                for (name, phase) in [("first", &first), ("last", &last)] {
+                    match phase {
+                        Some(p) => println!(
+                            "# {name} {} steps on {:?}: {:.3} steps/s",
+                            p.steps, p.knobs, p.steps_per_sec
+                        ),
+                        None => println!("# {name}: no step ran entirely on one set of knobs"),
+                    }
+                }
+                if let Some(o) = rt.self_tune_outcome() {
+                    println!(
+                        "# self-tuning: {} samples in {:.1} s, {:?} -> {:?}, report {:?}",
+                        o.samples,
+                        o.wall.as_secs_f64(),
+                        o.start,
+                        o.best,
+                        o.report
+                    );
+                } else if run.until_tuned {
+                    println!(
+                        "# tuning state at the end: {}",
+                        rt.autotune_state().as_str()
+                    );
+                }
+            }
         }
     }
     rt.shutdown();
@@ -552,6 +748,39 @@ mod tests {
         let shapes = resnet50_shapes();
         assert_eq!(shapes.len(), 161);
         assert_eq!(shapes.iter().sum::<usize>(), 25_557_032);
+    }
+
+    fn rec(seconds: f64, before: u64, after: u64) -> StepRecord {
+        let k = |t| Knobs {
+            fusion_threshold_bytes: t,
+            ..Knobs::default()
+        };
+        StepRecord {
+            seconds,
+            knobs_before: k(before),
+            knobs_after: k(after),
+        }
+    }
+
+    #[test]
+    fn first_and_last_phases_leave_out_steps_with_a_knob_change() {
+        let records = [
+            rec(0.5, 1, 1),
+            rec(0.5, 1, 1),
+            rec(9.0, 1, 2),
+            rec(0.1, 2, 3),
+            rec(0.25, 3, 3),
+            rec(0.25, 3, 3),
+            rec(0.25, 3, 3),
+        ];
+        let (first, last) = first_and_last(&records);
+        let (first, last) = (first.unwrap(), last.unwrap());
+        assert_eq!((first.steps, first.steps_per_sec), (2, 2.0));
+        assert_eq!(first.knobs.fusion_threshold_bytes, 1);
+        assert_eq!((last.steps, last.steps_per_sec), (3, 4.0));
+        assert_eq!(last.knobs.fusion_threshold_bytes, 3);
+        // One step that changed knobs: neither phase exists.
+        assert_eq!(first_and_last(&[rec(1.0, 1, 2)]), (None, None));
     }
 
     #[test]

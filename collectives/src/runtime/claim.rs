@@ -123,8 +123,15 @@ impl TuningClaims {
         })
     }
 
+    /// Whether a `waiting` job's wait for an agent is over at `now`.
+    #[cfg_attr(feature = "autotune", allow(dead_code))]
+    pub fn wait_over(&self, now: Instant) -> bool {
+        self.wait_until.is_some_and(|t| now >= t)
+    }
+
     /// At `now`, whether a `waiting` job's wait is over with no claim; if so the state
     /// becomes `self_tuning` (atomically with respect to claims).
+    #[cfg_attr(not(feature = "autotune"), allow(dead_code))]
     pub fn begin_self_tuning(&self, now: Instant) -> bool {
         let due = self.wait_until.is_some_and(|t| now >= t);
         due && self.with(|i| {
@@ -137,6 +144,7 @@ impl TuningClaims {
         })
     }
 
+    #[cfg_attr(not(feature = "autotune"), allow(dead_code))]
     /// Self-tuning ended: `done` when it finished, `interrupted` when it was cut short.
     pub fn end_self_tuning(&self, finished: bool) {
         self.with(|i| {

@@ -10,6 +10,8 @@
 mod claim;
 pub mod coordinator;
 mod faults;
+#[cfg(feature = "autotune")]
+mod selftune;
 mod server;
 
 use std::collections::{BTreeMap, HashMap, HashSet};
@@ -132,6 +134,8 @@ struct Shared {
     knobs: Arc<Mutex<(Knobs, u64)>>,
     cycles: AtomicU64,
     bytes_reduced: AtomicU64,
+    claims: Arc<TuningClaims>,
+    self_tune: Arc<Mutex<Option<SelfTuneOutcome>>>,
 }
 
 /// A pending collective; [`Handle::wait`] returns its result.
@@ -170,6 +174,26 @@ impl Handle {
             }
         }
     }
+}
+
+/// How a self-tuning session ended (rank 0; see [`Runtime::self_tune_outcome`]).
+#[derive(Clone, Debug, PartialEq)]
+pub struct SelfTuneOutcome {
+    /// The knobs the session started from (its sample 0).
+    pub start: Knobs,
+    /// The best knobs (the optimizer's recommendation), now pinned on every rank.
+    pub best: Knobs,
+    /// The first cycle every rank ran with `best`.
+    pub pinned_at_cycle: u64,
+    /// Samples taken.
+    pub samples: usize,
+    /// Measured score of the best knobs' sample over sample 0's.
+    pub speedup_over_start: Option<f64>,
+    /// Wall time of the session, from its start to the pin.
+    pub wall: Duration,
+    /// The report's CSV (`.parquet` and `.html` beside it), when `RINGWATCH_AUTOTUNE_LOG`
+    /// was set and it was written.
+    pub report: Option<PathBuf>,
 }
 
 /// Totals since the runtime started.
@@ -244,6 +268,12 @@ impl Runtime {
         let rank = transport.rank();
         let world_size = transport.world_size();
         let knobs_state = Arc::new(Mutex::new((config.knobs, 0u64)));
+        let claims = Arc::new(match (&config.autotune, rank) {
+            (Some(a), 0) => {
+                TuningClaims::new(AutotuneState::Waiting, Some(Instant::now() + a.wait))
+            }
+            _ => TuningClaims::new(AutotuneState::Off, None),
+        });
         let shared = Arc::new(Shared {
             rank,
             inbox: Mutex::new(Inbox::default()),
@@ -251,14 +281,10 @@ impl Runtime {
             knobs: knobs_state.clone(),
             cycles: AtomicU64::new(0),
             bytes_reduced: AtomicU64::new(0),
+            claims: claims.clone(),
+            self_tune: Arc::new(Mutex::new(None)),
         });
         let layout = node_layout(&ranks);
-        let claims = Arc::new(match (&config.autotune, rank) {
-            (Some(a), 0) => {
-                TuningClaims::new(AutotuneState::Waiting, Some(Instant::now() + a.wait))
-            }
-            _ => TuningClaims::new(AutotuneState::Off, None),
-        });
         let timeline = match &config.timeline_path {
             Some(p) => {
                 let s = p.to_string_lossy();
@@ -319,6 +345,17 @@ impl Runtime {
             server,
             warned_fallback: false,
             faults: faults.clone(),
+            autotune: match (&config.autotune, rank) {
+                (Some(a), 0) => Some(AutotuneDriver {
+                    config: a.clone(),
+                    job_id: job_id.clone(),
+                    warned: false,
+                    #[cfg(feature = "autotune")]
+                    tuner: None,
+                    report_thread: None,
+                }),
+                _ => None,
+            },
         };
         let thread = std::thread::Builder::new()
             .name(format!("ringwatch-cycle-{rank}"))
@@ -368,6 +405,17 @@ impl Runtime {
     /// The knobs in force and the cycle this rank is at.
     pub fn knobs(&self) -> (Knobs, u64) {
         self.shared.knobs.lock().map(|g| *g).unwrap_or_default()
+    }
+
+    /// The job's autotune state (rank 0 keeps it; other ranks say `off`).
+    pub fn autotune_state(&self) -> AutotuneState {
+        self.shared.claims.state()
+    }
+
+    /// How this job's self-tuning session ended, once it has (rank 0, state `done` after
+    /// self-tuning; the report, if asked for, is written by then).
+    pub fn self_tune_outcome(&self) -> Option<SelfTuneOutcome> {
+        self.shared.self_tune.lock().ok().and_then(|o| o.clone())
     }
 
     /// Totals since start.
@@ -543,6 +591,20 @@ struct CycleThread {
     server: Option<Arc<ControlServer>>,
     warned_fallback: bool,
     faults: Option<Arc<FaultChannel>>,
+    /// Rank 0 of a job started with `RINGWATCH_AUTOTUNE=1`.
+    autotune: Option<AutotuneDriver>,
+}
+
+/// Rank 0's side of `RINGWATCH_AUTOTUNE=1`: waits for an agent's claim, else self-tunes.
+struct AutotuneDriver {
+    config: AutotuneConfig,
+    job_id: String,
+    /// The "cannot self-tune" warning was logged.
+    #[cfg_attr(feature = "autotune", allow(dead_code))]
+    warned: bool,
+    #[cfg(feature = "autotune")]
+    tuner: Option<selftune::SelfTuner>,
+    report_thread: Option<JoinHandle<()>>,
 }
 
 /// Timeline events of one cycle; builds nothing when disabled.
@@ -591,6 +653,7 @@ impl CycleThread {
     fn run(&mut self) {
         let outcome = loop {
             let start = Instant::now();
+            self.autotune_tick();
             match self.cycle() {
                 Ok(true) => break Ok(()),
                 Ok(false) => {}
@@ -648,6 +711,61 @@ impl CycleThread {
             server.stop();
         }
         self.timeline.take();
+        if let Some(mut d) = self.autotune.take() {
+            #[cfg(feature = "autotune")]
+            if let Some(t) = d.tuner.take() {
+                t.abandon();
+                self.shared.claims.end_self_tuning(false);
+            }
+            if let Some(t) = d.report_thread.take() {
+                let _ = t.join();
+            }
+        }
+    }
+
+    /// Rank 0 of an autotuned job, at a cycle boundary: once the wait for an agent is over
+    /// with no claim, start tuning itself (or, built without the `autotune` feature, say
+    /// that it cannot).
+    fn autotune_tick(&mut self) {
+        let Some(d) = &mut self.autotune else { return };
+        #[cfg(feature = "autotune")]
+        if d.tuner.is_none() && self.shared.claims.begin_self_tuning(Instant::now()) {
+            let current = self
+                .coordinator
+                .as_ref()
+                .map(Coordinator::knobs)
+                .unwrap_or(self.knobs);
+            match selftune::SelfTuner::start(&d.config, current, &d.job_id) {
+                Ok(t) => {
+                    tracing::info!(
+                        job_id = d.job_id,
+                        budget = d.config.budget,
+                        wait_s = d.config.wait.as_secs_f64(),
+                        "no agent claimed the tuning in time; rank 0 tunes the job itself \
+                         (no disturbance detection without an agent)"
+                    );
+                    d.tuner = Some(t);
+                }
+                Err(e) => {
+                    tracing::error!(error = %e, "cannot start self-tuning; the job runs untuned");
+                    self.shared.claims.end_self_tuning(false);
+                }
+            }
+        }
+        #[cfg(not(feature = "autotune"))]
+        if !d.warned
+            && self.shared.claims.wait_over(Instant::now())
+            && self.shared.claims.state() == AutotuneState::Waiting
+        {
+            d.warned = true;
+            tracing::warn!(
+                job_id = d.job_id,
+                wait_s = d.config.wait.as_secs_f64(),
+                "RINGWATCH_AUTOTUNE=1, but this build of collectives has no `autotune` \
+                 feature and no agent claimed the job: it runs untuned on its current knobs \
+                 (it stays `waiting`, so an agent that comes later may still tune it)"
+            );
+        }
     }
 
     /// One cycle; `Ok(true)` when the job shuts down.
@@ -731,10 +849,8 @@ impl CycleThread {
             .bytes_reduced
             .fetch_add(work.bytes_reduced, Ordering::Relaxed);
 
-        if work.tensors > 0
-            && let Some(server) = &self.server
-        {
-            server.publish_stats(&CycleStats {
+        if work.tensors > 0 && (self.server.is_some() || self.self_tuning()) {
+            let stats = CycleStats {
                 cycle: response.cycle,
                 start_unix_us,
                 duration_us: cycle_start.elapsed().as_micros() as u64,
@@ -743,7 +859,14 @@ impl CycleThread {
                 tensors: work.tensors,
                 fused_buffers: work.buffers,
                 knobs: self.knobs,
-            });
+            };
+            if let Some(server) = &self.server {
+                server.publish_stats(&stats);
+            }
+            #[cfg(feature = "autotune")]
+            if let Some(t) = self.autotune.as_mut().and_then(|d| d.tuner.as_mut()) {
+                t.observe(&stats);
+            }
         }
         if !events.list.is_empty() {
             if let Some(server) = &self.server {
@@ -754,6 +877,14 @@ impl CycleThread {
             }
         }
         Ok(response.shutdown)
+    }
+
+    /// Whether rank 0 runs a self-tuning session now.
+    fn self_tuning(&self) -> bool {
+        #[cfg(feature = "autotune")]
+        return self.autotune.as_ref().is_some_and(|d| d.tuner.is_some());
+        #[cfg(not(feature = "autotune"))]
+        false
     }
 
     fn negotiate(&mut self, request: Request) -> Result<Response> {
@@ -794,7 +925,22 @@ impl CycleThread {
                 .as_ref()
                 .map(|s| s.take_knob_requests())
                 .unwrap_or_default();
-            let updates: Vec<KnobUpdate> = knob_requests.iter().map(|r| r.update).collect();
+            #[allow(unused_mut)]
+            let mut updates: Vec<KnobUpdate> = knob_requests.iter().map(|r| r.update).collect();
+            // A self-tuning session's knobs take the same path as the socket's, last.
+            #[cfg(feature = "autotune")]
+            let tuner_sent = match self
+                .autotune
+                .as_mut()
+                .and_then(|d| d.tuner.as_mut())
+                .and_then(|t| t.take_update())
+            {
+                Some(u) => {
+                    updates.push(u);
+                    true
+                }
+                None => false,
+            };
             let response = coordinator.step(requests, &updates);
             for (name, missing) in coordinator.stalled(Instant::now(), STALL_WARNING) {
                 tracing::warn!(
@@ -814,6 +960,20 @@ impl CycleThread {
             }
             if let Some(server) = &self.server {
                 server.confirm(knob_requests, response.knobs, response.cycle);
+            }
+            #[cfg(feature = "autotune")]
+            if tuner_sent && let Some(d) = self.autotune.as_mut() {
+                let pinned = d
+                    .tuner
+                    .as_mut()
+                    .is_some_and(|t| t.confirmed(response.knobs, response.cycle));
+                if pinned && let Some(t) = d.tuner.take() {
+                    d.report_thread = t.finish(
+                        response.cycle,
+                        self.shared.claims.clone(),
+                        self.shared.self_tune.clone(),
+                    );
+                }
             }
             Ok(response)
         } else {

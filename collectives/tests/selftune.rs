@@ -1,0 +1,214 @@
+//! Self-tuning without an agent: a 2 nodes × 2 ranks job (threads over loopback TCP) with
+//! autotune on and no claim tunes itself on rank 0 with a short budget, pins the session's
+//! best knobs on every rank, writes the report, and every result stays bitwise correct
+//! while the knobs change under it.
+#![cfg(feature = "autotune")]
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+use std::sync::{Arc, mpsc};
+use std::time::{Duration, Instant};
+
+use collectives::control::{AutotuneState, ControlClient};
+use collectives::knobs::AutotuneConfig;
+use collectives::rendezvous::RendezvousConfig;
+use collectives::runtime::{RuntimeConfig, SelfTuneOutcome};
+use collectives::{Knobs, ReduceOp, Runtime, Tensor};
+
+const WORLD: usize = 4;
+const LOCAL: usize = 2;
+const BUDGET: usize = 4;
+
+/// Tensor sizes of one step: small and large, so that fusion and the algorithm matter.
+const SIZES: [usize; 8] = [1, 7, 1000, 4096, 33_333, 65_536, 100_000, 250_000];
+
+/// Small integers, exact in f32 under any summation order: results compare bitwise.
+fn value(rank: usize, step: usize, t: usize, i: usize) -> f32 {
+    (((rank * 13 + step * 7 + t * 5 + i * 3) % 23) as i32 - 11) as f32
+}
+
+struct RankResult {
+    knobs: Knobs,
+    state: AutotuneState,
+    outcome: Option<SelfTuneOutcome>,
+    steps: usize,
+    knob_sets_seen: usize,
+}
+
+fn run_rank(
+    rank: usize,
+    port: u16,
+    dir: std::path::PathBuf,
+    log: std::path::PathBuf,
+) -> RankResult {
+    let mut c = RuntimeConfig::new(RendezvousConfig {
+        rank,
+        world_size: WORLD,
+        local_rank: rank % LOCAL,
+        local_size: LOCAL,
+        master_addr: "127.0.0.1".into(),
+        master_port: port,
+        job_id: Some(format!("selftune-{port}")),
+        connect_timeout: Duration::from_secs(20),
+    });
+    c.timeout = Duration::from_secs(30);
+    c.control_socket = true;
+    c.runtime_dir = Some(dir);
+    c.autotune = Some(AutotuneConfig {
+        wait: Duration::from_millis(300),
+        budget: BUDGET,
+        warmup_cycles: 1,
+        measured_cycles: 3,
+        min_window: Duration::from_millis(60),
+        seed: 3,
+        log: Some(log),
+    });
+    let rt = Runtime::new(c).unwrap();
+    if rank == 0 {
+        // Before the wait is over, an agent would be welcome.
+        let path = rt.control_socket_path().unwrap();
+        let client = ControlClient::connect(path, Duration::from_secs(5)).unwrap();
+        assert_eq!(client.hello().autotune, AutotuneState::Waiting);
+    }
+    let mut seen: Vec<Knobs> = Vec::new();
+    let deadline = Instant::now() + Duration::from_secs(120);
+    let mut step = 0;
+    loop {
+        let handles: Vec<_> = SIZES
+            .iter()
+            .enumerate()
+            .map(|(t, &n)| {
+                let data: Vec<f32> = (0..n).map(|i| value(rank, step, t, i)).collect();
+                rt.allreduce_async(&format!("s{t}"), Tensor::from_slice(&data), ReduceOp::Sum)
+                    .unwrap()
+            })
+            .collect();
+        for (t, h) in handles.into_iter().enumerate() {
+            let got = h.wait().unwrap().to_vec::<f32>().unwrap();
+            for (i, g) in got.iter().enumerate() {
+                let want: f32 = (0..WORLD).map(|r| value(r, step, t, i)).sum();
+                assert_eq!(
+                    g.to_bits(),
+                    want.to_bits(),
+                    "step {step} tensor {t} element {i}"
+                );
+            }
+        }
+        let knobs = rt.knobs().0;
+        if seen.last() != Some(&knobs) {
+            seen.push(knobs);
+        }
+        // Rank 0 says when self-tuning is over; every rank stops on the same step.
+        let done = rank == 0 && rt.self_tune_outcome().is_some();
+        let flag = rt
+            .allreduce(
+                &format!("done{step}"),
+                Tensor::from_slice(&[done as i32]),
+                ReduceOp::Max,
+            )
+            .unwrap();
+        step += 1;
+        if flag.to_vec::<i32>().unwrap()[0] == 1 {
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "self-tuning did not finish in time"
+        );
+    }
+    let result = RankResult {
+        knobs: rt.knobs().0,
+        state: rt.autotune_state(),
+        outcome: rt.self_tune_outcome(),
+        steps: step,
+        knob_sets_seen: seen.len(),
+    };
+    rt.shutdown();
+    result
+}
+
+#[test]
+fn a_job_nobody_claims_tunes_itself_pins_the_best_and_writes_the_report() {
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port();
+    let dir = std::env::temp_dir().join(format!("rw-selftune-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let log = dir.join("reports").join("autotune.csv");
+    let (tx, rx) = mpsc::channel();
+    let shared = Arc::new((dir.clone(), log.clone()));
+    for rank in 0..WORLD {
+        let (tx, shared) = (tx.clone(), shared.clone());
+        std::thread::spawn(move || {
+            let r = run_rank(rank, port, shared.0.clone(), shared.1.clone());
+            tx.send((rank, r)).unwrap();
+        });
+    }
+    let mut results: Vec<Option<RankResult>> = (0..WORLD).map(|_| None).collect();
+    for _ in 0..WORLD {
+        let (rank, r) = rx
+            .recv_timeout(Duration::from_secs(180))
+            .expect("a rank hung or panicked");
+        results[rank] = Some(r);
+    }
+    let results: Vec<RankResult> = results.into_iter().map(Option::unwrap).collect();
+
+    let outcome = results[0].outcome.clone().expect("rank 0 has the outcome");
+    assert_eq!(results[0].state, AutotuneState::Done);
+    assert_eq!(outcome.samples, BUDGET);
+    assert_eq!(outcome.start, Knobs::default());
+    // Every rank ends on the session's best knobs, and they all ran the same steps.
+    for (rank, r) in results.iter().enumerate() {
+        assert_eq!(r.knobs, outcome.best, "rank {rank}");
+        assert_eq!(r.steps, results[0].steps, "rank {rank}");
+    }
+    // The knobs really changed during the run (sample 1 on differs from the start).
+    assert!(results[0].knob_sets_seen >= 2, "knobs never changed");
+
+    // The report: CSV, Parquet and HTML beside each other, one row per sample, and the
+    // row marked best carries the pinned knobs.
+    let csv_path = outcome.report.clone().expect("the report was written");
+    assert_eq!(csv_path, log);
+    for ext in ["csv", "parquet", "html"] {
+        let p = log.with_extension(ext);
+        assert!(std::fs::metadata(&p).unwrap().len() > 0, "{}", p.display());
+    }
+    let csv = std::fs::read_to_string(&csv_path).unwrap();
+    let mut lines = csv.lines();
+    let header: Vec<&str> = lines.next().unwrap().split(',').collect();
+    let rows: Vec<Vec<&str>> = lines.map(|l| l.split(',').collect()).collect();
+    assert_eq!(rows.len(), BUDGET, "{csv}");
+    let col = |name: &str| {
+        header
+            .iter()
+            .position(|h| *h == name)
+            .unwrap_or_else(|| panic!("no column {name} in {header:?}"))
+    };
+    let hier = col("hierarchical_allreduce");
+    let (fusion, cycle, best) = (
+        col("fusion_threshold_bytes"),
+        col("cycle_time_ms"),
+        col("chosen"),
+    );
+    let best_rows: Vec<&Vec<&str>> = rows.iter().filter(|r| r[best] == "true").collect();
+    assert_eq!(best_rows.len(), 1, "{csv}");
+    let f: f64 = best_rows[0][fusion].parse().unwrap();
+    let c: f64 = best_rows[0][cycle].parse().unwrap();
+    assert_eq!(
+        f.round() as u64,
+        outcome.best.fusion_threshold_bytes,
+        "{csv}"
+    );
+    assert_eq!(
+        best_rows[0][hier] == "true",
+        outcome.best.hierarchical_allreduce,
+        "{csv}"
+    );
+    assert_eq!(
+        (c * 1000.0).round() as u64,
+        outcome.best.cycle_time_us,
+        "{csv}"
+    );
+    std::fs::remove_dir_all(&dir).ok();
+}
