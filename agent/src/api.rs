@@ -2,24 +2,31 @@
 //! people and scripts, and as Prometheus exposition at `/metrics`.
 //!
 //! Handlers only read shared state and format it; they never touch BPF or a
-//! job directly. Every error is JSON with the right status; unknown query
-//! parameters are rejected, never ignored.
+//! job directly (tuning sessions run on their own threads in `tuning`).
+//! Every error is JSON with the right status; unknown query parameters are
+//! rejected, never ignored. Mutating endpoints (POST, DELETE) pass [`Auth`]
+//! first: a bearer token when one is configured, and never without one when
+//! the API listens beyond loopback.
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 use std::time::Instant;
 
 use axum::Router;
-use axum::extract::{Query, State};
-use axum::http::{StatusCode, header};
+use axum::body::Bytes;
+use axum::extract::{Path, Query, State};
+use axum::http::{HeaderMap, StatusCode, header};
 use axum::response::{IntoResponse, Response};
 use axum::routing::get;
 use serde_json::json;
 
 use crate::gpu::Gpus;
+use crate::jobs::Jobs;
 use crate::live::LiveView;
 use crate::metrics::render_metrics;
+use crate::reports::ReportFormat;
 use crate::timeline::{QueryError, RecordedTrace, TimePoint, TimelineQuery};
+use crate::tuning::{Keep, StartError, TuningRequest, Tunings};
 
 /// What the handlers read. Cheap to clone (everything behind `Arc`).
 #[derive(Clone)]
@@ -35,6 +42,66 @@ pub struct ApiState {
     /// The latest view of the live eBPF pipeline (`serve --pid …`), replaced
     /// whole once a second.
     pub live: Arc<Mutex<Option<Arc<LiveView>>>>,
+    /// The jobs found through control sockets (`serve --jobs`), with or
+    /// without eBPF.
+    pub jobs: Option<Jobs>,
+    /// Tuning sessions and their reports (`serve --jobs`).
+    pub tunings: Option<Arc<Tunings>>,
+    /// Who may call the mutating endpoints.
+    pub auth: Arc<Auth>,
+}
+
+/// Access to the mutating endpoints (POST, DELETE).
+#[derive(Debug, Clone)]
+pub struct Auth {
+    /// The bearer token they need, when one is configured.
+    pub token: Option<String>,
+    /// True when the API listens on a loopback address only.
+    pub loopback_only: bool,
+}
+
+impl Auth {
+    /// Allows a mutating request with these headers, or says why not: 401
+    /// without the configured token, 403 beyond loopback with no token
+    /// configured at all.
+    pub fn check(&self, headers: &HeaderMap) -> Result<(), ApiError> {
+        let Some(token) = &self.token else {
+            if self.loopback_only {
+                return Ok(());
+            }
+            return Err(ApiError::new(
+                StatusCode::FORBIDDEN,
+                "this agent listens beyond loopback without an API token, so it refuses to \
+                 change anything: configure one with --token-file FILE, \
+                 RINGWATCH_API_TOKEN_FILE=FILE or RINGWATCH_API_TOKEN, then send \
+                 `Authorization: Bearer TOKEN`",
+            ));
+        };
+        let given = headers
+            .get(header::AUTHORIZATION)
+            .and_then(|v| v.to_str().ok())
+            .and_then(|v| v.strip_prefix("Bearer "))
+            .map(str::trim);
+        match given {
+            Some(given) if constant_time_eq(given.as_bytes(), token.as_bytes()) => Ok(()),
+            Some(_) => Err(ApiError::new(
+                StatusCode::UNAUTHORIZED,
+                "wrong API token in `Authorization: Bearer …`",
+            )),
+            None => Err(ApiError::new(
+                StatusCode::UNAUTHORIZED,
+                "this endpoint needs `Authorization: Bearer TOKEN` (the agent's --token-file)",
+            )),
+        }
+    }
+}
+
+/// Compares without an early exit, so timing says nothing of the token.
+fn constant_time_eq(a: &[u8], b: &[u8]) -> bool {
+    if a.len() != b.len() {
+        return false;
+    }
+    a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
 }
 
 impl ApiState {
@@ -119,6 +186,12 @@ pub fn router(state: ApiState) -> Router {
         .route("/api/jobs", get(jobs))
         .route("/api/processes", get(processes))
         .route("/api/timeline", get(timeline))
+        .route(
+            "/api/jobs/{id}/tuning",
+            get(tuning_get).post(tuning_post).delete(tuning_delete),
+        )
+        .route("/api/reports", get(reports_list))
+        .route("/api/reports/{id}", get(report_file))
         .route("/api/openapi.json", get(openapi))
         .route("/metrics", get(metrics))
         .route("/", get(ui_index))
@@ -160,6 +233,12 @@ async fn gpus(State(state): State<ApiState>, Query(params): Params) -> Result<Re
 
 async fn jobs(State(state): State<ApiState>, Query(params): Params) -> Result<Response, ApiError> {
     reject_unknown(&params, &[])?;
+    if let Some(registry) = &state.jobs {
+        let jobs = registry.jobs();
+        if !jobs.is_empty() || state.recorded.is_none() {
+            return Ok(axum::Json(json!({ "jobs": jobs, "source": "live" })).into_response());
+        }
+    }
     if let Some(live) = state.live_view()
         && !live.jobs.is_empty()
     {
@@ -269,6 +348,172 @@ async fn timeline(
     }
 }
 
+fn tunings(state: &ApiState) -> Result<&Arc<Tunings>, ApiError> {
+    state.tunings.as_ref().ok_or_else(|| {
+        ApiError::new(
+            StatusCode::SERVICE_UNAVAILABLE,
+            "this agent does not watch jobs, so it cannot tune them: start it with \
+             `serve --jobs`",
+        )
+    })
+}
+
+async fn tuning_post(
+    State(state): State<ApiState>,
+    Path(job_id): Path<String>,
+    Query(params): Params,
+    headers: HeaderMap,
+    body: Bytes,
+) -> Result<Response, ApiError> {
+    state.auth.check(&headers)?;
+    reject_unknown(&params, &[])?;
+    let request: TuningRequest = if body.iter().all(u8::is_ascii_whitespace) {
+        TuningRequest::default()
+    } else {
+        serde_json::from_slice(&body).map_err(|e| {
+            ApiError::bad_request(format!(
+                "bad tuning request body ({e}); expected JSON with any of budget, \
+                 warmup_cycles, measured_cycles, min_window_ms, seed, bounds \
+                 {{fusion_threshold_bytes: [lo, hi], cycle_time_ms: [lo, hi]}}, fixed \
+                 {{fusion_threshold_bytes, cycle_time_ms, hierarchical_allreduce}}"
+            ))
+        })?
+    };
+    let tunings = tunings(&state)?.clone();
+    let ready = tunings.start(&job_id, &request).map_err(start_error)?;
+    // The session's thread answers once it holds the job's claim.
+    let answer = tokio::time::timeout(std::time::Duration::from_secs(30), ready)
+        .await
+        .map_err(|_| {
+            ApiError::new(
+                StatusCode::GATEWAY_TIMEOUT,
+                format!("job {job_id} did not answer the tuning claim within 30 s"),
+            )
+        })?
+        .map_err(|_| {
+            ApiError::new(
+                StatusCode::INTERNAL_SERVER_ERROR,
+                format!("the tuning session of job {job_id} ended before it started"),
+            )
+        })?
+        .map_err(start_error)?;
+    Ok((StatusCode::CREATED, axum::Json(answer)).into_response())
+}
+
+fn start_error(error: StartError) -> ApiError {
+    let status = match &error {
+        StartError::NotFound(_) => StatusCode::NOT_FOUND,
+        StartError::Conflict(_) => StatusCode::CONFLICT,
+        StartError::BadRequest(_) => StatusCode::BAD_REQUEST,
+        StartError::Unavailable(_) => StatusCode::SERVICE_UNAVAILABLE,
+    };
+    ApiError::new(status, error.to_string())
+}
+
+fn no_session(job_id: &str) -> ApiError {
+    ApiError::new(
+        StatusCode::NOT_FOUND,
+        format!(
+            "job {job_id:?} never had a tuning session on this agent; \
+             POST /api/jobs/{job_id}/tuning starts one"
+        ),
+    )
+}
+
+async fn tuning_get(
+    State(state): State<ApiState>,
+    Path(job_id): Path<String>,
+    Query(params): Params,
+) -> Result<Response, ApiError> {
+    reject_unknown(&params, &[])?;
+    let view = tunings(&state)?
+        .get(&job_id)
+        .ok_or_else(|| no_session(&job_id))?;
+    Ok(axum::Json(view).into_response())
+}
+
+async fn tuning_delete(
+    State(state): State<ApiState>,
+    Path(job_id): Path<String>,
+    Query(params): Params,
+    headers: HeaderMap,
+) -> Result<Response, ApiError> {
+    state.auth.check(&headers)?;
+    reject_unknown(&params, &["keep"])?;
+    let keep = match params.get("keep").map(String::as_str) {
+        None | Some("best") => Keep::Best,
+        Some("start") => Keep::Start,
+        Some(other) => {
+            return Err(ApiError::bad_request(format!(
+                "bad keep={other:?}: use keep=best (default) or keep=start"
+            )));
+        }
+    };
+    let view = tunings(&state)?
+        .stop(&job_id, keep)
+        .ok_or_else(|| no_session(&job_id))?;
+    Ok(axum::Json(view).into_response())
+}
+
+async fn reports_list(
+    State(state): State<ApiState>,
+    Query(params): Params,
+) -> Result<Response, ApiError> {
+    reject_unknown(&params, &[])?;
+    let tunings = tunings(&state)?.clone();
+    let reports = tokio::task::spawn_blocking(move || tunings.reports().list())
+        .await
+        .map_err(|e| {
+            ApiError::new(
+                StatusCode::INTERNAL_SERVER_ERROR,
+                format!("listing the reports failed: {e}"),
+            )
+        })?;
+    Ok(axum::Json(json!({ "reports": reports })).into_response())
+}
+
+async fn report_file(
+    State(state): State<ApiState>,
+    Path(id): Path<String>,
+    Query(params): Params,
+) -> Result<Response, ApiError> {
+    reject_unknown(&params, &["format"])?;
+    let format = match params.get("format") {
+        None => ReportFormat::Html,
+        Some(text) => ReportFormat::parse(text).ok_or_else(|| {
+            ApiError::bad_request(format!(
+                "bad format={text:?}: use html (default), csv, parquet or json"
+            ))
+        })?,
+    };
+    let path = tunings(&state)?
+        .reports()
+        .file(&id, format)
+        .ok_or_else(|| {
+            ApiError::new(
+                StatusCode::NOT_FOUND,
+                format!(
+                    "no report {id:?} in {}; GET /api/reports lists them",
+                    format.extension()
+                ),
+            )
+        })?;
+    let bytes = tokio::fs::read(&path).await.map_err(|e| {
+        ApiError::new(
+            StatusCode::INTERNAL_SERVER_ERROR,
+            format!("reading {}: {e}", path.display()),
+        )
+    })?;
+    Ok((
+        [
+            (header::CONTENT_TYPE, format.content_type()),
+            (header::CACHE_CONTROL, "no-cache"),
+        ],
+        bytes,
+    )
+        .into_response())
+}
+
 async fn metrics(
     State(state): State<ApiState>,
     Query(params): Params,
@@ -276,21 +521,24 @@ async fn metrics(
     reject_unknown(&params, &[])?;
     let gpus = state.gpus.clone();
     let live = state.live_view();
-    let text =
-        tokio::task::spawn_blocking(move || render_metrics(&gpus.snapshot(), live.as_deref()))
-            .await
-            .map_err(|e| {
-                ApiError::new(
-                    StatusCode::INTERNAL_SERVER_ERROR,
-                    format!("collecting metrics failed: {e}"),
-                )
-            })?
-            .map_err(|e| {
-                ApiError::new(
-                    StatusCode::INTERNAL_SERVER_ERROR,
-                    format!("encoding metrics failed: {e}"),
-                )
-            })?;
+    let jobs = state.jobs.as_ref().map(Jobs::jobs).unwrap_or_default();
+    let sessions = state.tunings.as_ref().map(|t| t.all()).unwrap_or_default();
+    let text = tokio::task::spawn_blocking(move || {
+        render_metrics(&gpus.snapshot(), live.as_deref(), &jobs, &sessions)
+    })
+    .await
+    .map_err(|e| {
+        ApiError::new(
+            StatusCode::INTERNAL_SERVER_ERROR,
+            format!("collecting metrics failed: {e}"),
+        )
+    })?
+    .map_err(|e| {
+        ApiError::new(
+            StatusCode::INTERNAL_SERVER_ERROR,
+            format!("encoding metrics failed: {e}"),
+        )
+    })?;
     Ok((
         [(
             header::CONTENT_TYPE,
@@ -357,6 +605,10 @@ async fn method_not_allowed(method: axum::http::Method, uri: axum::http::Uri) ->
 pub fn openapi_document() -> serde_json::Value {
     let error = json!({ "$ref": "#/components/schemas/Error" });
     let bad_request = json!({ "description": "bad query", "content": { "application/json": { "schema": error } } });
+    let unauthorized = json!({ "description": "a token is configured and the request lacks it (or has a wrong one)", "content": { "application/json": { "schema": error } } });
+    let forbidden = json!({ "description": "the agent listens beyond loopback and has no token configured", "content": { "application/json": { "schema": error } } });
+    let knobs = json!({ "$ref": "#/components/schemas/Knobs" });
+    let session = json!({ "$ref": "#/components/schemas/TuningSession" });
     json!({
         "openapi": "3.1.0",
         "info": {
@@ -426,6 +678,95 @@ pub fn openapi_document() -> serde_json::Value {
                     "503": { "description": "no timeline source", "content": { "application/json": { "schema": error } } }
                 }
             } },
+            "/api/jobs/{id}/tuning": {
+                "parameters": [ { "name": "id", "in": "path", "required": true, "schema": { "type": "string" }, "description": "the job's id" } ],
+                "get": {
+                    "summary": "The job's tuning session (running, or the last one)",
+                    "responses": {
+                        "200": { "description": "the session", "content": { "application/json": { "schema": session } } },
+                        "400": bad_request,
+                        "404": { "description": "the job never had a session", "content": { "application/json": { "schema": error } } },
+                        "503": { "description": "the agent does not watch jobs (serve --jobs)", "content": { "application/json": { "schema": error } } }
+                    }
+                },
+                "post": {
+                    "summary": "Start a tuning session: claim the job's tuning, sample knobs with Bayesian optimization, pin the best, write a report",
+                    "security": [ { "bearer": [] } ],
+                    "requestBody": { "required": false, "content": { "application/json": { "schema": {
+                        "type": "object", "additionalProperties": false,
+                        "properties": {
+                            "budget": { "type": "integer", "minimum": 1, "default": 20, "description": "samples" },
+                            "warmup_cycles": { "type": "integer", "default": 3, "description": "cycles with work skipped after knobs are applied" },
+                            "measured_cycles": { "type": "integer", "default": 10, "description": "cycles with work per window (at least)" },
+                            "min_window_ms": { "type": "integer", "default": 1000, "description": "shortest window" },
+                            "seed": { "type": "integer", "default": 0 },
+                            "bounds": { "type": "object", "additionalProperties": false, "properties": {
+                                "fusion_threshold_bytes": { "type": "array", "items": { "type": "integer" }, "minItems": 2, "maxItems": 2 },
+                                "cycle_time_ms": { "type": "array", "items": { "type": "number" }, "minItems": 2, "maxItems": 2 }
+                            } },
+                            "fixed": { "type": "object", "additionalProperties": false, "properties": {
+                                "fusion_threshold_bytes": { "type": "integer" },
+                                "cycle_time_ms": { "type": "number" },
+                                "hierarchical_allreduce": { "type": "boolean" }
+                            } }
+                        }
+                    } } } },
+                    "responses": {
+                        "201": { "description": "started (the job's claim is held)", "content": { "application/json": { "schema": session } } },
+                        "400": { "description": "bad body or configuration", "content": { "application/json": { "schema": error } } },
+                        "401": unauthorized,
+                        "403": forbidden,
+                        "404": { "description": "unknown job", "content": { "application/json": { "schema": error } } },
+                        "409": { "description": "a session already runs, the job is lost, or the job refused the claim", "content": { "application/json": { "schema": error } } },
+                        "503": { "description": "the job's socket cannot be used, or the agent does not watch jobs", "content": { "application/json": { "schema": error } } }
+                    }
+                },
+                "delete": {
+                    "summary": "Stop the running session; the job is left on the best knobs found (or its starting knobs with keep=start)",
+                    "security": [ { "bearer": [] } ],
+                    "parameters": [ { "name": "keep", "in": "query", "schema": { "enum": ["best", "start"], "default": "best" } } ],
+                    "responses": {
+                        "200": { "description": "the session (it ends within a moment)", "content": { "application/json": { "schema": session } } },
+                        "400": bad_request,
+                        "401": unauthorized,
+                        "403": forbidden,
+                        "404": { "description": "the job never had a session", "content": { "application/json": { "schema": error } } }
+                    }
+                }
+            },
+            "/api/reports": { "get": {
+                "summary": "Tuning reports written by this agent, newest first",
+                "responses": {
+                    "200": { "description": "the reports", "content": { "application/json": { "schema": {
+                        "type": "object", "required": ["reports"],
+                        "properties": { "reports": { "type": "array", "items": {
+                            "type": "object",
+                            "required": ["id", "job_id", "created_unix_ms", "samples", "best", "speedup_over_start", "html", "csv", "parquet"],
+                            "properties": {
+                                "id": { "type": "string" }, "job_id": { "type": "string" },
+                                "created_unix_ms": { "type": "integer" }, "samples": { "type": "integer" },
+                                "best": { "oneOf": [ knobs, { "type": "null" } ] },
+                                "speedup_over_start": { "type": ["number", "null"] },
+                                "html": { "type": "string" }, "csv": { "type": "string" }, "parquet": { "type": "string" }
+                            }
+                        } } }
+                    } } } },
+                    "400": bad_request,
+                    "503": { "description": "the agent does not watch jobs (serve --jobs)", "content": { "application/json": { "schema": error } } }
+                }
+            } },
+            "/api/reports/{id}": { "get": {
+                "summary": "One report's file",
+                "parameters": [
+                    { "name": "id", "in": "path", "required": true, "schema": { "type": "string" } },
+                    { "name": "format", "in": "query", "schema": { "enum": ["html", "csv", "parquet", "json"], "default": "html" } }
+                ],
+                "responses": {
+                    "200": { "description": "the file", "content": { "text/html": {}, "text/csv": {}, "application/vnd.apache.parquet": {}, "application/json": {} } },
+                    "400": bad_request,
+                    "404": { "description": "no such report", "content": { "application/json": { "schema": error } } }
+                }
+            } },
             "/api/openapi.json": { "get": {
                 "summary": "This document",
                 "responses": { "200": { "description": "OpenAPI 3.1", "content": { "application/json": {} } }, "400": bad_request }
@@ -435,10 +776,109 @@ pub fn openapi_document() -> serde_json::Value {
                 "responses": { "200": { "description": "metrics", "content": { "application/openmetrics-text": {} } }, "400": bad_request }
             } }
         },
-        "components": { "schemas": { "Error": {
+        "components": {
+          "securitySchemes": { "bearer": { "type": "http", "scheme": "bearer",
+              "description": "needed by POST/DELETE when the agent has a token (--token-file, RINGWATCH_API_TOKEN_FILE, RINGWATCH_API_TOKEN)" } },
+          "schemas": {
+          "Knobs": {
+            "type": "object", "required": ["fusion_threshold_bytes", "cycle_time_us", "hierarchical_allreduce"],
+            "properties": { "fusion_threshold_bytes": { "type": "integer" }, "cycle_time_us": { "type": "integer" }, "hierarchical_allreduce": { "type": "boolean" } }
+          },
+          "TuningSession": {
+            "type": "object",
+            "required": ["job_id", "state", "error", "started_unix_ms", "config", "start_knobs", "current_knobs", "samples", "best", "speedup_over_start", "report_id"],
+            "properties": {
+                "job_id": { "type": "string" },
+                "state": { "enum": ["running", "done", "stopped", "failed"] },
+                "error": { "type": ["string", "null"] },
+                "started_unix_ms": { "type": "integer" },
+                "config": { "type": "object" },
+                "start_knobs": knobs, "current_knobs": knobs,
+                "samples": { "type": "array", "items": {
+                    "type": "object",
+                    "required": ["index", "knobs", "score_bytes_per_s", "noise_hint", "disturbed", "remeasured_because", "wall_time_s", "window"],
+                    "properties": {
+                        "index": { "type": "integer" }, "knobs": knobs,
+                        "score_bytes_per_s": { "type": "number" },
+                        "noise_hint": { "type": ["number", "null"] },
+                        "disturbed": { "type": ["string", "null"] },
+                        "remeasured_because": { "type": ["string", "null"] },
+                        "wall_time_s": { "type": "number" },
+                        "window": { "type": "object", "properties": {
+                            "first_cycle": { "type": "integer" }, "last_cycle": { "type": "integer" },
+                            "cycles": { "type": "integer" }, "duration_s": { "type": "number" } } }
+                    }
+                } },
+                "best": { "oneOf": [ { "type": "null" }, { "type": "object", "properties": {
+                    "knobs": knobs, "predicted_score_bytes_per_s": { "type": "number" }, "sample": { "type": "integer" } } } ] },
+                "speedup_over_start": { "type": ["number", "null"] },
+                "report_id": { "type": ["string", "null"] },
+                "disturbance_detection": { "type": "string", "description": "on, or off with the reason" },
+                "stop_reason": { "type": ["string", "null"] }
+            }
+          },
+          "Error": {
             "type": "object", "required": ["error"],
             "properties": { "error": { "type": "object", "required": ["status", "message"],
                 "properties": { "status": { "type": "integer" }, "message": { "type": "string" } } } }
         } } }
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use axum::http::HeaderValue;
+
+    use super::*;
+
+    fn headers(authorization: Option<&str>) -> HeaderMap {
+        let mut headers = HeaderMap::new();
+        if let Some(value) = authorization {
+            headers.insert(
+                header::AUTHORIZATION,
+                HeaderValue::from_str(value).expect("a valid header value"),
+            );
+        }
+        headers
+    }
+
+    fn status(auth: &Auth, authorization: Option<&str>) -> Option<u16> {
+        auth.check(&headers(authorization))
+            .err()
+            .map(|e| e.status.as_u16())
+    }
+
+    #[test]
+    fn loopback_without_a_token_allows_changes() {
+        let auth = Auth {
+            token: None,
+            loopback_only: true,
+        };
+        assert_eq!(status(&auth, None), None);
+        assert_eq!(status(&auth, Some("Bearer anything")), None);
+    }
+
+    #[test]
+    fn beyond_loopback_without_a_token_refuses_changes() {
+        let auth = Auth {
+            token: None,
+            loopback_only: false,
+        };
+        assert_eq!(status(&auth, None), Some(403));
+        assert_eq!(status(&auth, Some("Bearer anything")), Some(403));
+    }
+
+    #[test]
+    fn a_configured_token_is_required_everywhere() {
+        for loopback_only in [true, false] {
+            let auth = Auth {
+                token: Some("s3cret".to_owned()),
+                loopback_only,
+            };
+            assert_eq!(status(&auth, None), Some(401));
+            assert_eq!(status(&auth, Some("Bearer wrong!")), Some(401));
+            assert_eq!(status(&auth, Some("Basic s3cret")), Some(401));
+            assert_eq!(status(&auth, Some("Bearer s3cret")), None);
+        }
+    }
 }

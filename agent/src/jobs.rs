@@ -19,7 +19,8 @@ use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use collectives::control::{
-    ControlClient, ControlError, CycleStats, Knobs, RankInfo, ServerMessage, TimelineEvent,
+    AutotuneState, ControlClient, ControlError, CycleStats, Knobs, RankInfo, ServerMessage,
+    TimelineEvent,
 };
 use serde::Serialize;
 
@@ -98,6 +99,9 @@ pub struct JobSnapshot {
     pub knobs: Knobs,
     /// The last cycle the job reported.
     pub cycle: u64,
+    /// Whether the job asked to be tuned, as its `hello` said when the
+    /// registry connected (tuning sessions run on their own connections).
+    pub autotune: AutotuneState,
     /// Connected or lost.
     pub state: JobState,
     /// Why it was lost, when it is.
@@ -121,6 +125,7 @@ struct Job {
     ranks: Vec<RankInfo>,
     knobs: Knobs,
     cycle: u64,
+    autotune: AutotuneState,
     state: JobState,
     lost_reason: Option<String>,
     lost_at: Option<Instant>,
@@ -147,6 +152,7 @@ impl Job {
             ranks: self.ranks.clone(),
             knobs: self.knobs,
             cycle: self.cycle,
+            autotune: self.autotune,
             state: self.state,
             lost_reason: self.lost_reason.clone(),
             last_seen_unix_ms: self
@@ -166,6 +172,18 @@ impl Job {
             self.lost_at = Some(Instant::now());
             self.stop_reader.store(true, Ordering::Release);
         }
+    }
+}
+
+impl JobSnapshot {
+    /// True when the job asked to be tuned and no one tunes it: its hello
+    /// said `waiting` (RINGWATCH_AUTOTUNE=1) or `interrupted` (an earlier
+    /// session broke off).
+    pub fn wants_autotune(&self) -> bool {
+        matches!(
+            self.autotune,
+            AutotuneState::Waiting | AutotuneState::Interrupted
+        )
     }
 }
 
@@ -236,6 +254,11 @@ impl Jobs {
                 }
             })?;
         Ok(jobs)
+    }
+
+    /// The directories scanned for control sockets, in order.
+    pub fn runtime_dirs(&self) -> &[PathBuf] {
+        &self.inner.config.runtime_dirs
     }
 
     /// Every job known now (connected, or lost within the retention window),
@@ -412,6 +435,7 @@ impl Jobs {
                     ranks: hello.ranks.clone(),
                     knobs: hello.knobs,
                     cycle: hello.cycle,
+                    autotune: hello.autotune,
                     state: JobState::Connected,
                     lost_reason: None,
                     lost_at: None,

@@ -6,7 +6,13 @@
 //! (bounded per-thread and per-connection series) → the commands that show
 //! it (`watch`, `top`); `session` wires them together, `lock` keeps one
 //! agent per node; `api` (with `timeline`, `metrics`, `gpu`) serves what
-//! the agent knows over HTTP (`serve`). The agent only observes: it is never on a job's data path.
+//! the agent knows over HTTP (`serve`); `tuning` runs tuning sessions over
+//! the jobs' control sockets and `reports` keeps their reports; `tune` is
+//! the CLI for them. The agent only observes and advises: it is never on a
+//! job's data path, and a job keeps running if the agent dies.
+
+// The OpenAPI document is one `json!` literal, deeper than the default limit.
+#![recursion_limit = "256"]
 
 mod api;
 mod discovery;
@@ -18,11 +24,14 @@ mod lock;
 mod metrics;
 mod model;
 mod probes;
+mod reports;
 mod serve;
 mod session;
 mod timeline;
 mod top;
 mod tracks;
+mod tune;
+mod tuning;
 mod watch;
 
 use anyhow::Result;
@@ -69,6 +78,12 @@ enum Command {
     /// Run as the node daemon: serve the HTTP API, the timeline viewer and
     /// Prometheus metrics until SIGINT/SIGTERM.
     Serve(serve::ServeArgs),
+    /// Tune a job's collective knobs through a running agent (`serve
+    /// --jobs`): start a session and print each sample as it comes, then the
+    /// chosen knobs, the speedup over the start and the report. Ctrl-C stops
+    /// the session (the job stays on the best knobs found). `--status` and
+    /// `--stop` show or stop a session.
+    Tune(tune::TuneArgs),
 }
 
 fn main() -> std::process::ExitCode {
@@ -86,6 +101,7 @@ fn main() -> std::process::ExitCode {
                     Some(Command::Top(args)) => top::run(args).await,
                     Some(Command::Gpus) => print_gpus(),
                     Some(Command::Serve(args)) => serve::run(args).await,
+                    Some(Command::Tune(args)) => tune::run(args).await,
                     None => watch::run(cli.watch).await,
                 }
             })

@@ -12,15 +12,26 @@ use prometheus_client::metrics::gauge::ConstGauge;
 use prometheus_client::registry::Registry;
 
 use crate::gpu::{GpuReading, GpuSnapshot};
+use crate::jobs::{JobSnapshot, JobState};
 use crate::live::{LiveView, NamedProcess};
+use crate::tuning::{SessionState, SessionView};
 
-/// Renders every metric as OpenMetrics text.
+/// Renders every metric as OpenMetrics text: GPUs, the live view's
+/// processes, the jobs found and their knobs, and tuning sessions.
 pub fn render_metrics(
     gpus: &GpuSnapshot,
     live: Option<&LiveView>,
+    jobs: &[JobSnapshot],
+    sessions: &[SessionView],
 ) -> Result<String, std::fmt::Error> {
     let mut registry = Registry::default();
     registry.register_collector(Box::new(GpuCollector(gpus.clone())));
+    if !jobs.is_empty() || !sessions.is_empty() {
+        registry.register_collector(Box::new(TuningCollector {
+            jobs: jobs.to_vec(),
+            sessions: sessions.to_vec(),
+        }));
+    }
     if let Some(live) = live {
         registry.register_collector(Box::new(ProcessCollector {
             processes: live.processes.clone(),
@@ -260,6 +271,113 @@ impl prometheus_client::collector::Collector for ProcessCollector {
             "NCCL collective calls per second",
             p,
             |p| Some(p.snapshot.nccl_calls_per_s),
+        )?;
+        Ok(())
+    }
+}
+
+/// One scrape's jobs (their knobs) and tuning sessions.
+#[derive(Debug)]
+struct TuningCollector {
+    jobs: Vec<JobSnapshot>,
+    sessions: Vec<SessionView>,
+}
+
+fn job_labels(job: &JobSnapshot) -> Labels {
+    vec![("job", job.job_id.clone())]
+}
+
+fn session_labels(session: &SessionView) -> Labels {
+    vec![("job", session.job_id.clone())]
+}
+
+impl prometheus_client::collector::Collector for TuningCollector {
+    fn encode(&self, mut encoder: DescriptorEncoder) -> Result<(), std::fmt::Error> {
+        let e = &mut encoder;
+        let j = &self.jobs;
+        gauge_family(
+            e,
+            "ringwatch_job_connected",
+            "1 while the agent talks to the job's control socket, 0 once lost",
+            j,
+            job_labels,
+            |job| Some(f64::from(u8::from(job.state == JobState::Connected))),
+        )?;
+        gauge_family(
+            e,
+            "ringwatch_job_fusion_threshold_bytes",
+            "The job's fusion threshold (0: fusion off)",
+            j,
+            job_labels,
+            |job| Some(job.knobs.fusion_threshold_bytes as f64),
+        )?;
+        gauge_family(
+            e,
+            "ringwatch_job_cycle_time_seconds",
+            "The job's cycle time",
+            j,
+            job_labels,
+            |job| Some(job.knobs.cycle_time_us as f64 / 1e6),
+        )?;
+        gauge_family(
+            e,
+            "ringwatch_job_hierarchical_allreduce",
+            "1 when the job uses hierarchical allreduce",
+            j,
+            job_labels,
+            |job| Some(f64::from(u8::from(job.knobs.hierarchical_allreduce))),
+        )?;
+        let s = &self.sessions;
+        gauge_family(
+            e,
+            "ringwatch_tuning_running",
+            "1 while a tuning session of the job runs",
+            s,
+            session_labels,
+            |t| Some(f64::from(u8::from(t.state == SessionState::Running))),
+        )?;
+        gauge_family(
+            e,
+            "ringwatch_tuning_samples",
+            "Samples taken by the job's latest tuning session",
+            s,
+            session_labels,
+            |t| Some(t.samples.len() as f64),
+        )?;
+        gauge_family(
+            e,
+            "ringwatch_tuning_budget_samples",
+            "Sample budget of the job's latest tuning session",
+            s,
+            session_labels,
+            |t| Some(t.config.budget as f64),
+        )?;
+        gauge_family(
+            e,
+            "ringwatch_tuning_best_score_bytes_per_second",
+            "Measured score (bytes reduced per second) of the best knobs so far",
+            s,
+            session_labels,
+            |t| {
+                let best = t.best.as_ref()?;
+                t.samples.get(best.sample).map(|x| x.score_bytes_per_s)
+            },
+        )?;
+        gauge_family(
+            e,
+            "ringwatch_tuning_speedup_over_start_ratio",
+            "Best knobs' measured score over the starting knobs'",
+            s,
+            session_labels,
+            |t| t.speedup_over_start,
+        )?;
+        gauge_family(
+            e,
+            "ringwatch_tuning_disturbed_samples",
+            "Samples whose window eBPF found disturbed",
+            s,
+            session_labels,
+            |t| Some(t.samples.iter().filter(|x| x.disturbed.is_some()).count() as f64),
         )?;
         Ok(())
     }

@@ -574,6 +574,20 @@ impl Model {
         })
     }
 
+    /// Intervals of thread `tid` that ended at or after `from_ns`, newest
+    /// first. A thread's intervals follow each other, so this reads only
+    /// the newest ones (cheap enough to call several times a second).
+    pub fn intervals_ended_since(&self, tid: u32, from_ns: u64) -> Vec<Interval> {
+        self.threads.get(&tid).map_or_else(Vec::new, |t| {
+            t.intervals
+                .iter()
+                .rev()
+                .take_while(|i| i.start_ns + i.duration_ns >= from_ns)
+                .copied()
+                .collect()
+        })
+    }
+
     /// NCCL calls of thread `tid` that returned in `[from_ns, to_ns)`.
     pub fn nccl_calls(&self, tid: u32, from_ns: u64, to_ns: u64) -> Vec<NcclCall> {
         self.threads.get(&tid).map_or_else(Vec::new, |t| {
@@ -583,6 +597,16 @@ impl Model {
                 .copied()
                 .collect()
         })
+    }
+
+    /// TCP retransmits with `from_ns <= ts < to_ns`, as (ts, pid), oldest
+    /// first (within retention).
+    pub fn retransmits_between(&self, from_ns: u64, to_ns: u64) -> Vec<(u64, u32)> {
+        self.retransmits
+            .iter()
+            .copied()
+            .filter(|(ts, _)| (from_ns..to_ns).contains(ts))
+            .collect()
     }
 
     /// Connections of `pid` (open and closed within retention); every
@@ -806,6 +830,13 @@ mod tests {
             (2, 1)
         );
         assert_eq!(model.intervals(11, 550 * MS, 650 * MS).len(), 3);
+        // Ended at or after 601 ms: the last three, newest first.
+        let ended: Vec<u64> = model
+            .intervals_ended_since(11, 601 * MS)
+            .iter()
+            .map(|i| i.start_ns)
+            .collect();
+        assert_eq!(ended, [700 * MS, 601 * MS, 600 * MS]);
         let snap = model.thread_snapshot(11, 0, 1000 * MS).unwrap();
         assert!((snap.cpu_pct - 19.9).abs() < 1e-9, "{snap:?}");
         assert!((snap.off_cpu_pct - 50.0).abs() < 1e-9);

@@ -1,6 +1,9 @@
 //! `serve`: the long-running agent: the HTTP API, and behind it the eBPF
-//! pipeline for the processes it is told to watch (`--pid/--comm/--cgroup`),
-//! published once a second, until SIGINT/SIGTERM.
+//! pipeline for the processes it is told to watch (`--pid/--comm/--cgroup`,
+//! and with `--jobs` the jobs found through control sockets), published
+//! once a second, and the jobs' tuning sessions, until SIGINT/SIGTERM.
+//! With `--jobs` only, the jobs registry and tuning also run without eBPF
+//! (not root): the eBPF part then says what is missing and is skipped.
 //!
 //! It wires the parts together; it holds no logic of its own.
 
@@ -12,12 +15,18 @@ use anyhow::{Context, Result};
 use clap::Args;
 use tokio::signal::unix::{SignalKind, signal};
 
-use crate::api::{ApiState, router};
+use crate::api::{ApiState, Auth, router};
 use crate::gpu::Gpus;
 use crate::live;
-use crate::session::{Session, TargetArgs, monotonic_ns};
+use crate::reports::{DEFAULT_REPORTS_DIR, Reports};
+use crate::session::{Session, TargetArgs, monotonic_ns, start_jobs};
 use crate::timeline::RecordedTrace;
 use crate::tracks::CounterHistory;
+use crate::tuning::{Disturbance, LoadFeed, TuningLimits, Tunings};
+
+/// How often the eBPF figures tuning sessions judge windows by are copied
+/// out of the model.
+const FEED_PERIOD: std::time::Duration = std::time::Duration::from_millis(250);
 
 /// Where to serve.
 #[derive(Debug, Clone, Args)]
@@ -48,6 +57,25 @@ pub struct ServeArgs {
     #[arg(long, default_value = "60s", value_parser = humantime::parse_duration, env = "RINGWATCH_TIMELINE_WINDOW")]
     pub timeline_window: std::time::Duration,
 
+    /// Where finished tuning sessions write their reports (CSV, Parquet,
+    /// HTML, JSON). When it is not writable: `$XDG_STATE_HOME/ringwatch/reports`
+    /// or `~/.local/state/ringwatch/reports` (logged).
+    #[arg(long, value_name = "DIR", env = "RINGWATCH_REPORTS_DIR", default_value = DEFAULT_REPORTS_DIR)]
+    pub reports_dir: std::path::PathBuf,
+
+    /// A file holding the bearer token that POST/DELETE requests must send
+    /// (`Authorization: Bearer TOKEN`); the token may also be given in
+    /// RINGWATCH_API_TOKEN. Without a token, changes are allowed only when
+    /// listening on loopback.
+    #[arg(long, value_name = "FILE", env = "RINGWATCH_API_TOKEN_FILE")]
+    pub token_file: Option<std::path::PathBuf>,
+
+    /// Do not start tuning sessions on their own for jobs that ask for one
+    /// (RINGWATCH_AUTOTUNE=1 on the job's side); they can still be started
+    /// through the API.
+    #[arg(long, env = "RINGWATCH_NO_AUTOTUNE")]
+    pub no_autotune: bool,
+
     /// What to watch live (optional: without targets the API serves GPUs and
     /// --replay only).
     #[command(flatten)]
@@ -67,37 +95,105 @@ pub async fn run(args: ServeArgs) -> Result<()> {
     let gpus = tokio::task::spawn_blocking(Gpus::shared)
         .await
         .context("loading NVML")?;
+    let token = api_token(args.token_file.as_deref())?;
+    // Jobs found through control sockets are watched here only with --jobs
+    // (the API's own default is to serve without loading eBPF).
+    let watch_jobs = args.targets.watch_jobs(false);
+    let fixed_targets = !(args.targets.pids.is_empty()
+        && args.targets.comm.is_empty()
+        && args.targets.cgroup.is_empty());
+    // GPU processes are watched beside the jobs (eBPF only, like the jobs'
+    // ranks): without eBPF they are skipped with the rest of the live view.
+    let watch_gpu_processes = args.targets.watch_gpu_processes(false);
+    let jobs = if watch_jobs {
+        Some(start_jobs(&args.targets)?)
+    } else {
+        None
+    };
+    // Load the probes before serving, so a refusal (no privileges, another
+    // agent) is reported before anyone can connect. With --jobs alone the
+    // agent goes on without them.
+    let mut ebpf_off: Option<String> = None;
+    let session = if !(watch_jobs || watch_gpu_processes || fixed_targets) {
+        tracing::info!(
+            "no --pid/--comm/--cgroup/--jobs: serving GPUs and --replay only, no live eBPF view"
+        );
+        None
+    } else if !fixed_targets && !is_root() {
+        let reason = "off: no eBPF (not root)".to_owned();
+        tracing::warn!(
+            "not root: no eBPF view (run as root, or with CAP_BPF and CAP_PERFMON, for thread \
+             states, TCP figures and disturbance detection); jobs are listed and tuned without it"
+        );
+        ebpf_off = Some(reason);
+        None
+    } else {
+        match Session::start_with_jobs(&args.targets, jobs.clone()) {
+            Ok(session) => Some(session),
+            Err(error) if !fixed_targets => {
+                tracing::warn!(
+                    error = format!("{error:#}"),
+                    "no eBPF view; jobs are listed and tuned without it (no disturbance detection)"
+                );
+                ebpf_off = Some(format!("off: no eBPF ({error:#})"));
+                None
+            }
+            Err(error) => return Err(error),
+        }
+    };
+    let feed = Arc::new(LoadFeed::default());
+    let tunings = match &jobs {
+        Some(jobs) => {
+            let reports = Reports::open(&args.reports_dir)?;
+            tracing::info!(dir = %reports.dir().display(), "tuning reports go here");
+            let disturbance = match &ebpf_off {
+                None => Disturbance::Ebpf(feed.clone()),
+                Some(reason) => {
+                    tracing::info!(reason, "tuning sessions will not detect disturbed windows");
+                    Disturbance::Off(reason.clone())
+                }
+            };
+            let tunings = Arc::new(Tunings::new(
+                jobs.clone(),
+                reports,
+                disturbance,
+                TuningLimits::default(),
+            ));
+            if args.no_autotune {
+                tracing::info!(
+                    "--no-autotune: jobs that ask to be tuned are not tuned on their own"
+                );
+            } else {
+                tunings.autotune().context("starting the autotune thread")?;
+            }
+            Some(tunings)
+        }
+        None => None,
+    };
+    let tunings_on = tunings.is_some();
     let state = ApiState {
         gpus: gpus.clone(),
         started: Instant::now(),
         recorded,
         timeline_event_limit: args.timeline_event_limit,
         live: Arc::default(),
+        jobs: jobs.clone(),
+        tunings,
+        auth: Arc::new(Auth {
+            token,
+            loopback_only: args.listen.ip().is_loopback(),
+        }),
     };
-    // Jobs found through control sockets are watched here only with --jobs
-    // (the API's own default is to serve without loading eBPF).
-    let has_targets = args.targets.watch_jobs(false)
-        || args.targets.watch_gpu_processes(false)
-        || !(args.targets.pids.is_empty()
-            && args.targets.comm.is_empty()
-            && args.targets.cgroup.is_empty());
     // TCP and GPU counter samples of the live window, once a second.
     let mut counters = CounterHistory::new(args.timeline_window.as_secs_f64() * 1e6);
-    // Load the probes before serving, so a refusal (no privileges, another
-    // agent) is reported before anyone can connect.
-    let session = if has_targets {
-        let session = Session::start(&args.targets, false)?;
+    if let Some(session) = &session {
         // Publish an (empty) view at once, so the API never answers "no
         // source" while the first second of events comes in.
         let now = monotonic_ns();
-        state.publish(live::build(&session, &mut counters, &gpus, now, now, now)?);
-        Some(session)
-    } else {
-        tracing::info!(
-            "no --pid/--comm/--cgroup/--jobs: serving GPUs and --replay only, no live eBPF view"
-        );
-        None
-    };
+        let view = live::build(session, &mut counters, &gpus, now, now, now)?;
+        feed.record(session);
+        state.publish(view);
+    }
     let listener = tokio::net::TcpListener::bind(args.listen)
         .await
         .with_context(|| format!("binding the API to {}", args.listen))?;
@@ -117,13 +213,25 @@ pub async fn run(args: ServeArgs) -> Result<()> {
             eprintln!("ringwatch-agent: watching {} (serve)", session.describe());
             let window_ns = u64::try_from(args.timeline_window.as_nanos()).unwrap_or(u64::MAX);
             let mut figures_from = monotonic_ns();
+            let publish_period = std::time::Duration::from_secs(1);
+            let mut next_publish = tokio::time::Instant::now() + publish_period;
             loop {
-                let until = tokio::time::Instant::now() + std::time::Duration::from_secs(1);
+                // Tuning sessions read the job's run-queue waits from the
+                // feed: copy them out often, so a window is judged soon
+                // after it ends; the view itself is published once a second.
+                let until = (tokio::time::Instant::now() + FEED_PERIOD).min(next_publish);
                 if let Some(stop) = session.pump(until).await? {
                     tracing::info!(?stop, "shutting down");
                     break;
                 }
                 session.drain_now();
+                if tunings_on {
+                    feed.record(&session);
+                }
+                if tokio::time::Instant::now() < next_publish {
+                    continue;
+                }
+                next_publish = tokio::time::Instant::now() + publish_period;
                 session.refresh()?;
                 let now = monotonic_ns();
                 let view = live::build(
@@ -134,12 +242,22 @@ pub async fn run(args: ServeArgs) -> Result<()> {
                     figures_from,
                     now,
                 )?;
+                tracing::debug!(
+                    took_ms = monotonic_ns().saturating_sub(now) / 1_000_000,
+                    "built the live view"
+                );
                 state.publish(view);
                 figures_from = now;
             }
             session.detach()?;
         }
         None => {
+            if let Some(jobs) = &jobs {
+                eprintln!(
+                    "ringwatch-agent: watching jobs in {} without eBPF",
+                    jobs_dirs(jobs)
+                );
+            }
             let mut sigterm =
                 signal(SignalKind::terminate()).context("installing the SIGTERM handler")?;
             tokio::select! {
@@ -149,9 +267,53 @@ pub async fn run(args: ServeArgs) -> Result<()> {
             tracing::info!("shutting down");
         }
     }
+    if let Some(tunings) = state.tunings.clone() {
+        // Running sessions end the way a stop request ends them: the best
+        // knobs pinned, the claim released, the report written.
+        tokio::task::spawn_blocking(move || tunings.stop_all(std::time::Duration::from_secs(15)))
+            .await
+            .context("stopping the tuning sessions")?;
+    }
     let _ = shutdown_tx.send(());
     server
         .await
         .context("the API server task failed")?
         .context("serving the API")
+}
+
+/// The API token: the first line of `file` (`--token-file`), else
+/// RINGWATCH_API_TOKEN; `None` when neither is given.
+fn api_token(file: Option<&std::path::Path>) -> Result<Option<String>> {
+    let token = match file {
+        Some(path) => {
+            let text = std::fs::read_to_string(path)
+                .with_context(|| format!("reading the API token file {}", path.display()))?;
+            let token = text.lines().next().unwrap_or("").trim().to_owned();
+            if token.is_empty() {
+                anyhow::bail!(
+                    "the API token file {} is empty; put the token on its first line",
+                    path.display()
+                );
+            }
+            Some(token)
+        }
+        None => std::env::var("RINGWATCH_API_TOKEN")
+            .ok()
+            .map(|t| t.trim().to_owned())
+            .filter(|t| !t.is_empty()),
+    };
+    Ok(token)
+}
+
+fn is_root() -> bool {
+    // SAFETY: geteuid has no preconditions.
+    unsafe { libc::geteuid() == 0 }
+}
+
+fn jobs_dirs(jobs: &crate::jobs::Jobs) -> String {
+    jobs.runtime_dirs()
+        .iter()
+        .map(|d| d.display().to_string())
+        .collect::<Vec<_>>()
+        .join(", ")
 }

@@ -138,6 +138,13 @@ pub fn monotonic_ns() -> u64 {
     ts.tv_sec as u64 * 1_000_000_000 + ts.tv_nsec as u64
 }
 
+/// Starts the registry of jobs found through control sockets in
+/// `--runtime-dir` (and the fallback directories).
+pub fn start_jobs(args: &TargetArgs) -> Result<Jobs> {
+    Jobs::start(JobsConfig::new(args.runtime_dir.clone(), args.retention))
+        .context("starting the control-socket scanner thread")
+}
+
 /// How often the ring buffer is drained without a wakeup from the kernel.
 const DRAIN_PERIOD: Duration = Duration::from_millis(10);
 
@@ -175,6 +182,17 @@ impl Session {
     /// jobs found through control sockets are watched when neither `--jobs`
     /// nor `--no-jobs` is given.
     pub fn start(args: &TargetArgs, jobs_by_default: bool) -> Result<Self> {
+        let jobs = if args.watch_jobs(jobs_by_default) {
+            Some(start_jobs(args)?)
+        } else {
+            None
+        };
+        Self::start_with_jobs(args, jobs)
+    }
+
+    /// Like [`Session::start`], with the jobs registry made by the caller
+    /// (`serve` keeps it running, for tuning, also when eBPF cannot load).
+    pub fn start_with_jobs(args: &TargetArgs, jobs: Option<Jobs>) -> Result<Self> {
         let mut discovery = Discovery::default();
         if !args.pids.is_empty() {
             for &pid in &args.pids {
@@ -190,14 +208,9 @@ impl Session {
         for path in &args.cgroup {
             discovery.add(Box::new(ByCgroup(path.clone())));
         }
-        let jobs = if args.watch_jobs(jobs_by_default) {
-            let jobs = Jobs::start(JobsConfig::new(args.runtime_dir.clone(), args.retention))
-                .context("starting the control-socket scanner thread")?;
+        if let Some(jobs) = &jobs {
             discovery.add(Box::new(JobPids::new(jobs.clone())));
-            Some(jobs)
-        } else {
-            None
-        };
+        }
         let gpu_processes = args.watch_gpu_processes(jobs.is_some());
         if gpu_processes {
             discovery.add(Box::new(GpuPids(Gpus::shared())));

@@ -40,11 +40,24 @@ fn api_answers_and_rejects_bad_input() {
     let (status, doc) = server.get_json("/api/openapi.json");
     assert_eq!(status, 200);
     assert_eq!(doc["openapi"], "3.1.0");
-    for path in ["/api/health", "/api/gpus", "/api/openapi.json", "/metrics"] {
+    for path in [
+        "/api/health",
+        "/api/gpus",
+        "/api/openapi.json",
+        "/metrics",
+        "/api/jobs/{id}/tuning",
+        "/api/reports",
+        "/api/reports/{id}",
+    ] {
         assert!(
             doc["paths"][path]["get"].is_object(),
             "openapi lacks {path}"
         );
+    }
+    for method in ["post", "delete"] {
+        let operation = &doc["paths"]["/api/jobs/{id}/tuning"][method];
+        assert!(operation["responses"]["401"].is_object(), "{operation}");
+        assert!(operation["responses"]["403"].is_object(), "{operation}");
     }
 
     let (status, head, body) = server.request("GET", "/metrics");

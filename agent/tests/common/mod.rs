@@ -214,8 +214,26 @@ impl ApiServer {
     /// until it serves, and with `watching` also until its live pipeline
     /// watches something.
     pub fn start(extra: &[&str], watching: bool) -> Self {
-        let mut child = Command::new(AGENT)
-            .args(["serve", "--listen", "127.0.0.1:0"])
+        Self::start_listening("127.0.0.1:0", extra, watching)
+    }
+
+    /// Like [`ApiServer::start`], listening on `listen` (port 0: any).
+    pub fn start_listening(listen: &str, extra: &[&str], watching: bool) -> Self {
+        Self::start_configured(listen, extra, watching, |_| {})
+    }
+
+    /// Like [`ApiServer::start_listening`], with the command adjusted by
+    /// `configure` first (e.g. another uid).
+    pub fn start_configured(
+        listen: &str,
+        extra: &[&str],
+        watching: bool,
+        configure: impl FnOnce(&mut Command),
+    ) -> Self {
+        let mut command = Command::new(AGENT);
+        configure(&mut command);
+        let mut child = command
+            .args(["serve", "--listen", listen])
             .args(extra)
             .env("RINGWATCH_LOCK_FILE", unique_lock_file())
             .stderr(Stdio::piped())
@@ -270,6 +288,31 @@ impl ApiServer {
             .and_then(|s| s.parse().ok())
             .unwrap_or_else(|| panic!("no HTTP status in {response:?}"));
         (status, head.to_owned(), body.to_owned())
+    }
+
+    /// One request with extra header lines (`Name: value`) and a body.
+    pub fn send(
+        &self,
+        method: &str,
+        path: &str,
+        headers: &[&str],
+        body: &str,
+    ) -> (u16, String, String) {
+        let mut request = format!(
+            "{method} {path} HTTP/1.1\r\nHost: {}\r\nConnection: close\r\nContent-Length: {}\r\n",
+            self.addr,
+            body.len()
+        );
+        if !body.is_empty() {
+            request.push_str("Content-Type: application/json\r\n");
+        }
+        for header in headers {
+            request.push_str(header);
+            request.push_str("\r\n");
+        }
+        request.push_str("\r\n");
+        request.push_str(body);
+        self.raw(request.as_bytes())
     }
 
     /// One request without a body.

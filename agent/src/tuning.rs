@@ -1,0 +1,1475 @@
+//! `tuning`: the agent's tuning sessions. For one job (found by the `jobs`
+//! registry) a session opens its own control connection on a dedicated std
+//! thread, claims the job's tuning, and runs `tuner::session::TuningSession`
+//! over it: apply knobs (`set_knobs`, waiting for `knobs_applied`), feed the
+//! job's per-cycle statistics into the session, judge each window (with
+//! eBPF's view of run-queue waits and TCP retransmits when the agent has
+//! one), and at the end pin the best knobs, release the claim and write the
+//! report.
+//!
+//! It must never block a tokio worker (all socket I/O is on the session's
+//! own thread), and never touch a job after its connection broke: a job
+//! whose agent dies or whose socket breaks keeps the knobs it has (that is
+//! the job's side of the protocol).
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::path::PathBuf;
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+
+use collectives::control::{ControlClient, ControlError, KnobUpdate, Knobs, ServerMessage};
+use serde::{Deserialize, Serialize};
+use tuner::session::{
+    CycleObservation, FixedKnobs, KnobBounds, SessionConfig, Step, TuningSession, Verdict, Window,
+};
+use tuner::space::CollectiveKnobs;
+
+use crate::jobs::{JobSnapshot, JobState, Jobs};
+use crate::reports::{ReportMeta, Reports, report_id};
+
+// ---------------------------------------------------------------------------
+// Knobs: the wire's and the tuner's, converted here and nowhere else.
+
+/// The tuner's view of the job's knobs (cycle time in ms).
+pub fn to_tuner_knobs(knobs: &Knobs) -> CollectiveKnobs {
+    CollectiveKnobs {
+        fusion_threshold_bytes: knobs.fusion_threshold_bytes,
+        cycle_time_ms: knobs.cycle_time_us as f64 / 1_000.0,
+        hierarchical_allreduce: knobs.hierarchical_allreduce,
+    }
+}
+
+/// The wire's knobs for the tuner's (cycle time rounded to whole µs, at
+/// least 1 µs).
+pub fn to_wire_knobs(knobs: &CollectiveKnobs) -> Knobs {
+    let cycle_time_us = if knobs.cycle_time_ms.is_finite() {
+        (knobs.cycle_time_ms * 1_000.0).round().max(1.0) as u64
+    } else {
+        collectives::control::DEFAULT_CYCLE_TIME_US
+    };
+    Knobs {
+        fusion_threshold_bytes: knobs.fusion_threshold_bytes,
+        cycle_time_us,
+        hierarchical_allreduce: knobs.hierarchical_allreduce,
+    }
+}
+
+fn full_update(knobs: &Knobs) -> KnobUpdate {
+    KnobUpdate {
+        fusion_threshold_bytes: Some(knobs.fusion_threshold_bytes),
+        cycle_time_us: Some(knobs.cycle_time_us),
+        hierarchical_allreduce: Some(knobs.hierarchical_allreduce),
+    }
+}
+
+// ---------------------------------------------------------------------------
+// The request (Contract C's POST body) and the session JSON.
+
+/// Narrower search ranges (`[lo, hi]`).
+#[derive(Debug, Clone, Default, Serialize, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct BoundsRequest {
+    /// Fusion threshold range in bytes.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub fusion_threshold_bytes: Option<[u64; 2]>,
+    /// Cycle time range in ms.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub cycle_time_ms: Option<[f64; 2]>,
+}
+
+/// Knobs kept fixed (not searched).
+#[derive(Debug, Clone, Default, Serialize, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct FixedRequest {
+    /// Fixed fusion threshold in bytes.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub fusion_threshold_bytes: Option<u64>,
+    /// Fixed cycle time in ms.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub cycle_time_ms: Option<f64>,
+    /// Fixed hierarchical-allreduce switch.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub hierarchical_allreduce: Option<bool>,
+}
+
+/// `POST /api/jobs/{id}/tuning`'s body; every field is optional.
+#[derive(Debug, Clone, Default, Serialize, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct TuningRequest {
+    /// Samples (optimizer observations), default 20.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub budget: Option<usize>,
+    /// Cycles with work skipped after knobs are applied, default 3.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub warmup_cycles: Option<u64>,
+    /// Cycles with work per measured window (at least), default 10.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub measured_cycles: Option<u64>,
+    /// Shortest measured window in ms, default 1000.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub min_window_ms: Option<u64>,
+    /// Seed of the optimizer, default 0.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub seed: Option<u64>,
+    /// Narrower ranges.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub bounds: Option<BoundsRequest>,
+    /// Knobs not searched.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub fixed: Option<FixedRequest>,
+}
+
+/// The request with every default filled in (the session JSON's `config`).
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+pub struct ResolvedConfig {
+    /// Samples.
+    pub budget: usize,
+    /// Warm-up cycles per sample.
+    pub warmup_cycles: u64,
+    /// Measured cycles per window (at least).
+    pub measured_cycles: u64,
+    /// Shortest window, ms.
+    pub min_window_ms: u64,
+    /// Optimizer seed.
+    pub seed: u64,
+    /// Narrower ranges.
+    pub bounds: BoundsRequest,
+    /// Knobs not searched.
+    pub fixed: FixedRequest,
+}
+
+impl TuningRequest {
+    /// Fills in the defaults.
+    pub fn resolve(&self) -> ResolvedConfig {
+        ResolvedConfig {
+            budget: self.budget.unwrap_or(20),
+            warmup_cycles: self.warmup_cycles.unwrap_or(3),
+            measured_cycles: self.measured_cycles.unwrap_or(10),
+            min_window_ms: self.min_window_ms.unwrap_or(1_000),
+            seed: self.seed.unwrap_or(0),
+            bounds: self.bounds.clone().unwrap_or_default(),
+            fixed: self.fixed.clone().unwrap_or_default(),
+        }
+    }
+}
+
+impl ResolvedConfig {
+    /// The tuner's configuration, starting from the job's `start` knobs.
+    pub fn session_config(&self, start: &Knobs) -> SessionConfig {
+        let bounds = KnobBounds {
+            fusion_threshold_bytes: self.bounds.fusion_threshold_bytes.map(|[lo, hi]| (lo, hi)),
+            cycle_time_ms: self.bounds.cycle_time_ms.map(|[lo, hi]| (lo, hi)),
+        };
+        let fixed = FixedKnobs {
+            fusion_threshold_bytes: self.fixed.fusion_threshold_bytes,
+            cycle_time_ms: self.fixed.cycle_time_ms,
+            hierarchical_allreduce: self.fixed.hierarchical_allreduce,
+        };
+        SessionConfig {
+            budget: self.budget,
+            warmup_cycles: self.warmup_cycles,
+            measured_cycles: self.measured_cycles,
+            min_window_us: self.min_window_ms.saturating_mul(1_000),
+            seed: self.seed,
+            start: to_tuner_knobs(start),
+            bounds,
+            fixed,
+        }
+    }
+}
+
+/// Where a session is.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum SessionState {
+    /// Sampling.
+    Running,
+    /// Ended by its budget or convergence; best knobs pinned.
+    Done,
+    /// Ended by a stop request.
+    Stopped,
+    /// Ended by an error (see `error`); the job was left as it was.
+    Failed,
+}
+
+/// A measured window, as the session JSON shows it.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+pub struct WindowView {
+    /// First cycle in the window.
+    pub first_cycle: u64,
+    /// Last cycle in the window.
+    pub last_cycle: u64,
+    /// Cycles with work in it.
+    pub cycles: u64,
+    /// Its length, seconds (job clock).
+    pub duration_s: f64,
+}
+
+/// One sample, as the session JSON shows it.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+pub struct SampleView {
+    /// Sample index (0 = the starting knobs).
+    pub index: usize,
+    /// The knobs measured (as sent to the job).
+    pub knobs: Knobs,
+    /// Bytes reduced per second in the window.
+    pub score_bytes_per_s: f64,
+    /// Extra observation noise given to the GP (disturbed windows).
+    pub noise_hint: Option<f64>,
+    /// Why the recorded window was disturbed, if it was.
+    pub disturbed: Option<String>,
+    /// Why an earlier window of this sample was measured again, if it was.
+    pub remeasured_because: Option<String>,
+    /// Seconds since the session started.
+    pub wall_time_s: f64,
+    /// The window.
+    pub window: WindowView,
+}
+
+/// The best knobs (by the GP's posterior mean).
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+pub struct BestView {
+    /// The knobs.
+    pub knobs: Knobs,
+    /// The GP's predicted score, bytes/s.
+    pub predicted_score_bytes_per_s: f64,
+    /// The sample that measured them.
+    pub sample: usize,
+}
+
+/// The session JSON (Contract C).
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+pub struct SessionView {
+    /// The job tuned.
+    pub job_id: String,
+    /// Where the session is.
+    pub state: SessionState,
+    /// Why it failed.
+    pub error: Option<String>,
+    /// When it started, ms since the Unix epoch.
+    pub started_unix_ms: u64,
+    /// The configuration, defaults filled in.
+    pub config: ResolvedConfig,
+    /// The job's knobs when the session started.
+    pub start_knobs: Knobs,
+    /// The knobs in force now (as last confirmed by the job).
+    pub current_knobs: Knobs,
+    /// The samples so far.
+    pub samples: Vec<SampleView>,
+    /// The best knobs so far.
+    pub best: Option<BestView>,
+    /// The best sample's measured score over sample 0's.
+    pub speedup_over_start: Option<f64>,
+    /// The report, once written.
+    pub report_id: Option<String>,
+    /// Whether eBPF judges the windows, or why not.
+    pub disturbance_detection: String,
+    /// Why the optimizer stopped (`budget`, `converged`), or `stopped`.
+    pub stop_reason: Option<String>,
+}
+
+/// Milliseconds since the Unix epoch.
+pub fn unix_ms() -> u64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map_or(0, |d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX))
+}
+
+fn unix_us() -> u64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map_or(0, |d| u64::try_from(d.as_micros()).unwrap_or(u64::MAX))
+}
+
+// ---------------------------------------------------------------------------
+// Disturbance: eBPF's run-queue waits and retransmits during a window.
+
+/// Run-queue waits below this many ms per second of window never count as
+/// a disturbance (a quiet job's baseline can be near zero).
+pub const RUN_QUEUE_FLOOR_MS_PER_S: f64 = 5.0;
+
+/// A window is disturbed when the job's run-queue wait rate exceeds this
+/// many times its usual (median) rate.
+pub const RUN_QUEUE_FACTOR: f64 = 3.0;
+
+/// What one process of the job did during a window (from eBPF).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct PidLoad {
+    /// The process.
+    pub pid: u32,
+    /// Time its threads waited on the run queue, ns.
+    pub run_queue_ns: u64,
+    /// TCP segments it retransmitted.
+    pub retransmits: u64,
+}
+
+/// The job's processes during one window.
+#[derive(Debug, Clone, PartialEq)]
+pub struct WindowLoad {
+    /// Seconds the figures cover (about the window).
+    pub span_s: f64,
+    /// Per process.
+    pub pids: Vec<PidLoad>,
+}
+
+impl WindowLoad {
+    /// The job's run-queue wait, ms per second of window (all its processes).
+    pub fn run_queue_ms_per_s(&self) -> f64 {
+        if self.span_s <= 0.0 {
+            return 0.0;
+        }
+        let ns: u64 = self.pids.iter().map(|p| p.run_queue_ns).sum();
+        ns as f64 / 1e6 / self.span_s
+    }
+
+    /// TCP segments the job retransmitted during the window.
+    pub fn retransmits(&self) -> u64 {
+        self.pids.iter().map(|p| p.retransmits).sum()
+    }
+
+    /// The window's rates, for the session's notion of "usual".
+    pub fn rates(&self) -> WindowRates {
+        WindowRates {
+            run_queue_ms_per_s: self.run_queue_ms_per_s(),
+            retransmits_per_s: if self.span_s > 0.0 {
+                self.retransmits() as f64 / self.span_s
+            } else {
+                0.0
+            },
+        }
+    }
+}
+
+/// One judged window's rates.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct WindowRates {
+    /// Run-queue wait, ms per second.
+    pub run_queue_ms_per_s: f64,
+    /// TCP retransmits per second.
+    pub retransmits_per_s: f64,
+}
+
+/// Why a window was disturbed, or `None`. `usual` holds the rates of this
+/// session's earlier judged windows; "usual" is their median, so a
+/// minority of disturbed windows does not move it.
+/// - Run-queue waits: disturbed above [`RUN_QUEUE_FACTOR`] × the usual
+///   rate and above [`RUN_QUEUE_FLOOR_MS_PER_S`]; not judged before there
+///   is a usual rate.
+/// - TCP retransmits: any retransmit disturbs while the usual rate is zero
+///   (or unknown); a job that retransmits all the time (an overloaded
+///   link, or loopback under CPU starvation) is disturbed only above
+///   [`RUN_QUEUE_FACTOR`] × its usual rate.
+pub fn disturbance_reason(load: &WindowLoad, usual: &[WindowRates]) -> Option<String> {
+    let mut reasons = Vec::new();
+    let rates = load.rates();
+    let usual_run_queue: Vec<f64> = usual.iter().map(|r| r.run_queue_ms_per_s).collect();
+    if let Some(usual) = median(&usual_run_queue)
+        && rates.run_queue_ms_per_s > RUN_QUEUE_FLOOR_MS_PER_S
+        && rates.run_queue_ms_per_s > RUN_QUEUE_FACTOR * usual
+    {
+        let worst = load
+            .pids
+            .iter()
+            .max_by_key(|p| p.run_queue_ns)
+            .map(|p| format!(" (pid {})", p.pid))
+            .unwrap_or_default();
+        reasons.push(format!(
+            "run-queue wait {:.0} ms/s vs {usual:.0} ms/s usual{worst}",
+            rates.run_queue_ms_per_s
+        ));
+    }
+    let retransmits = load.retransmits();
+    let usual_retransmits: Vec<f64> = usual.iter().map(|r| r.retransmits_per_s).collect();
+    let usual_retransmits = median(&usual_retransmits).unwrap_or(0.0);
+    if retransmits > 0 && rates.retransmits_per_s > RUN_QUEUE_FACTOR * usual_retransmits {
+        let pids: Vec<String> = load
+            .pids
+            .iter()
+            .filter(|p| p.retransmits > 0)
+            .map(|p| format!("pid {}", p.pid))
+            .collect();
+        let plural = if retransmits == 1 { "" } else { "s" };
+        let versus = if usual_retransmits > 0.0 {
+            format!(
+                "{:.1}/s vs {usual_retransmits:.1}/s usual; ",
+                rates.retransmits_per_s
+            )
+        } else {
+            String::new()
+        };
+        reasons.push(format!(
+            "{retransmits} TCP retransmit{plural} ({versus}{})",
+            pids.join(", ")
+        ));
+    }
+    (!reasons.is_empty()).then(|| reasons.join("; "))
+}
+
+fn median(values: &[f64]) -> Option<f64> {
+    let mut sorted: Vec<f64> = values.iter().copied().filter(|v| v.is_finite()).collect();
+    if sorted.is_empty() {
+        return None;
+    }
+    sorted.sort_by(f64::total_cmp);
+    let mid = sorted.len() / 2;
+    Some(if sorted.len() % 2 == 1 {
+        sorted[mid]
+    } else {
+        (sorted[mid - 1] + sorted[mid]) / 2.0
+    })
+}
+
+/// How far back each recording re-reads the model (intervals are
+/// recorded when they end, so a wait that began before the last recording
+/// may only appear now).
+const FEED_REREAD_NS: u64 = 2_000_000_000;
+
+/// A stretch in which more than this share of the kernel's records was
+/// lost says too little about the job's waits to judge a window by.
+const MAX_LOST_SHARE: f64 = 0.01;
+
+/// How long the feed keeps waits and retransmits.
+const FEED_KEEP_NS: u64 = 120_000_000_000;
+
+/// Run-queue waits longer than this are not looked for before a window's
+/// start (the feed's index is by start time).
+const LONGEST_WAIT_NS: u64 = 10_000_000_000;
+
+#[derive(Debug, Default)]
+struct FeedData {
+    /// Run-queue waits of watched threads: (start ns, tid) → (pid, ns).
+    waits: BTreeMap<(u64, u32), (u32, u64)>,
+    /// TCP retransmits: (ts ns, pid) → how many at that instant.
+    retransmits: BTreeMap<(u64, u32), u64>,
+    /// The model was read up to here (CLOCK_MONOTONIC ns); 0: never.
+    covered_until_ns: u64,
+    /// CLOCK_REALTIME − CLOCK_MONOTONIC when last read, ns.
+    unix_minus_monotonic_ns: i128,
+    /// Records the kernel could not deliver (ring buffer full) or held
+    /// back (per-thread rate limit), at the last reading.
+    records_lost: u64,
+    /// Records delivered (decoded), at the last reading.
+    records_delivered: u64,
+    /// Ranges (monotonic ns) during which records were lost: windows that
+    /// overlap one are not judged.
+    lossy: Vec<(u64, u64)>,
+}
+
+/// The live eBPF pipeline's run-queue waits and TCP retransmits of the
+/// watched processes, copied out of the model several times a second by
+/// `serve` (the model itself stays on serve's loop), so a tuning session
+/// can say exactly what happened to the job's threads during a window
+/// given in the job's Unix-time microseconds.
+#[derive(Debug, Default)]
+pub struct LoadFeed {
+    data: Mutex<FeedData>,
+}
+
+impl LoadFeed {
+    /// Copies what the session's model learned since the last call.
+    pub fn record(&self, session: &crate::session::Session) {
+        let now = crate::session::monotonic_ns();
+        let unix_minus_monotonic_ns = i128::from(unix_us()) * 1_000 - i128::from(now);
+        let from = {
+            let data = self.lock();
+            if data.covered_until_ns == 0 {
+                now.saturating_sub(FEED_REREAD_NS)
+            } else {
+                data.covered_until_ns.saturating_sub(FEED_REREAD_NS)
+            }
+        };
+        let model = &session.model;
+        let mut waits = Vec::new();
+        for &pid in session.watched() {
+            for tid in model.tids(pid) {
+                for interval in model.intervals_ended_since(tid, from) {
+                    if interval.kind == ebpf::IntervalKind::RunQueue {
+                        waits.push(((interval.start_ns, tid), (pid, interval.duration_ns)));
+                    }
+                }
+            }
+        }
+        let retransmits = model.retransmits_between(from, now);
+        let probes = session.probes();
+        let records_lost = [
+            ebpf::Counter::RingbufDrops,
+            ebpf::Counter::IntervalsRateLimited,
+        ]
+        .into_iter()
+        .map(|counter| probes.counter(counter).unwrap_or(0))
+        .sum::<u64>();
+        let records_delivered = session.events;
+        let mut data = self.lock();
+        let lost = records_lost.saturating_sub(data.records_lost);
+        let delivered = records_delivered.saturating_sub(data.records_delivered);
+        if lost as f64 > MAX_LOST_SHARE * (lost + delivered) as f64 {
+            let lost_from = if data.covered_until_ns == 0 {
+                0
+            } else {
+                data.covered_until_ns
+            };
+            tracing::debug!(
+                lost,
+                delivered,
+                "the kernel lost records: windows across this stretch are not judged"
+            );
+            data.lossy.push((lost_from, now));
+        }
+        data.records_lost = records_lost;
+        data.records_delivered = records_delivered;
+        data.waits.extend(waits);
+        // The model is the truth for [from, now): replace that range.
+        let stale: Vec<(u64, u32)> = data
+            .retransmits
+            .range((from, 0)..)
+            .map(|(k, _)| *k)
+            .collect();
+        for key in stale {
+            data.retransmits.remove(&key);
+        }
+        for (ts, pid) in retransmits {
+            *data.retransmits.entry((ts, pid)).or_default() += 1;
+        }
+        let keep_from = now.saturating_sub(FEED_KEEP_NS);
+        data.waits = data.waits.split_off(&(keep_from, 0));
+        data.retransmits = data.retransmits.split_off(&(keep_from, 0));
+        data.lossy.retain(|&(_, end)| end >= keep_from);
+        data.covered_until_ns = now;
+        data.unix_minus_monotonic_ns = unix_minus_monotonic_ns;
+    }
+
+    fn lock(&self) -> MutexGuard<'_, FeedData> {
+        self.data
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+
+    /// Whether the feed has read the model past `unix_us` (µs since the
+    /// Unix epoch).
+    fn covers(&self, unix_us: u64) -> bool {
+        let data = self.lock();
+        data.covered_until_ns != 0
+            && i128::from(data.covered_until_ns)
+                >= i128::from(unix_us) * 1_000 - data.unix_minus_monotonic_ns
+    }
+
+    /// What `pids` went through between `from_us` and `to_us` (µs since
+    /// the Unix epoch), as far as the feed has read the model; `None` when
+    /// it has read nothing of that range.
+    pub fn window(&self, pids: &BTreeSet<u32>, from_us: u64, to_us: u64) -> Option<WindowLoad> {
+        let data = self.lock();
+        if data.covered_until_ns == 0 {
+            return None;
+        }
+        let to_monotonic = |unix_us: u64| {
+            let ns = i128::from(unix_us) * 1_000 - data.unix_minus_monotonic_ns;
+            u64::try_from(ns.max(0)).unwrap_or(u64::MAX)
+        };
+        let from_ns = to_monotonic(from_us);
+        let to_ns = to_monotonic(to_us).min(data.covered_until_ns);
+        if to_ns <= from_ns {
+            return None;
+        }
+        if data
+            .lossy
+            .iter()
+            .any(|&(start, end)| start < to_ns && end > from_ns)
+        {
+            tracing::debug!("records were lost during this window: it is not judged");
+            return None;
+        }
+        let mut per_pid: BTreeMap<u32, PidLoad> = pids
+            .iter()
+            .map(|&pid| {
+                (
+                    pid,
+                    PidLoad {
+                        pid,
+                        run_queue_ns: 0,
+                        retransmits: 0,
+                    },
+                )
+            })
+            .collect();
+        let earliest = from_ns.saturating_sub(LONGEST_WAIT_NS);
+        for (&(start, _tid), &(pid, duration)) in data.waits.range((earliest, 0)..(to_ns, 0)) {
+            let overlap = (start + duration)
+                .min(to_ns)
+                .saturating_sub(start.max(from_ns));
+            if let Some(load) = per_pid.get_mut(&pid) {
+                load.run_queue_ns += overlap;
+            }
+        }
+        for (&(_, pid), &count) in data.retransmits.range((from_ns, 0)..(to_ns, 0)) {
+            if let Some(load) = per_pid.get_mut(&pid) {
+                load.retransmits += count;
+            }
+        }
+        Some(WindowLoad {
+            span_s: (to_ns - from_ns) as f64 / 1e9,
+            pids: per_pid.into_values().collect(),
+        })
+    }
+}
+
+/// Whether windows are judged with eBPF.
+#[derive(Debug, Clone)]
+pub enum Disturbance {
+    /// Judged from this feed.
+    Ebpf(Arc<LoadFeed>),
+    /// Not judged, for this reason (`off: …`).
+    Off(String),
+}
+
+impl Disturbance {
+    /// For the session JSON.
+    pub fn describe(&self) -> String {
+        match self {
+            Self::Ebpf(_) => "on: eBPF run-queue waits and TCP retransmits".to_owned(),
+            Self::Off(why) => why.clone(),
+        }
+    }
+}
+
+// ---------------------------------------------------------------------------
+// The sessions.
+
+/// Limits on talking to a job.
+#[derive(Debug, Clone)]
+pub struct TuningLimits {
+    /// Connecting and reading `hello`; also claim/release answers.
+    pub connect_timeout: Duration,
+    /// Waiting for `knobs_applied`.
+    pub apply_timeout: Duration,
+    /// A job that reports no cycle with work for this long fails the session.
+    pub idle_timeout: Duration,
+}
+
+impl Default for TuningLimits {
+    fn default() -> Self {
+        Self {
+            connect_timeout: Duration::from_secs(5),
+            apply_timeout: Duration::from_secs(30),
+            idle_timeout: Duration::from_secs(60),
+        }
+    }
+}
+
+/// Why a session could not start (mapped to HTTP statuses by the API).
+#[derive(Debug, thiserror::Error)]
+pub enum StartError {
+    /// No such job.
+    #[error("{0}")]
+    NotFound(String),
+    /// A session already runs, the job is lost, or the job refused the claim.
+    #[error("{0}")]
+    Conflict(String),
+    /// The request is not a valid session configuration.
+    #[error("{0}")]
+    BadRequest(String),
+    /// The job's control socket could not be used.
+    #[error("{0}")]
+    Unavailable(String),
+}
+
+/// How a stop request leaves the job.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Keep {
+    /// On the best knobs found.
+    Best,
+    /// On the knobs it had when the session started.
+    Start,
+}
+
+struct Handle {
+    view: Mutex<SessionView>,
+    stop: Mutex<Option<Keep>>,
+}
+
+impl Handle {
+    fn view(&self) -> MutexGuard<'_, SessionView> {
+        self.view
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+
+    fn stop_request(&self) -> Option<Keep> {
+        *self
+            .stop
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+}
+
+/// Every tuning session of this agent (one per job at a time; the last one
+/// of each job is kept for `GET`).
+pub struct Tunings {
+    jobs: Jobs,
+    reports: Reports,
+    disturbance: Disturbance,
+    limits: TuningLimits,
+    sessions: Mutex<BTreeMap<String, Arc<Handle>>>,
+}
+
+impl Tunings {
+    /// Sessions over `jobs`' jobs, reports into `reports`.
+    pub fn new(
+        jobs: Jobs,
+        reports: Reports,
+        disturbance: Disturbance,
+        limits: TuningLimits,
+    ) -> Self {
+        Self {
+            jobs,
+            reports,
+            disturbance,
+            limits,
+            sessions: Mutex::new(BTreeMap::new()),
+        }
+    }
+
+    /// The reports directory.
+    pub fn reports(&self) -> &Reports {
+        &self.reports
+    }
+
+    fn sessions(&self) -> MutexGuard<'_, BTreeMap<String, Arc<Handle>>> {
+        self.sessions
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+
+    /// The session of `job_id` (running or the last one), if any.
+    pub fn get(&self, job_id: &str) -> Option<SessionView> {
+        self.sessions().get(job_id).map(|h| h.view().clone())
+    }
+
+    /// Every job's latest session.
+    pub fn all(&self) -> Vec<SessionView> {
+        self.sessions().values().map(|h| h.view().clone()).collect()
+    }
+
+    /// Asks the running session of `job_id` to stop (the job left as `keep`
+    /// says); returns its view, `None` when the job never had a session.
+    pub fn stop(&self, job_id: &str, keep: Keep) -> Option<SessionView> {
+        let handle = self.sessions().get(job_id).cloned()?;
+        if handle.view().state == SessionState::Running {
+            let mut stop = handle
+                .stop
+                .lock()
+                .unwrap_or_else(std::sync::PoisonError::into_inner);
+            stop.get_or_insert(keep);
+        }
+        let view = handle.view().clone();
+        Some(view)
+    }
+
+    /// Stops every running session (best knobs kept) and waits up to
+    /// `limit` for them to end (the agent is shutting down).
+    pub fn stop_all(&self, limit: Duration) {
+        let running: Vec<String> = self
+            .sessions()
+            .iter()
+            .filter(|(_, h)| h.view().state == SessionState::Running)
+            .map(|(job_id, _)| job_id.clone())
+            .collect();
+        if running.is_empty() {
+            return;
+        }
+        tracing::info!(
+            sessions = running.len(),
+            "stopping the running tuning sessions (best knobs kept)"
+        );
+        for job_id in &running {
+            self.stop(job_id, Keep::Best);
+        }
+        let deadline = Instant::now() + limit;
+        while self.all().iter().any(|v| v.state == SessionState::Running) {
+            if Instant::now() >= deadline {
+                tracing::warn!(
+                    "tuning sessions still running after {limit:?}; their jobs keep the knobs \
+                     they have"
+                );
+                return;
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    }
+
+    /// Checks the request, reserves the job's session slot and starts the
+    /// session's thread; the receiver answers once the session holds the
+    /// job's claim (or why it could not).
+    pub fn start(
+        self: &Arc<Self>,
+        job_id: &str,
+        request: &TuningRequest,
+    ) -> Result<tokio::sync::oneshot::Receiver<Result<SessionView, StartError>>, StartError> {
+        let job = self
+            .jobs
+            .jobs()
+            .into_iter()
+            .find(|j| j.job_id == job_id)
+            .ok_or_else(|| {
+                StartError::NotFound(format!(
+                    "no job {job_id:?} on this node (GET /api/jobs lists the jobs found)"
+                ))
+            })?;
+        if job.state != JobState::Connected {
+            return Err(StartError::Conflict(format!(
+                "job {job_id} is lost ({}); it cannot be tuned",
+                job.lost_reason.as_deref().unwrap_or("no reason known")
+            )));
+        }
+        let config = request.resolve();
+        // Checked now (with the knobs the registry last saw) so a bad body
+        // is a 400 at once; the session proper starts from the knobs the
+        // job names on its own connection.
+        TuningSession::new(config.session_config(&job.knobs))
+            .map_err(|e| StartError::BadRequest(format!("bad tuning configuration: {e}")))?;
+        let handle = {
+            let mut sessions = self.sessions();
+            if let Some(running) = sessions
+                .get(job_id)
+                .filter(|h| h.view().state == SessionState::Running)
+            {
+                let started = running.view().started_unix_ms;
+                return Err(StartError::Conflict(format!(
+                    "a tuning session of job {job_id} already runs (started at {started} ms \
+                     since the epoch); DELETE /api/jobs/{job_id}/tuning stops it"
+                )));
+            }
+            let handle = Arc::new(Handle {
+                view: Mutex::new(SessionView {
+                    job_id: job_id.to_owned(),
+                    state: SessionState::Running,
+                    error: None,
+                    started_unix_ms: unix_ms(),
+                    config: config.clone(),
+                    start_knobs: job.knobs,
+                    current_knobs: job.knobs,
+                    samples: Vec::new(),
+                    best: None,
+                    speedup_over_start: None,
+                    report_id: None,
+                    disturbance_detection: self.disturbance.describe(),
+                    stop_reason: None,
+                }),
+                stop: Mutex::new(None),
+            });
+            sessions.insert(job_id.to_owned(), handle.clone());
+            forget_oldest_finished(&mut sessions);
+            handle
+        };
+        let (ready_tx, ready_rx) = tokio::sync::oneshot::channel();
+        let this = self.clone();
+        let spawned = std::thread::Builder::new()
+            .name("ringwatch-tune".into())
+            .spawn(move || this.drive(&handle, &job, &config, ready_tx));
+        if let Err(error) = spawned {
+            let message = format!("cannot start the tuning thread: {error}");
+            if let Some(handle) = self.sessions().get(job_id) {
+                fail(handle, message.clone());
+            }
+            return Err(StartError::Unavailable(message));
+        }
+        Ok(ready_rx)
+    }
+
+    /// The session's thread: runs it to the end and records how it ended.
+    fn drive(
+        &self,
+        handle: &Handle,
+        job: &JobSnapshot,
+        config: &ResolvedConfig,
+        ready: tokio::sync::oneshot::Sender<Result<SessionView, StartError>>,
+    ) {
+        let job_id = job.job_id.clone();
+        let span = tracing::info_span!("tuning", job_id);
+        let _entered = span.enter();
+        let mut ready = Some(ready);
+        let result = self.run_session(handle, job, config, &mut ready);
+        match result {
+            Ok(()) => {}
+            Err(SessionFailure::BeforeStart(error)) => {
+                fail(handle, error.to_string());
+                if let Some(ready) = ready.take() {
+                    let _ = ready.send(Err(error));
+                }
+            }
+            Err(SessionFailure::Failed(message)) => {
+                tracing::warn!(message, "tuning session failed; the job keeps its knobs");
+                fail(handle, message);
+            }
+        }
+    }
+
+    fn run_session(
+        &self,
+        handle: &Handle,
+        job: &JobSnapshot,
+        config: &ResolvedConfig,
+        ready: &mut Option<tokio::sync::oneshot::Sender<Result<SessionView, StartError>>>,
+    ) -> Result<(), SessionFailure> {
+        let job_id = &job.job_id;
+        let limits = &self.limits;
+        let mut client =
+            ControlClient::connect(&job.socket, limits.connect_timeout).map_err(|e| {
+                SessionFailure::BeforeStart(StartError::Unavailable(format!(
+                    "cannot connect to job {job_id}'s control socket {}: {e}",
+                    job.socket.display()
+                )))
+            })?;
+        client
+            .claim_tuning(limits.connect_timeout)
+            .map_err(|e| match e {
+                ControlError::Server(message) => SessionFailure::BeforeStart(StartError::Conflict(
+                    format!("job {job_id} refused the tuning claim: {message}"),
+                )),
+                other => SessionFailure::BeforeStart(StartError::Unavailable(format!(
+                    "claiming job {job_id}'s tuning failed: {other}"
+                ))),
+            })?;
+        // From here on the claim is ours: every way out releases it (or the
+        // connection breaks, which the job sees as an interrupted claim).
+        let result = self.run_claimed(&mut client, handle, job, config, ready);
+        if result.is_err() {
+            // Best effort: a broken connection already ended the claim.
+            let _ = client.release_tuning(false, Duration::from_secs(2));
+        }
+        result
+    }
+
+    /// The session proper, with the job's claim held on `client`.
+    fn run_claimed(
+        &self,
+        client: &mut ControlClient,
+        handle: &Handle,
+        job: &JobSnapshot,
+        config: &ResolvedConfig,
+        ready: &mut Option<tokio::sync::oneshot::Sender<Result<SessionView, StartError>>>,
+    ) -> Result<(), SessionFailure> {
+        let job_id = &job.job_id;
+        let limits = &self.limits;
+        let broken = |what: &str, e: ControlError| match e {
+            ControlError::Server(message) => SessionFailure::Failed(format!(
+                "job {job_id} refused a request while {what}: {message}; it keeps the knobs it has"
+            )),
+            e => SessionFailure::Failed(format!(
+                "lost the control connection to job {job_id} while {what}: {e}; the job keeps \
+                 the knobs it had"
+            )),
+        };
+        let (start_knobs, _) = client
+            .get_knobs(limits.connect_timeout)
+            .map_err(|e| broken("reading its knobs", e))?;
+        client
+            .subscribe(true, false)
+            .map_err(|e| broken("subscribing to its statistics", e))?;
+        let mut session = match TuningSession::new(config.session_config(&start_knobs)) {
+            Ok(session) => session,
+            Err(e) => {
+                let _ = client.release_tuning(false, limits.connect_timeout);
+                return Err(SessionFailure::BeforeStart(StartError::BadRequest(
+                    format!("bad tuning configuration: {e}"),
+                )));
+            }
+        };
+        {
+            let mut view = handle.view();
+            view.start_knobs = start_knobs;
+            view.current_knobs = start_knobs;
+        }
+        if let Some(ready) = ready.take() {
+            let _ = ready.send(Ok(handle.view().clone()));
+        }
+        tracing::info!(
+            budget = config.budget,
+            ?start_knobs,
+            "tuning session started"
+        );
+
+        let started = Instant::now();
+        // The job's ranks on this node (eBPF sees only those).
+        let host = crate::jobs::host_name();
+        let pids: BTreeSet<u32> = job
+            .ranks
+            .iter()
+            .filter(|r| r.host == host)
+            .map(|r| r.pid)
+            .collect();
+        let mut usual: Vec<WindowRates> = Vec::new();
+        let mut last_work = Instant::now();
+        let mut stopped: Option<Keep> = None;
+        loop {
+            if let Some(keep) = handle.stop_request() {
+                session.stop();
+                stopped = Some(keep);
+                break;
+            }
+            match session.next_step() {
+                Step::Done => break,
+                Step::Apply(knobs) => {
+                    let wire = to_wire_knobs(&knobs);
+                    let (applied, first_cycle) = client
+                        .set_knobs(full_update(&wire), limits.apply_timeout)
+                        .map_err(|e| broken("applying knobs", e))?;
+                    tracing::debug!(?applied, first_cycle, "knobs applied");
+                    handle.view().current_knobs = applied;
+                    session.applied(first_cycle).map_err(|e| {
+                        SessionFailure::Failed(format!("the tuner refused the applied knobs: {e}"))
+                    })?;
+                    last_work = Instant::now();
+                }
+                Step::Measure => {
+                    let message = client
+                        .next_message(Duration::from_millis(250))
+                        .map_err(|e| broken("reading its statistics", e))?;
+                    let Some(ServerMessage::CycleStats(stats)) = message else {
+                        if last_work.elapsed() > limits.idle_timeout {
+                            return Err(SessionFailure::Failed(format!(
+                                "job {job_id} reported no cycle with work for {:?} (is it idle \
+                                 or finishing?); the session ends, the job keeps its knobs",
+                                limits.idle_timeout
+                            )));
+                        }
+                        continue;
+                    };
+                    last_work = Instant::now();
+                    let observation = CycleObservation {
+                        cycle: stats.cycle,
+                        start_unix_us: stats.start_unix_us,
+                        duration_us: stats.duration_us,
+                        bytes_reduced: stats.bytes_reduced,
+                    };
+                    let Some(window) = session.observe_cycle(&observation) else {
+                        continue;
+                    };
+                    let disturbed = self.judge_window(&window, &pids, &mut usual);
+                    let wall_time_s = started.elapsed().as_secs_f64();
+                    let verdict = session
+                        .judge(&window, disturbed.clone(), wall_time_s)
+                        .map_err(|e| {
+                            SessionFailure::Failed(format!("the tuner refused a window: {e}"))
+                        })?;
+                    match verdict {
+                        Verdict::Remeasure => {
+                            tracing::info!(
+                                reason = disturbed.as_deref().unwrap_or(""),
+                                "window disturbed; measuring again"
+                            );
+                        }
+                        Verdict::Sample(index) => {
+                            if let Some(sample) = session.samples().get(index) {
+                                tracing::info!(
+                                    index,
+                                    score_bytes_per_s = sample.score,
+                                    knobs = ?to_wire_knobs(&sample.knobs),
+                                    "sample"
+                                );
+                            }
+                        }
+                    }
+                    update_view(&mut handle.view(), &session);
+                }
+            }
+        }
+
+        // The end: pin the chosen knobs, release the claim, write the report.
+        let keep = stopped.unwrap_or(Keep::Best);
+        let pinned = match keep {
+            Keep::Start => Some(start_knobs),
+            Keep::Best => session.best().map(|best| to_wire_knobs(&best.knobs)),
+        };
+        if let Some(knobs) = pinned {
+            let (applied, _) = client
+                .set_knobs(full_update(&knobs), limits.apply_timeout)
+                .map_err(|e| broken("pinning the chosen knobs", e))?;
+            handle.view().current_knobs = applied;
+            tracing::info!(?applied, "pinned the chosen knobs");
+        }
+        client
+            .release_tuning(true, limits.connect_timeout)
+            .map_err(|e| broken("releasing the tuning claim", e))?;
+        let state = if stopped.is_some() {
+            SessionState::Stopped
+        } else {
+            SessionState::Done
+        };
+        {
+            let mut view = handle.view();
+            update_view(&mut view, &session);
+            view.stop_reason = match (stopped, session.stop_reason()) {
+                (Some(_), _) => Some("stopped".to_owned()),
+                (None, Some(reason)) => Some(format!("{reason:?}").to_lowercase()),
+                (None, None) => None,
+            };
+        }
+        let report = if session.samples().is_empty() {
+            None
+        } else {
+            match self.write_report(&session, &handle.view(), state) {
+                Ok(id) => Some(id),
+                Err(error) => {
+                    return Err(SessionFailure::Failed(format!(
+                        "the session ended (knobs pinned) but its report could not be written: \
+                         {error:#}"
+                    )));
+                }
+            }
+        };
+        let mut view = handle.view();
+        view.report_id = report;
+        view.state = state;
+        tracing::info!(state = ?state, report = view.report_id.as_deref().unwrap_or("none"), speedup = view.speedup_over_start, "tuning session ended");
+        Ok(())
+    }
+
+    /// eBPF's verdict on a window; also keeps the run-queue baseline.
+    fn judge_window(
+        &self,
+        window: &Window,
+        pids: &BTreeSet<u32>,
+        usual: &mut Vec<WindowRates>,
+    ) -> Option<String> {
+        let Disturbance::Ebpf(feed) = &self.disturbance else {
+            return None;
+        };
+        // The feed copies the model a few times a second: wait (a little)
+        // until it has read past the window's end. A window it has not
+        // read whole (serve's loop is behind) is not judged: a verdict on
+        // part of it would be noise.
+        let deadline = Instant::now() + Duration::from_millis(1_500);
+        while !feed.covers(window.end_unix_us) {
+            if Instant::now() >= deadline {
+                tracing::info!(
+                    first_cycle = window.first_cycle,
+                    last_cycle = window.last_cycle,
+                    "the eBPF figures for this window are not read yet (serve's loop is \
+                     behind): the window is not judged"
+                );
+                return None;
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        let load = feed.window(pids, window.start_unix_us, window.end_unix_us)?;
+        let reason = disturbance_reason(&load, usual);
+        tracing::debug!(
+            run_queue_ms_per_s = load.run_queue_ms_per_s(),
+            retransmits = load.retransmits(),
+            span_s = load.span_s,
+            pids = load.pids.len(),
+            disturbed = reason.as_deref().unwrap_or("no"),
+            "window load (eBPF)"
+        );
+        usual.push(load.rates());
+        reason
+    }
+
+    fn write_report(
+        &self,
+        session: &TuningSession,
+        view: &SessionView,
+        state: SessionState,
+    ) -> anyhow::Result<String> {
+        use anyhow::Context;
+        let created_unix_ms = unix_ms();
+        let id = report_id(&view.job_id, created_unix_ms);
+        let title = format!("ringwatch tuning of job {}", view.job_id);
+        let files = tuner::session::write_report(session, self.reports.dir(), &id, &title)
+            .with_context(|| {
+                format!("writing report {id} into {}", self.reports.dir().display())
+            })?;
+        let state_name = match state {
+            SessionState::Running => "running",
+            SessionState::Done => "done",
+            SessionState::Stopped => "stopped",
+            SessionState::Failed => "failed",
+        };
+        self.reports.write_meta(&ReportMeta {
+            id: id.clone(),
+            job_id: view.job_id.clone(),
+            created_unix_ms,
+            samples: view.samples.len(),
+            best: view.best.as_ref().map(|b| b.knobs),
+            speedup_over_start: view.speedup_over_start,
+            state: state_name.to_owned(),
+            disturbance_detection: view.disturbance_detection.clone(),
+            start_knobs: view.start_knobs,
+        })?;
+        tracing::info!(html = %files.html.display(), "tuning report written");
+        Ok(id)
+    }
+
+    /// Starts, once per appearance of a job, a default session for every
+    /// job that asks to be tuned (`autotune: waiting|interrupted`). Runs on
+    /// its own thread until the last other handle to `self` is gone.
+    pub fn autotune(self: &Arc<Self>) -> std::io::Result<()> {
+        let weak = Arc::downgrade(self);
+        std::thread::Builder::new()
+            .name("ringwatch-autotune".into())
+            .spawn(move || {
+                let mut started: BTreeMap<String, PathBuf> = BTreeMap::new();
+                loop {
+                    std::thread::sleep(Duration::from_millis(500));
+                    let Some(this) = weak.upgrade() else { break };
+                    let jobs = this.jobs.jobs();
+                    started.retain(|id, socket| {
+                        jobs.iter().any(|j| {
+                            &j.job_id == id && &j.socket == socket && j.state == JobState::Connected
+                        })
+                    });
+                    for job in jobs {
+                        if job.state != JobState::Connected
+                            || !job.wants_autotune()
+                            || started.contains_key(&job.job_id)
+                        {
+                            continue;
+                        }
+                        started.insert(job.job_id.clone(), job.socket.clone());
+                        match this.start(&job.job_id, &TuningRequest::default()) {
+                            Ok(_) => tracing::info!(
+                                job_id = job.job_id,
+                                "the job asks to be tuned: started a tuning session"
+                            ),
+                            Err(error) => tracing::warn!(
+                                job_id = job.job_id,
+                                %error,
+                                "the job asks to be tuned, but no session could start"
+                            ),
+                        }
+                    }
+                }
+            })?;
+        Ok(())
+    }
+}
+
+/// Finished sessions kept for `GET` (the newest; running ones always stay).
+const FINISHED_SESSIONS_KEPT: usize = 100;
+
+/// Keeps memory bounded: forgets the oldest finished sessions beyond
+/// [`FINISHED_SESSIONS_KEPT`].
+fn forget_oldest_finished(sessions: &mut BTreeMap<String, Arc<Handle>>) {
+    let mut finished: Vec<(u64, String)> = sessions
+        .iter()
+        .filter_map(|(job_id, h)| {
+            let view = h.view();
+            (view.state != SessionState::Running).then(|| (view.started_unix_ms, job_id.clone()))
+        })
+        .collect();
+    if finished.len() <= FINISHED_SESSIONS_KEPT {
+        return;
+    }
+    finished.sort();
+    let excess = finished.len() - FINISHED_SESSIONS_KEPT;
+    for (_, job_id) in finished.into_iter().take(excess) {
+        sessions.remove(&job_id);
+    }
+}
+
+enum SessionFailure {
+    /// Before the claim was ours: answered to the starter.
+    BeforeStart(StartError),
+    /// After: the session failed.
+    Failed(String),
+}
+
+fn fail(handle: &Handle, message: String) {
+    let mut view = handle.view();
+    view.state = SessionState::Failed;
+    view.error = Some(message);
+}
+
+/// Copies the session's samples and best into the view.
+fn update_view(view: &mut SessionView, session: &TuningSession) {
+    view.samples = session
+        .samples()
+        .iter()
+        .map(|s| SampleView {
+            index: s.index,
+            knobs: to_wire_knobs(&s.knobs),
+            score_bytes_per_s: s.score,
+            noise_hint: s.noise_hint,
+            disturbed: s.disturbed.clone(),
+            remeasured_because: s.remeasured_because.clone(),
+            wall_time_s: s.wall_time_s,
+            window: WindowView {
+                first_cycle: s.window.first_cycle,
+                last_cycle: s.window.last_cycle,
+                cycles: s.window.cycles,
+                duration_s: s.window.duration_s(),
+            },
+        })
+        .collect();
+    view.best = session.best().map(|b| BestView {
+        knobs: to_wire_knobs(&b.knobs),
+        predicted_score_bytes_per_s: b.predicted_score,
+        sample: b.sample,
+    });
+    view.speedup_over_start = session.speedup_over_start();
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn load(span_s: f64, pids: &[(u32, u64, u64)]) -> WindowLoad {
+        WindowLoad {
+            span_s,
+            pids: pids
+                .iter()
+                .map(|&(pid, run_queue_ms, retransmits)| PidLoad {
+                    pid,
+                    run_queue_ns: run_queue_ms * 1_000_000,
+                    retransmits,
+                })
+                .collect(),
+        }
+    }
+
+    #[test]
+    fn knobs_convert_both_ways() {
+        let wire = Knobs {
+            fusion_threshold_bytes: 8 << 20,
+            cycle_time_us: 2_500,
+            hierarchical_allreduce: true,
+        };
+        let tuner = to_tuner_knobs(&wire);
+        assert_eq!(tuner.cycle_time_ms, 2.5);
+        assert_eq!(to_wire_knobs(&tuner), wire);
+        let odd = CollectiveKnobs {
+            fusion_threshold_bytes: 0,
+            cycle_time_ms: 0.6004,
+            hierarchical_allreduce: false,
+        };
+        assert_eq!(to_wire_knobs(&odd).cycle_time_us, 600);
+    }
+
+    fn usual(run_queue_ms_per_s: &[f64], retransmits_per_s: f64) -> Vec<WindowRates> {
+        run_queue_ms_per_s
+            .iter()
+            .map(|&r| WindowRates {
+                run_queue_ms_per_s: r,
+                retransmits_per_s,
+            })
+            .collect()
+    }
+
+    #[test]
+    fn a_run_queue_spike_over_three_times_the_usual_is_a_disturbance() {
+        // 2 s window: pid 7 waited 60 ms, pid 8 22 ms: 41 ms/s.
+        let spiky = load(2.0, &[(7, 60, 0), (8, 22, 0)]);
+        assert_eq!(
+            disturbance_reason(&spiky, &usual(&[6.0, 5.0, 7.0], 0.0)).as_deref(),
+            Some("run-queue wait 41 ms/s vs 6 ms/s usual (pid 7)")
+        );
+        // A disturbed minority does not move the usual rate (median).
+        assert!(disturbance_reason(&spiky, &usual(&[6.0, 50.0, 7.0], 0.0)).is_some());
+        // Just under 3x the median: not disturbed.
+        assert_eq!(
+            disturbance_reason(&load(1.0, &[(7, 17, 0)]), &usual(&[6.0], 0.0)),
+            None
+        );
+        // No history yet: run-queue waits are not judged.
+        assert_eq!(disturbance_reason(&spiky, &[]), None);
+    }
+
+    #[test]
+    fn tiny_waits_never_count_even_against_a_zero_baseline() {
+        let quiet = load(1.0, &[(7, 4, 0)]);
+        assert_eq!(disturbance_reason(&quiet, &usual(&[0.0, 0.0], 0.0)), None);
+        let busy = load(1.0, &[(7, 6, 0)]);
+        assert!(disturbance_reason(&busy, &usual(&[0.0], 0.0)).is_some());
+    }
+
+    #[test]
+    fn retransmits_disturb_unless_the_job_always_retransmits_that_much() {
+        assert_eq!(
+            disturbance_reason(&load(1.0, &[(7, 1, 3), (8, 1, 0)]), &usual(&[1.0], 0.0)).as_deref(),
+            Some("3 TCP retransmits (pid 7)")
+        );
+        // No history: any retransmit disturbs.
+        assert!(disturbance_reason(&load(1.0, &[(7, 1, 1)]), &[]).is_some());
+        assert_eq!(
+            disturbance_reason(&load(1.0, &[(7, 100, 1), (9, 0, 1)]), &usual(&[5.0], 0.0))
+                .as_deref(),
+            Some(
+                "run-queue wait 100 ms/s vs 5 ms/s usual (pid 7); 2 TCP retransmits (pid 7, pid 9)"
+            )
+        );
+        // A job that usually retransmits 4/s: 10 in 2 s is its usual.
+        let usual_4 = usual(&[1.0, 1.0, 1.0], 4.0);
+        assert_eq!(
+            disturbance_reason(&load(2.0, &[(7, 2, 10)]), &usual_4),
+            None
+        );
+        assert_eq!(
+            disturbance_reason(&load(2.0, &[(7, 2, 30)]), &usual_4).as_deref(),
+            Some("30 TCP retransmits (15.0/s vs 4.0/s usual; pid 7)")
+        );
+    }
+
+    #[test]
+    fn the_feed_counts_what_overlaps_a_window_in_the_jobs_clock() {
+        let feed = LoadFeed::default();
+        {
+            let mut data = feed.lock();
+            // Unix time = monotonic time + 1000 s.
+            data.unix_minus_monotonic_ns = 1_000_000_000_000;
+            data.covered_until_ns = 20_000_000_000;
+            let s = 1_000_000_000u64;
+            // pid 7: a 2 s wait across the window's start (1 s inside), a
+            // 0.5 s wait inside, one after it; pid 99 is not the job's.
+            data.waits.insert((9 * s, 70), (7, 2 * s));
+            data.waits.insert((11 * s, 71), (7, s / 2));
+            data.waits.insert((16 * s, 70), (7, s));
+            data.waits.insert((11 * s, 990), (99, s));
+            data.retransmits.insert((12 * s, 7), 2);
+            data.retransmits.insert((13 * s, 99), 1);
+            data.retransmits.insert((15 * s, 7), 1);
+        }
+        let pids = BTreeSet::from([7, 8]);
+        // Window: monotonic 10 s .. 15 s.
+        let w = feed.window(&pids, 1_010_000_000, 1_015_000_000).unwrap();
+        assert_eq!(w.span_s, 5.0);
+        assert_eq!(
+            w.pids,
+            [
+                PidLoad {
+                    pid: 7,
+                    run_queue_ns: 1_500_000_000,
+                    retransmits: 2
+                },
+                PidLoad {
+                    pid: 8,
+                    run_queue_ns: 0,
+                    retransmits: 0
+                },
+            ]
+        );
+        assert_eq!(w.run_queue_ms_per_s(), 300.0);
+        // Only what the feed has read counts: up to 20 s.
+        assert!(feed.covers(1_020_000_000));
+        assert!(!feed.covers(1_020_000_001));
+        let w = feed.window(&pids, 1_018_000_000, 1_030_000_000).unwrap();
+        assert_eq!(w.span_s, 2.0);
+        assert!(feed.window(&pids, 1_021_000_000, 1_030_000_000).is_none());
+        // Records lost from 14 s to 14.5 s: windows across that say nothing.
+        feed.lock().lossy.push((14_000_000_000, 14_500_000_000));
+        assert!(feed.window(&pids, 1_010_000_000, 1_015_000_000).is_none());
+        assert!(feed.window(&pids, 1_014_500_000, 1_015_000_000).is_some());
+        assert!(LoadFeed::default().window(&pids, 0, 1).is_none());
+    }
+
+    #[test]
+    fn the_request_rejects_unknown_fields_and_fills_defaults() {
+        let request: TuningRequest =
+            serde_json::from_str(r#"{"budget":5,"bounds":{"cycle_time_ms":[0.5,5]}}"#).unwrap();
+        let config = request.resolve();
+        assert_eq!(config.budget, 5);
+        assert_eq!(config.warmup_cycles, 3);
+        assert_eq!(config.bounds.cycle_time_ms, Some([0.5, 5.0]));
+        assert!(serde_json::from_str::<TuningRequest>(r#"{"budgett":5}"#).is_err());
+        assert!(serde_json::from_str::<TuningRequest>(r#"{"fixed":{"x":1}}"#).is_err());
+    }
+}
