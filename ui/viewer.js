@@ -733,7 +733,10 @@ class Viewer {
     // A busy job's last seconds can hold more thread states than one answer
     // may carry: ask the agent to keep the longest ones (it says so) rather
     // than refuse.
+    // A screen cannot show more than ~100k slices; fewer also keeps the
+    // agent's answer (and its CPU, shared with the job) small.
     q.set('downsample', 'true');
+    q.set('max_events', '100000');
     return '/api/timeline?' + q.toString();
   }
   async liveTick() {

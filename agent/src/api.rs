@@ -277,10 +277,10 @@ enum TimelineSource {
 }
 
 impl TimelineSource {
-    fn trace(&self) -> &RecordedTrace {
+    fn query(&self, query: &TimelineQuery, limit: usize) -> Result<serde_json::Value, QueryError> {
         match self {
-            Self::Recorded(trace) => trace,
-            Self::Live(live) => &live.timeline,
+            Self::Recorded(trace) => trace.query(query, limit),
+            Self::Live(live) => live.query(query, limit),
         }
     }
 }
@@ -289,7 +289,10 @@ async fn timeline(
     State(state): State<ApiState>,
     Query(params): Params,
 ) -> Result<Response, ApiError> {
-    reject_unknown(&params, &["from", "to", "job", "pid", "downsample"])?;
+    reject_unknown(
+        &params,
+        &["from", "to", "job", "pid", "downsample", "max_events"],
+    )?;
     let point = |name: &str| -> Result<Option<TimePoint>, ApiError> {
         params
             .get(name)
@@ -314,7 +317,19 @@ async fn timeline(
             }
         },
     };
-    let limit = state.timeline_event_limit;
+    // A client may ask for fewer events than the server's limit (the live
+    // UI does: a screen cannot show more), never for more.
+    let limit = match params.get("max_events") {
+        None => state.timeline_event_limit,
+        Some(text) => match text.parse::<usize>() {
+            Ok(n) if n > 0 => n.min(state.timeline_event_limit),
+            _ => {
+                return Err(ApiError::bad_request(format!(
+                    "bad max_events: {text:?} (a positive number of events)"
+                )));
+            }
+        },
+    };
     // A recorded trace when one was given, else the live view.
     let source = match (state.recorded.clone(), state.live_view()) {
         (Some(trace), _) => TimelineSource::Recorded(trace),
@@ -327,7 +342,7 @@ async fn timeline(
         }
     };
     // Filtering a large trace is CPU work: keep it off the async workers.
-    let answer = tokio::task::spawn_blocking(move || source.trace().query(&query, limit))
+    let answer = tokio::task::spawn_blocking(move || source.query(&query, limit))
         .await
         .map_err(|e| {
             ApiError::new(
@@ -665,6 +680,7 @@ pub fn openapi_document() -> serde_json::Value {
                     { "name": "to", "in": "query", "schema": { "type": "string" }, "description": "µs, or now-<duration>; default now" },
                     { "name": "job", "in": "query", "schema": { "type": "string" }, "description": "only this job's ranks" },
                     { "name": "pid", "in": "query", "schema": { "type": "string" }, "description": "only this process" },
+                    { "name": "max_events", "in": "query", "schema": { "type": "integer", "minimum": 1 }, "description": "at most this many events (capped by the server's --timeline-event-limit)" },
                     { "name": "downsample", "in": "query", "schema": { "type": "boolean" }, "description": "over the event limit, keep every job activity, counter and NCCL call and the longest thread-state slices (metadata.downsampled says what was dropped) instead of answering 413" }
                 ],
                 "responses": {

@@ -7,15 +7,28 @@
 //!
 //! It reads the session's model and builds immutable snapshots; handlers
 //! only ever see a finished snapshot, never the model itself.
+//!
+//! Thread states are by far the most numerous events (tens of thousands a
+//! second for a busy job), so they are not turned into JSON once a second
+//! for the whole window: each build copies only the intervals that ended
+//! since the previous one into a shared chunk ([`ThreadStates`]), and a
+//! query builds JSON for the slices it answers with only
+//! ([`LiveView::query`]). Building a view costs what arrived in the last
+//! second, not the window; the pump loop (and the ring buffer) never waits
+//! on a long build.
+
+use std::collections::VecDeque;
+use std::sync::Arc;
 
 use serde::Serialize;
 use serde_json::{Value, json};
 
 use crate::gpu::Gpus;
 use crate::jobs::JobSnapshot;
+use crate::model::Interval;
 use crate::model::{ProcessSnapshot, cause_name};
 use crate::session::Session;
-use crate::timeline::RecordedTrace;
+use crate::timeline::{QueryError, RecordedTrace, TimelineQuery, downsample_note};
 use crate::tracks::{self, CounterHistory};
 
 /// One published view of the live pipeline.
@@ -23,9 +36,11 @@ use crate::tracks::{self, CounterHistory};
 pub struct LiveView {
     /// Per watched process, over the last refresh period.
     pub processes: Vec<NamedProcess>,
-    /// The last `timeline_window` of thread states, NCCL calls, job
-    /// activities and counters.
+    /// The last `timeline_window` of NCCL calls, job activities, counters
+    /// and the process and thread names (thread states are in `states`).
     pub timeline: RecordedTrace,
+    /// The thread states of the window, in chunks shared with later views.
+    pub states: Vec<Arc<StateChunk>>,
     /// Records the kernel could not deliver (ring buffer full), since start.
     pub ringbuf_drops: u64,
     /// Jobs found through control sockets (with `--jobs`).
@@ -52,11 +67,167 @@ fn state_name(kind: ebpf::IntervalKind) -> &'static str {
     }
 }
 
+/// One thread-state slice, as the model recorded it.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct StateSlice {
+    /// Process.
+    pub pid: u32,
+    /// Thread.
+    pub tid: u32,
+    /// The interval.
+    pub interval: Interval,
+}
+
+impl StateSlice {
+    fn start_us(&self) -> f64 {
+        self.interval.start_ns as f64 / 1e3
+    }
+
+    fn duration_us(&self) -> f64 {
+        self.interval.duration_ns as f64 / 1e3
+    }
+
+    /// The slice as a Chrome-trace event.
+    fn to_event(self) -> Value {
+        json!({
+            "ph": "X", "cat": "thread_state", "name": state_name(self.interval.kind),
+            "pid": self.pid, "tid": self.tid,
+            "ts": self.start_us(), "dur": self.duration_us(),
+            "args": { "cause": cause_name(self.interval.cause) },
+        })
+    }
+}
+
+/// Thread states that ended within one build period.
+#[derive(Debug, Default)]
+pub struct StateChunk {
+    /// Every slice here ended before this (CLOCK_MONOTONIC ns).
+    pub until_ns: u64,
+    /// The slices.
+    pub slices: Vec<StateSlice>,
+}
+
+/// The live window's thread states, kept across builds: each build adds the
+/// intervals that ended since the previous one (except the last
+/// [`ThreadStates::LAG_NS`], whose records may still be on their way out of
+/// the kernel) and forgets chunks that fell out of the window.
+#[derive(Debug, Default)]
+pub struct ThreadStates {
+    chunks: VecDeque<Arc<StateChunk>>,
+    cursor_ns: Option<u64>,
+}
+
+impl ThreadStates {
+    /// Intervals ending this close to "now" wait for the next build: their
+    /// records may not have been read yet.
+    pub const LAG_NS: u64 = 250_000_000;
+
+    /// Adds the intervals of `pids`' threads that ended in
+    /// `[previous cut, now - LAG)`, and drops chunks that ended before
+    /// `window_start_ns`.
+    fn update(
+        &mut self,
+        model: &crate::model::Model,
+        pids: &std::collections::BTreeSet<u32>,
+        window_start_ns: u64,
+        now_ns: u64,
+    ) {
+        let cut = now_ns.saturating_sub(Self::LAG_NS);
+        let from = self.cursor_ns.unwrap_or(window_start_ns);
+        if cut > from {
+            let mut slices = Vec::new();
+            for &pid in pids {
+                for tid in model.tids(pid) {
+                    slices.extend(
+                        model
+                            .intervals_ended_since(tid, from)
+                            .into_iter()
+                            .filter(|i| i.start_ns + i.duration_ns < cut)
+                            .map(|interval| StateSlice { pid, tid, interval }),
+                    );
+                }
+            }
+            self.chunks.push_back(Arc::new(StateChunk {
+                until_ns: cut,
+                slices,
+            }));
+            self.cursor_ns = Some(cut);
+        }
+        while self
+            .chunks
+            .front()
+            .is_some_and(|c| c.until_ns < window_start_ns)
+        {
+            self.chunks.pop_front();
+        }
+    }
+}
+
+impl LiveView {
+    /// `GET /api/timeline` on the live view: the trace's events (NCCL calls,
+    /// job activities, counters, names) and the thread states of the range,
+    /// at most `limit` events; over it, refused, or with `downsample` the
+    /// longest thread states are kept (as [`RecordedTrace::query`] does).
+    pub fn query(&self, query: &TimelineQuery, limit: usize) -> Result<Value, QueryError> {
+        let mut answer = self.timeline.query(
+            &TimelineQuery {
+                downsample: false,
+                ..query.clone()
+            },
+            usize::MAX,
+        )?;
+        let now = self.timeline.now_us();
+        let from = query.from.map_or(f64::NEG_INFINITY, |p| p.resolve(now));
+        let to = query.to.map_or(f64::INFINITY, |p| p.resolve(now));
+        let others = answer["traceEvents"]
+            .as_array()
+            .map_or(0, |events| events.iter().filter(|e| e["ph"] != "M").count());
+        let mut states: Vec<StateSlice> = self
+            .states
+            .iter()
+            .flat_map(|chunk| chunk.slices.iter())
+            .filter(|s| s.start_us() <= to && s.start_us() + s.duration_us() >= from)
+            .filter(|s| self.timeline.wanted_pid(query, &s.pid.to_string()))
+            .copied()
+            .collect();
+        let total = others + states.len();
+        if total > limit {
+            let room = limit.checked_sub(others);
+            match room {
+                Some(room) if query.downsample => {
+                    states.sort_by(|a, b| {
+                        b.interval
+                            .duration_ns
+                            .cmp(&a.interval.duration_ns)
+                            .then(a.interval.start_ns.cmp(&b.interval.start_ns))
+                    });
+                    let dropped = states.len() - room;
+                    states.truncate(room);
+                    let shortest = states.last().map(StateSlice::duration_us);
+                    answer["metadata"]["downsampled"] =
+                        downsample_note(total, limit, dropped, states.len(), shortest);
+                }
+                _ => {
+                    return Err(QueryError::TooLarge {
+                        count: total,
+                        limit,
+                    });
+                }
+            }
+        }
+        if let Some(events) = answer["traceEvents"].as_array_mut() {
+            events.extend(states.into_iter().map(StateSlice::to_event));
+        }
+        Ok(answer)
+    }
+}
+
 /// Builds the view of `[now - window, now]` (CLOCK_MONOTONIC ns), after
 /// adding this moment's counter sample (TCP connections, `gpus`) to
 /// `counters`.
 pub fn build(
     session: &Session,
+    states: &mut ThreadStates,
     counters: &mut CounterHistory,
     gpus: &Gpus,
     window_start_ns: u64,
@@ -90,14 +261,6 @@ pub fn build(
         events.push(json!({ "ph": "M", "name": "process_name", "pid": pid, "args": args }));
         for tid in model.tids(pid) {
             events.push(json!({ "ph": "M", "name": "thread_name", "pid": pid, "tid": tid, "args": { "name": session.thread_name(pid, tid) } }));
-            for interval in model.intervals(tid, window_start_ns, now_ns) {
-                events.push(json!({
-                    "ph": "X", "cat": "thread_state", "name": state_name(interval.kind),
-                    "pid": pid, "tid": tid,
-                    "ts": interval.start_ns as f64 / 1e3, "dur": interval.duration_ns as f64 / 1e3,
-                    "args": { "cause": cause_name(interval.cause) },
-                }));
-            }
             for call in model.nccl_calls(tid, window_start_ns, now_ns) {
                 events.push(json!({
                     "ph": "X", "cat": "nccl", "name": call.func, "pid": pid, "tid": tid,
@@ -137,13 +300,146 @@ pub fn build(
             ));
         }
     }
+    states.update(model, &pids, window_start_ns, now_ns);
     counters.sample(now_us, &model.connections(None), &gpus.snapshot());
     events.extend(counters.events().cloned());
     let timeline = RecordedTrace::from_events(events, Some(now_us), "live eBPF")?;
     Ok(LiveView {
         processes,
         timeline,
+        states: states.chunks.iter().cloned().collect(),
         ringbuf_drops: session.probes().counter(ebpf::Counter::RingbufDrops)?,
         jobs,
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::timeline::TimePoint;
+
+    fn slice(pid: u32, start_us: u64, duration_us: u64) -> StateSlice {
+        StateSlice {
+            pid,
+            tid: pid + 1,
+            interval: Interval {
+                start_ns: start_us * 1_000,
+                duration_ns: duration_us * 1_000,
+                kind: ebpf::IntervalKind::RunQueue,
+                cause: ebpf::IntervalCause::Woken,
+            },
+        }
+    }
+
+    /// A view with a job activity on pid 1 (job j), a counter on pid 2 and
+    /// thread states of both, split over two chunks as two builds would.
+    fn view() -> LiveView {
+        let events = vec![
+            json!({"ph": "M", "name": "process_name", "pid": 1, "args": {"name": "rank", "job": "j", "rank": 0}}),
+            json!({"ph": "M", "name": "process_name", "pid": 2, "args": {"name": "other"}}),
+            json!({"ph": "X", "cat": "job", "name": "ALLREDUCE", "pid": 1, "tid": "t", "ts": 50.0, "dur": 10.0}),
+            json!({"ph": "C", "name": "tcp", "pid": 2, "ts": 60.0, "args": {"tx": 1}}),
+        ];
+        LiveView {
+            processes: Vec::new(),
+            timeline: RecordedTrace::from_events(events, Some(1000.0), "test").unwrap(),
+            states: vec![
+                Arc::new(StateChunk {
+                    until_ns: 500_000,
+                    slices: vec![slice(1, 0, 30), slice(2, 10, 5), slice(1, 100, 200)],
+                }),
+                Arc::new(StateChunk {
+                    until_ns: 1_000_000,
+                    slices: vec![slice(1, 400, 20), slice(2, 700, 100)],
+                }),
+            ],
+            ringbuf_drops: 0,
+            jobs: Vec::new(),
+        }
+    }
+
+    fn states_of(answer: &Value) -> Vec<(u64, f64)> {
+        let mut v: Vec<(u64, f64)> = answer["traceEvents"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .filter(|e| e["cat"] == "thread_state")
+            .map(|e| (e["pid"].as_u64().unwrap(), e["ts"].as_f64().unwrap()))
+            .collect();
+        v.sort_by(|a, b| a.1.total_cmp(&b.1));
+        v
+    }
+
+    #[test]
+    fn thread_states_are_answered_from_the_chunks_with_the_range_and_filters() {
+        let view = view();
+        let all = view.query(&TimelineQuery::default(), 100).unwrap();
+        assert_eq!(
+            states_of(&all),
+            [(1, 0.0), (2, 10.0), (1, 100.0), (1, 400.0), (2, 700.0)]
+        );
+        // The slice at 100 µs lasts to 300: it overlaps [250, 450].
+        let range = TimelineQuery {
+            from: Some(TimePoint::At(250.0)),
+            to: Some(TimePoint::At(450.0)),
+            ..TimelineQuery::default()
+        };
+        assert_eq!(
+            states_of(&view.query(&range, 100).unwrap()),
+            [(1, 100.0), (1, 400.0)]
+        );
+        let job = TimelineQuery {
+            job: Some("j".into()),
+            ..TimelineQuery::default()
+        };
+        let answer = view.query(&job, 100).unwrap();
+        assert_eq!(states_of(&answer), [(1, 0.0), (1, 100.0), (1, 400.0)]);
+        assert!(
+            answer["traceEvents"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .all(|e| e["pid"] == 1),
+            "only the job's process: {answer}"
+        );
+        let pid = TimelineQuery {
+            pid: Some("2".into()),
+            ..TimelineQuery::default()
+        };
+        assert_eq!(
+            states_of(&view.query(&pid, 100).unwrap()),
+            [(2, 10.0), (2, 700.0)]
+        );
+    }
+
+    #[test]
+    fn over_the_limit_it_refuses_or_keeps_the_longest_states() {
+        let view = view();
+        // 2 other events + 5 states = 7.
+        assert_eq!(
+            view.query(&TimelineQuery::default(), 6),
+            Err(QueryError::TooLarge { count: 7, limit: 6 })
+        );
+        let downsample = TimelineQuery {
+            downsample: true,
+            ..TimelineQuery::default()
+        };
+        let answer = view.query(&downsample, 4).unwrap();
+        // Room for 2 states: the 200 µs and 100 µs ones.
+        assert_eq!(states_of(&answer), [(1, 100.0), (2, 700.0)]);
+        assert_eq!(
+            answer["metadata"]["downsampled"]["thread_state_slices_dropped"],
+            3
+        );
+        assert_eq!(answer["metadata"]["downsampled"]["shortest_kept_us"], 100.0);
+        assert!(
+            view.query(&downsample, 1).is_err(),
+            "the others alone exceed it"
+        );
+        assert!(
+            view.query(&TimelineQuery::default(), 7).unwrap()["metadata"]
+                .get("downsampled")
+                .is_none()
+        );
+    }
 }

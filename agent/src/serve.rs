@@ -186,11 +186,12 @@ pub async fn run(args: ServeArgs) -> Result<()> {
     };
     // TCP and GPU counter samples of the live window, once a second.
     let mut counters = CounterHistory::new(args.timeline_window.as_secs_f64() * 1e6);
+    let mut states = live::ThreadStates::default();
     if let Some(session) = &session {
         // Publish an (empty) view at once, so the API never answers "no
         // source" while the first second of events comes in.
         let now = monotonic_ns();
-        let view = live::build(session, &mut counters, &gpus, now, now, now)?;
+        let view = live::build(session, &mut states, &mut counters, &gpus, now, now, now)?;
         feed.record(session);
         state.publish(view);
     }
@@ -236,6 +237,7 @@ pub async fn run(args: ServeArgs) -> Result<()> {
                 let now = monotonic_ns();
                 let view = live::build(
                     &session,
+                    &mut states,
                     &mut counters,
                     &gpus,
                     now.saturating_sub(window_ns),

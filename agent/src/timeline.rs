@@ -43,7 +43,8 @@ impl TimePoint {
         }
     }
 
-    fn resolve(self, now_us: f64) -> f64 {
+    /// The point in µs, with `now` at `now_us`.
+    pub fn resolve(self, now_us: f64) -> f64 {
         match self {
             Self::At(us) => us,
             Self::BeforeNow(ago) => now_us - ago.as_secs_f64() * 1e6,
@@ -224,6 +225,24 @@ impl RecordedTrace {
             .collect()
     }
 
+    /// "Now" of the trace (µs on its clock): what `now-…` counts back from.
+    pub fn now_us(&self) -> f64 {
+        self.now_us
+    }
+
+    /// Whether an event of process `pid` passes the query's `job`/`pid`
+    /// filters (for events kept outside the trace, e.g. the live thread
+    /// states).
+    pub fn wanted_pid(&self, query: &TimelineQuery, pid: &str) -> bool {
+        if query.pid.as_deref().is_some_and(|want| want != pid) {
+            return false;
+        }
+        match &query.job {
+            Some(job) => self.process_jobs.get(pid) == Some(job),
+            None => true,
+        }
+    }
+
     /// Events in the trace (metadata excluded).
     pub fn len(&self) -> usize {
         self.events.len()
@@ -317,18 +336,36 @@ fn downsample(selected: Vec<&Value>, limit: usize) -> Option<(Vec<&Value>, Value
     for &(i, _) in states.iter().skip(room) {
         keep[i] = false;
     }
-    let note = json!({
-        "reason": format!("the range holds {} events, more than the {limit} one answer may carry", selected.len()),
-        "thread_state_slices_dropped": dropped,
-        "thread_state_slices_kept": states.len() - dropped,
-        "shortest_kept_us": shortest_kept,
-    });
+    let note = downsample_note(
+        selected.len(),
+        limit,
+        dropped,
+        states.len() - dropped,
+        shortest_kept,
+    );
     let kept = selected
         .into_iter()
         .zip(keep)
         .filter_map(|(e, k)| k.then_some(e))
         .collect();
     Some((kept, note))
+}
+
+/// What `metadata.downsampled` says when thread-state slices were dropped
+/// to fit an answer into `limit` events.
+pub fn downsample_note(
+    total: usize,
+    limit: usize,
+    dropped: usize,
+    kept: usize,
+    shortest_kept_us: Option<f64>,
+) -> Value {
+    json!({
+        "reason": format!("the range holds {total} events, more than the {limit} one answer may carry"),
+        "thread_state_slices_dropped": dropped,
+        "thread_state_slices_kept": kept,
+        "shortest_kept_us": shortest_kept_us,
+    })
 }
 
 fn parse_unterminated_array(text: &str) -> Result<Value> {

@@ -174,6 +174,24 @@ fn a_recorded_trace_is_served_as_a_bounded_chrome_trace() {
     assert_eq!(status, 404);
     let (status, _) = server.get_json("/api/timeline?limit=5");
     assert_eq!(status, 400);
+    // A client may ask for fewer events: over that, refused or downsampled.
+    let (status, _) = server.get_json("/api/timeline?max_events=5");
+    assert_eq!(status, 413);
+    let (status, _) = server.get_json("/api/timeline?max_events=0");
+    assert_eq!(status, 400);
+    // The fixture: 1400 job and counter events and 400 thread states;
+    // room for 50 of the states.
+    let (status, thin) = server.get_json("/api/timeline?max_events=1450&downsample=true");
+    assert_eq!(status, 200);
+    let note = &thin["metadata"]["downsampled"];
+    assert_eq!(timed(&thin["traceEvents"]), 1450, "{note}");
+    assert_eq!(note["thread_state_slices_kept"], 50, "{note}");
+    assert_eq!(
+        timed(&thin["traceEvents"])
+            + note["thread_state_slices_dropped"].as_u64().unwrap() as usize,
+        total,
+        "kept + dropped = the whole trace: {note}"
+    );
 
     let small = Server::start(
         &["--replay", FIXTURE, "--timeline-event-limit", "10"],

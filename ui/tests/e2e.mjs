@@ -429,7 +429,7 @@ try {
     await page.waitForFunction(() => window.ringwatchViewer.live().polls >= 2, null, { timeout: 8000 });
     assert(await ready() === 'ready', 'state');
     const live = await hook(() => window.ringwatchViewer.live());
-    assert(live.enabled && !live.paused && /^\/api\/timeline\?from=now-10s&downsample=true$/.test(live.lastUrl), 'live: ' + JSON.stringify(live));
+    assert(live.enabled && !live.paused && /^\/api\/timeline\?from=now-10s&downsample=true&max_events=100000$/.test(live.lastUrl), 'live: ' + JSON.stringify(live));
     const tracks = await hook(() => window.ringwatchViewer.tracks());
     assert(tracks.some((t) => t.rank === 1 && t.name === 'horovod background'), 'live tracks');
     const r1 = await range();
@@ -454,7 +454,7 @@ try {
     await page.waitForFunction((p) => window.ringwatchViewer.live().polls > p && !window.ringwatchViewer.live().paused, polls, { timeout: 5000 });
     await page.selectOption('#selector', 'pid:4201');
     await page.waitForFunction(() => /pid=4201/.test(window.ringwatchViewer.live().lastUrl || ''), null, { timeout: 5000 });
-    assert(agent.requests.some((q) => q === '/api/timeline?from=now-10s&pid=4201&downsample=true'), 'the pid filter did not reach the API: ' + agent.requests.slice(-3));
+    assert(agent.requests.some((q) => q === '/api/timeline?from=now-10s&pid=4201&downsample=true&max_events=100000'), 'the pid filter did not reach the API: ' + agent.requests.slice(-3));
     await page.screenshot({ path: join(OUT_DIR, 'screenshot-live.png') });
   });
 
