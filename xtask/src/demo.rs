@@ -41,7 +41,7 @@ pub struct Args {
     #[arg(long, default_value_t = 600)]
     pub max_tuning_secs: u64,
     /// Timed resnet50 steps of the before and after measurements.
-    #[arg(long, default_value_t = 10)]
+    #[arg(long, default_value_t = 20)]
     pub measure_steps: usize,
     /// Keep the agent serving (UI, report) after the demo until Ctrl-C.
     #[arg(long)]
@@ -87,32 +87,32 @@ impl Agent {
             for line in BufReader::new(stderr).lines().map_while(Result::ok) {
                 let _ = writeln!(log_file, "{line}");
                 if let Some(rest) = line.split("serving the API on http://").nth(1) {
-                    let _ = tx.send(rest.trim_end_matches(|c: char| c != '/').to_owned());
+                    let _ = tx.send(rest.split('/').next().unwrap_or_default().to_owned());
                 }
                 if line.contains("eBPF") || line.contains("WARN") || line.contains("ERROR") {
                     eprintln!("[agent] {line}");
                 }
             }
         });
-        let address = match rx.recv_timeout(Duration::from_secs(60)) {
-            Ok(text) => text
-                .trim_end_matches('/')
-                .parse()
-                .with_context(|| format!("the agent printed an odd address {text:?}"))?,
-            Err(_) => {
-                let _ = child.kill();
-                let _ = child.wait();
-                bail!(
-                    "the agent did not start serving within 60 s; its log: {}",
-                    log.display()
-                );
-            }
-        };
-        Ok(Agent {
+        let address = rx
+            .recv_timeout(Duration::from_secs(60))
+            .ok()
+            .and_then(|text| text.parse::<SocketAddr>().ok());
+        let mut agent = Agent {
             child,
-            address,
+            // Replaced below; the guard exists first so that every way out
+            // stops the agent.
+            address: args.listen,
             log: log.to_path_buf(),
-        })
+        };
+        match address {
+            Some(address) => agent.address = address,
+            None => bail!(
+                "the agent did not start serving within 60 s; its log: {}",
+                log.display()
+            ),
+        }
+        Ok(agent)
     }
 
     fn url(&self, path: &str) -> String {
@@ -291,6 +291,9 @@ pub fn run(root: &Path, args: &Args) -> Result<()> {
         let _ = job_thread.join();
         result
     })?;
+    // The job was killed: its socket file stays behind; the agent would
+    // keep knocking on it.
+    let _ = std::fs::remove_file(run_dir.join(format!("{JOB_ID}.sock")));
 
     let best = outcome
         .get("best")
