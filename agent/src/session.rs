@@ -162,6 +162,10 @@ pub struct Session {
     _lock: AgentLock,
     probes: Probes,
     ring: AsyncFd<RingBuf<MapData>>,
+    // Both signals are streams created once, at start: a fresh
+    // `tokio::signal::ctrl_c()` per pump would miss a SIGINT that arrives
+    // between two pumps (tokio's handler, installed by then, swallows it).
+    sigint: Signal,
     sigterm: Signal,
     discovery: Discovery,
     jobs: Option<Jobs>,
@@ -240,12 +244,14 @@ impl Session {
         let ring = unsafe { AsyncFd::register_with_interest(ring, Interest::READABLE) }
             .map_err(std::io::Error::from)
             .context("registering the ring buffer with tokio")?;
+        let sigint = signal(SignalKind::interrupt()).context("installing the SIGINT handler")?;
         let sigterm = signal(SignalKind::terminate()).context("installing the SIGTERM handler")?;
         let retention_ns = u64::try_from(args.retention.as_nanos()).unwrap_or(u64::MAX);
         let mut session = Self {
             _lock: lock,
             probes,
             ring,
+            sigint,
             sigterm,
             discovery,
             jobs,
@@ -345,7 +351,7 @@ impl Session {
                     return Ok(None);
                 }
                 _ = tick.tick() => self.drain_now(),
-                _ = tokio::signal::ctrl_c() => return Ok(Some(Stop::Interrupted)),
+                _ = self.sigint.recv() => return Ok(Some(Stop::Interrupted)),
                 _ = self.sigterm.recv() => return Ok(Some(Stop::Terminated)),
                 guard = self.ring.readable_mut() => {
                     let mut guard = guard.context("waiting on the ring buffer")?;

@@ -8,9 +8,9 @@ mod common;
 
 use std::collections::BTreeSet;
 use std::process::{Command, Stdio};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
-use common::procs::{children_of, collbench};
+use common::procs::{collbench, wait_for_job_start};
 use common::{AGENT, skip_unless_privileged, unique_lock_file, wait_within};
 use serde_json::Value;
 
@@ -34,15 +34,7 @@ fn top_watches_a_job_found_through_its_control_socket_without_any_pid() {
         .stdout(Stdio::null())
         .spawn()
         .unwrap();
-    let deadline = Instant::now() + Duration::from_secs(60);
-    while !socket.exists() || children_of(launcher.id()).len() < 2 {
-        assert!(
-            Instant::now() < deadline,
-            "the job did not start within 60 s"
-        );
-        std::thread::sleep(Duration::from_millis(50));
-    }
-    let ranks: BTreeSet<u64> = children_of(launcher.id())
+    let ranks: BTreeSet<u64> = wait_for_job_start(launcher.id(), &socket, 2)
         .into_iter()
         .map(u64::from)
         .collect();

@@ -358,7 +358,7 @@ fn a_real_collbench_job_shows_its_activities_on_its_ranks_with_their_threads() {
     if skip_unless_privileged() {
         return;
     }
-    use common::procs::{children_of, collbench};
+    use common::procs::{collbench, wait_for_job_start};
     let dir = std::env::temp_dir().join(format!("ringwatch-live-collbench-{}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();
     let job_id = format!("live-{}", std::process::id());
@@ -373,15 +373,7 @@ fn a_real_collbench_job_shows_its_activities_on_its_ranks_with_their_threads() {
         .spawn()
         .unwrap();
     let socket = dir.join(format!("{job_id}.sock"));
-    let deadline = Instant::now() + Duration::from_secs(60);
-    while !socket.exists() || children_of(launcher.id()).len() < 2 {
-        assert!(
-            Instant::now() < deadline,
-            "the job did not start within 60 s"
-        );
-        std::thread::sleep(Duration::from_millis(50));
-    }
-    let ranks: Vec<u64> = children_of(launcher.id())
+    let ranks: Vec<u64> = wait_for_job_start(launcher.id(), &socket, 2)
         .into_iter()
         .map(u64::from)
         .collect();

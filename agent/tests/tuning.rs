@@ -17,8 +17,20 @@ use std::time::{Duration, Instant};
 
 use collectives::control::{AutotuneState, ControlClient, Knobs};
 use common::ApiServer;
-use common::procs::{children_of, collbench};
+use common::procs::{collbench, wait_for_job_start};
 use serde_json::Value;
+
+/// A job that runs until killed: 4 KiB allreduces, back to back, so that
+/// cycles (and tuning windows) come quickly.
+const ENDLESS_SMALL_SWEEP: &[&str] = &[
+    "sweep",
+    "--min-bytes",
+    "4096",
+    "--max-bytes",
+    "4096",
+    "--iters",
+    "1000000000",
+];
 
 /// A temporary directory, removed on drop.
 struct TempDir(PathBuf);
@@ -84,14 +96,7 @@ impl Job {
             .spawn()
             .unwrap();
         let socket = dir.join(format!("{id}.sock"));
-        let deadline = Instant::now() + Duration::from_secs(60);
-        while !socket.exists() || children_of(launcher.id()).len() < 2 {
-            assert!(
-                Instant::now() < deadline,
-                "the job did not start within 60 s"
-            );
-            std::thread::sleep(Duration::from_millis(50));
-        }
+        wait_for_job_start(launcher.id(), &socket, 2);
         Self { launcher, socket }
     }
 
@@ -202,17 +207,7 @@ fn a_short_session_pins_the_reported_best_and_its_report_matches_the_samples() {
     let job = Job::start(
         &runtime.0,
         &job_id,
-        &[
-            "--cycle-time-ms",
-            "8",
-            "sweep",
-            "--min-bytes",
-            "4096",
-            "--max-bytes",
-            "4096",
-            "--iters",
-            "1000000000",
-        ],
+        &[&["--cycle-time-ms", "8"], ENDLESS_SMALL_SWEEP].concat(),
     );
     let agent = ApiServer::start(&agent_args(&runtime, &reports), false);
     wait_for_job(&agent, &job_id);
@@ -433,19 +428,7 @@ fn the_tuning_api_refuses_what_it_cannot_do_and_checks_its_token() {
     let runtime = TempDir::new("api-run");
     let reports = TempDir::new("api-reports");
     let job_id = format!("tune-api-{}", std::process::id());
-    let _job = Job::start(
-        &runtime.0,
-        &job_id,
-        &[
-            "sweep",
-            "--min-bytes",
-            "4096",
-            "--max-bytes",
-            "4096",
-            "--iters",
-            "1000000000",
-        ],
-    );
+    let _job = Job::start(&runtime.0, &job_id, ENDLESS_SMALL_SWEEP);
     let token_file = runtime.0.join("token");
     std::fs::write(&token_file, "s3cret-token\n").unwrap();
     let mut args = agent_args(&runtime, &reports);
@@ -549,15 +532,7 @@ fn a_job_that_asks_to_be_tuned_is_tuned_as_soon_as_it_is_found() {
     let job = Job::start_with_env(
         &runtime.0,
         &job_id,
-        &[
-            "sweep",
-            "--min-bytes",
-            "4096",
-            "--max-bytes",
-            "4096",
-            "--iters",
-            "1000000000",
-        ],
+        ENDLESS_SMALL_SWEEP,
         &[
             ("RINGWATCH_AUTOTUNE", "1"),
             ("RINGWATCH_AUTOTUNE_WAIT_SECS", "120"),
@@ -597,19 +572,7 @@ fn a_job_that_dies_mid_session_fails_the_session_with_a_clear_error() {
     let runtime = TempDir::new("dies-run");
     let reports = TempDir::new("dies-reports");
     let job_id = format!("tune-dies-{}", std::process::id());
-    let job = Job::start(
-        &runtime.0,
-        &job_id,
-        &[
-            "sweep",
-            "--min-bytes",
-            "4096",
-            "--max-bytes",
-            "4096",
-            "--iters",
-            "1000000000",
-        ],
-    );
+    let job = Job::start(&runtime.0, &job_id, ENDLESS_SMALL_SWEEP);
     let agent = ApiServer::start(&agent_args(&runtime, &reports), false);
     wait_for_job(&agent, &job_id);
     let body = r#"{"budget":50,"measured_cycles":20,"min_window_ms":300}"#;
@@ -636,19 +599,7 @@ fn sigterm_ends_a_running_session_on_its_best_knobs_with_a_report() {
     let runtime = TempDir::new("term-run");
     let reports = TempDir::new("term-reports");
     let job_id = format!("tune-term-{}", std::process::id());
-    let job = Job::start(
-        &runtime.0,
-        &job_id,
-        &[
-            "sweep",
-            "--min-bytes",
-            "4096",
-            "--max-bytes",
-            "4096",
-            "--iters",
-            "1000000000",
-        ],
-    );
+    let job = Job::start(&runtime.0, &job_id, ENDLESS_SMALL_SWEEP);
     let mut agent = ApiServer::start(&agent_args(&runtime, &reports), false);
     wait_for_job(&agent, &job_id);
     let body = r#"{"budget":50,"measured_cycles":20,"min_window_ms":300}"#;
@@ -696,17 +647,7 @@ fn an_unprivileged_agent_tunes_a_job_without_ebpf() {
     let job = Job::start_as(
         &runtime.0,
         &job_id,
-        &[
-            "--cycle-time-ms",
-            "8",
-            "sweep",
-            "--min-bytes",
-            "4096",
-            "--max-bytes",
-            "4096",
-            "--iters",
-            "1000000000",
-        ],
+        &[&["--cycle-time-ms", "8"], ENDLESS_SMALL_SWEEP].concat(),
         &[],
         uid,
     );
@@ -745,17 +686,7 @@ fn the_tune_command_prints_one_row_per_sample_and_the_outcome() {
     let job = Job::start(
         &runtime.0,
         &job_id,
-        &[
-            "--cycle-time-ms",
-            "8",
-            "sweep",
-            "--min-bytes",
-            "4096",
-            "--max-bytes",
-            "4096",
-            "--iters",
-            "1000000000",
-        ],
+        &[&["--cycle-time-ms", "8"], ENDLESS_SMALL_SWEEP].concat(),
     );
     let token_file = runtime.0.join("token");
     std::fs::write(&token_file, "cli-token\n").unwrap();

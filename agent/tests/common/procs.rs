@@ -58,3 +58,23 @@ pub fn children_of(parent: u32) -> BTreeSet<u32> {
         })
         .collect()
 }
+
+/// Waits until a collbench launcher `launcher` has started its job: its
+/// control socket `socket` exists and at least `ranks` rank processes run.
+/// Returns the ranks' pids. Panics after 60 s.
+pub fn wait_for_job_start(launcher: u32, socket: &Path, ranks: usize) -> BTreeSet<u32> {
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(60);
+    loop {
+        let children = children_of(launcher);
+        if socket.exists() && children.len() >= ranks {
+            return children;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the job did not start within 60 s (socket {}, {} of {ranks} ranks)",
+            socket.display(),
+            children.len()
+        );
+        std::thread::sleep(std::time::Duration::from_millis(50));
+    }
+}
