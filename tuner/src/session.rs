@@ -745,6 +745,15 @@ mod tests {
     }
 
     impl FakeJob {
+        /// A job at `cycle`, at time 0, on the default knobs.
+        fn new(cycle: u64) -> Self {
+            FakeJob {
+                cycle,
+                now_us: 0,
+                knobs: CollectiveKnobs::default(),
+            }
+        }
+
         /// Bytes per second of these knobs: best at 16 MiB, 2 ms,
         /// hierarchical.
         fn rate(knobs: &CollectiveKnobs) -> f64 {
@@ -814,11 +823,7 @@ mod tests {
     #[test]
     fn scores_windows_exactly_and_pins_a_near_optimal_point() {
         let mut session = TuningSession::new(config()).unwrap();
-        let mut job = FakeJob {
-            cycle: 100,
-            now_us: 0,
-            knobs: CollectiveKnobs::default(),
-        };
+        let mut job = FakeJob::new(100);
         drive(&mut session, &mut job, |_, _| None);
         let samples = session.samples();
         assert!(!samples.is_empty() && samples.len() <= 12);
@@ -888,11 +893,7 @@ mod tests {
             ..config()
         })
         .unwrap();
-        let mut job = FakeJob {
-            cycle: 0,
-            now_us: 0,
-            knobs: CollectiveKnobs::default(),
-        };
+        let mut job = FakeJob::new(0);
         // Sample 0: first window disturbed, second clean. Sample 1: both
         // disturbed. Sample 2: clean.
         drive(&mut session, &mut job, |sample, _| match sample {
@@ -922,11 +923,7 @@ mod tests {
             ..config()
         })
         .unwrap();
-        let mut job = FakeJob {
-            cycle: 0,
-            now_us: 0,
-            knobs: CollectiveKnobs::default(),
-        };
+        let mut job = FakeJob::new(0);
         drive(&mut session, &mut job, |_, window| {
             (window == 1).then(|| "run-queue wait".to_owned())
         });
@@ -951,11 +948,7 @@ mod tests {
         })
         .unwrap();
         assert_eq!(session.space().dims().len(), 2);
-        let mut job = FakeJob {
-            cycle: 0,
-            now_us: 0,
-            knobs: CollectiveKnobs::default(),
-        };
+        let mut job = FakeJob::new(0);
         drive(&mut session, &mut job, |_, _| None);
         for s in session.samples() {
             assert_eq!(s.knobs.fusion_threshold_bytes, 0);
@@ -1005,11 +998,7 @@ mod tests {
     #[test]
     fn stop_ends_the_session_and_keeps_the_samples() {
         let mut session = TuningSession::new(config()).unwrap();
-        let mut job = FakeJob {
-            cycle: 0,
-            now_us: 0,
-            knobs: CollectiveKnobs::default(),
-        };
+        let mut job = FakeJob::new(0);
         drive(&mut session, &mut job, |_, _| None);
         let n = session.samples().len();
         session.stop();
@@ -1025,11 +1014,7 @@ mod tests {
             ..config()
         })
         .unwrap();
-        let mut job = FakeJob {
-            cycle: 0,
-            now_us: 0,
-            knobs: CollectiveKnobs::default(),
-        };
+        let mut job = FakeJob::new(0);
         drive(&mut session, &mut job, |_, _| None);
         let dir = std::env::temp_dir().join(format!("tuner-session-{}", std::process::id()));
         std::fs::create_dir_all(&dir).unwrap();
