@@ -22,6 +22,12 @@ use serde_json::Value;
 
 /// A job that runs until killed: 4 KiB allreduces, back to back, so that
 /// cycles (and tuning windows) come quickly.
+/// The endless small sweep on an 8 ms cycle: slow knobs a session can
+/// clearly improve on.
+fn slow_small_sweep() -> Vec<&'static str> {
+    [&["--cycle-time-ms", "8"], ENDLESS_SMALL_SWEEP].concat()
+}
+
 const ENDLESS_SMALL_SWEEP: &[&str] = &[
     "sweep",
     "--min-bytes",
@@ -204,11 +210,7 @@ fn a_short_session_pins_the_reported_best_and_its_report_matches_the_samples() {
     let job_id = format!("tune-e2e-{}", std::process::id());
     // One 4 KiB allreduce per cycle, for as long as the test needs: the
     // cycle time decides the throughput, and the job starts on a slow one.
-    let job = Job::start(
-        &runtime.0,
-        &job_id,
-        &[&["--cycle-time-ms", "8"], ENDLESS_SMALL_SWEEP].concat(),
-    );
+    let job = Job::start(&runtime.0, &job_id, &slow_small_sweep());
     let agent = ApiServer::start(&agent_args(&runtime, &reports), false);
     wait_for_job(&agent, &job_id);
 
@@ -644,13 +646,7 @@ fn an_unprivileged_agent_tunes_a_job_without_ebpf() {
         std::fs::set_permissions(dir, std::os::unix::fs::PermissionsExt::from_mode(0o777)).unwrap();
     }
     let job_id = format!("tune-unpriv-{}", std::process::id());
-    let job = Job::start_as(
-        &runtime.0,
-        &job_id,
-        &[&["--cycle-time-ms", "8"], ENDLESS_SMALL_SWEEP].concat(),
-        &[],
-        uid,
-    );
+    let job = Job::start_as(&runtime.0, &job_id, &slow_small_sweep(), &[], uid);
     let agent = ApiServer::start_configured(
         "127.0.0.1:0",
         &agent_args(&runtime, &reports),
@@ -683,11 +679,7 @@ fn the_tune_command_prints_one_row_per_sample_and_the_outcome() {
     let runtime = TempDir::new("cli-run");
     let reports = TempDir::new("cli-reports");
     let job_id = format!("tune-cli-{}", std::process::id());
-    let job = Job::start(
-        &runtime.0,
-        &job_id,
-        &[&["--cycle-time-ms", "8"], ENDLESS_SMALL_SWEEP].concat(),
-    );
+    let job = Job::start(&runtime.0, &job_id, &slow_small_sweep());
     let token_file = runtime.0.join("token");
     std::fs::write(&token_file, "cli-token\n").unwrap();
     let mut args = agent_args(&runtime, &reports);

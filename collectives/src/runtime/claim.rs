@@ -24,6 +24,18 @@ pub(crate) struct ClaimAnswer {
     pub message: String,
 }
 
+impl ClaimAnswer {
+    /// The answer as the control protocol's `tuning_claim` message.
+    pub fn into_message(self, request_id: u64) -> crate::control::ServerMessage {
+        crate::control::ServerMessage::TuningClaim {
+            request_id,
+            granted: self.granted,
+            state: self.state,
+            message: self.message,
+        }
+    }
+}
+
 /// Autotune state and claim holder of one job.
 #[derive(Debug)]
 pub(crate) struct TuningClaims {

@@ -261,12 +261,7 @@ impl ControlServer {
                         "tuning claim: {}",
                         answer.message
                     );
-                    client.send(ServerMessage::TuningClaim {
-                        request_id,
-                        granted: answer.granted,
-                        state: answer.state,
-                        message: answer.message,
-                    });
+                    client.send(answer.into_message(request_id));
                 }
                 Ok(ClientMessage::ReleaseTuning {
                     request_id,
@@ -281,12 +276,7 @@ impl ControlServer {
                         "tuning release: {}",
                         answer.message
                     );
-                    client.send(ServerMessage::TuningClaim {
-                        request_id,
-                        granted: answer.granted,
-                        state: answer.state,
-                        message: answer.message,
-                    });
+                    client.send(answer.into_message(request_id));
                 }
                 Err(ControlError::Closed) => return,
                 Err(e) => {
