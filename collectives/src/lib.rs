@@ -1,4 +1,4 @@
-//! `collectives`: a Horovod-style collective runtime over TCP.
+//! `collectives`: a Horovod-style collective runtime over TCP and shared memory.
 //!
 //! # Code map
 //! The crate is split the way Gloo splits a collective library; data flows downward:
@@ -8,6 +8,8 @@
 //!   `fusion_threshold` bytes and all ranks run the same schedule.
 //! - [`algorithms`]: pure schedules (ring allreduce, hierarchical allreduce, ring allgather,
 //!   chain broadcast) over the [`transport::Transport`] trait.
+//! - [`mesh`]: the links the runtime uses: shared memory ([`shm`]) to the ranks on this host,
+//!   TCP ([`transport`]) to the others, decided once at start.
 //! - [`transport`]: moves bytes between two ranks (TCP, full duplex; an in-memory mesh for tests).
 //! - [`rendezvous`]: who my peers are and how to reach them (torchrun / Open MPI variables).
 //! - [`control`]: the one wire protocol between a job (rank 0) and the ringwatch agent. The
@@ -21,6 +23,9 @@
 //! - Knobs: `RINGWATCH_FUSION_THRESHOLD` (bytes, default 64 MiB), `RINGWATCH_CYCLE_TIME_MS`
 //!   (default 1), `RINGWATCH_HIERARCHICAL_ALLREDUCE` (default off); Horovod's
 //!   `HOROVOD_FUSION_THRESHOLD`, `HOROVOD_CYCLE_TIME`, `HOROVOD_HIERARCHICAL_ALLREDUCE` too.
+//! - Links: `RINGWATCH_SHM=0` sends everything over TCP (default: ranks on the same host —
+//!   same boot, network and mount namespace — share a segment in `/dev/shm`).
+//!   `RINGWATCH_HOST_ID` splits one machine into hosts that never share memory (tests).
 //! - Faults: `RINGWATCH_TIMEOUT_SECS` (peer timeout, default 30),
 //!   `RINGWATCH_CONNECT_TIMEOUT_SECS` (rendezvous, default 60).
 //! - Observation: `RINGWATCH_TIMELINE` (Chrome-trace file; `{rank}` in it for one per rank),
@@ -65,8 +70,10 @@ pub mod algorithms;
 pub mod control;
 pub mod error;
 pub mod knobs;
+pub mod mesh;
 pub mod rendezvous;
 pub mod runtime;
+pub mod shm;
 pub mod tensor;
 pub mod timeline;
 pub mod transport;

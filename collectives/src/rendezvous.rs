@@ -141,6 +141,9 @@ struct Join {
     world_size: usize,
     job_id: Option<String>,
     data_port: u16,
+    /// See [`crate::shm::host_key`]; ranks with equal keys may share memory.
+    #[serde(default)]
+    host_key: Option<String>,
 }
 
 #[derive(Serialize, Deserialize)]
@@ -149,6 +152,8 @@ struct Peer {
     /// `None` for rank 0: reach it at the address used for `MASTER_ADDR`.
     ip: Option<IpAddr>,
     data_port: u16,
+    #[serde(default)]
+    host_key: Option<String>,
 }
 
 #[derive(Serialize, Deserialize)]
@@ -169,6 +174,9 @@ pub struct Rendezvous {
     /// The rendezvous connections, kept open as the fault channel: on rank 0 one per other
     /// rank (`fault_links[r]`), elsewhere one to rank 0 (`fault_links[0]`).
     pub fault_links: Vec<Option<TcpStream>>,
+    /// Every rank's host key ([`crate::shm::host_key`]), in rank order: ranks with equal
+    /// keys share a host and may share memory.
+    pub host_keys: Vec<Option<String>>,
 }
 
 /// This machine's host name.
@@ -217,6 +225,7 @@ pub fn rendezvous(cfg: &RendezvousConfig, op_timeout: Duration) -> Result<Rendez
             ranks: vec![me],
             job_id,
             fault_links: vec![None],
+            host_keys: vec![None],
         });
     }
     let deadline = Instant::now() + cfg.connect_timeout;
@@ -302,11 +311,13 @@ pub fn rendezvous(cfg: &RendezvousConfig, op_timeout: Duration) -> Result<Rendez
         job_id,
         "rendezvous complete"
     );
+    let host_keys = peers.iter().map(|p| p.host_key.clone()).collect();
     Ok(Rendezvous {
         transport,
         ranks: peers.into_iter().map(|p| p.info).collect(),
         job_id,
         fault_links,
+        host_keys,
     })
 }
 
@@ -396,6 +407,7 @@ fn serve_rendezvous(
                     info: join.info,
                     ip: Some(from.ip()),
                     data_port: join.data_port,
+                    host_key: join.host_key,
                 };
                 joined[r] = Some((s, peer));
                 remaining -= 1;
@@ -433,6 +445,7 @@ fn serve_rendezvous(
         info: me,
         ip: None,
         data_port,
+        host_key: crate::shm::host_key(),
     }];
     let mut streams: Vec<Option<TcpStream>> = vec![None];
     for (s, p) in joined.into_iter().flatten() {
@@ -474,6 +487,7 @@ fn join_rendezvous(
         world_size: cfg.world_size,
         job_id: cfg.job_id.clone(),
         data_port,
+        host_key: crate::shm::host_key(),
     };
     write_message(&mut s, &join).map_err(|e| err(format!("cannot reach rank 0: {e}")))?;
     let left = deadline.saturating_duration_since(Instant::now());

@@ -10,6 +10,7 @@ use std::collections::VecDeque;
 use std::io::{Read, Write};
 use std::marker::PhantomData;
 use std::net::{Shutdown, TcpStream};
+use std::os::fd::AsRawFd;
 use std::sync::Mutex;
 use std::sync::mpsc;
 use std::thread::JoinHandle;
@@ -78,6 +79,11 @@ pub trait Transport: Send + Sync {
     /// Breaks every link at once so that peers notice a failure immediately instead of
     /// waiting for their timeout. The transport is unusable afterwards.
     fn abort(&self) {}
+
+    /// The ranks this rank reaches through shared memory rather than sockets.
+    fn shared_memory_peers(&self) -> Vec<usize> {
+        Vec::new()
+    }
 }
 
 /// Sends one length-prefixed frame (4-byte big-endian length, then the payload).
@@ -125,7 +131,7 @@ unsafe impl Send for WriteJob {}
 
 /// A write handed to a link's writer thread. Dropping it waits for the write to finish, so
 /// the borrowed bytes cannot be freed while the writer reads them.
-struct PendingWrite<'a> {
+pub(crate) struct PendingWrite<'a> {
     done: Option<mpsc::Receiver<std::io::Result<()>>>,
     /// Set when the write was seen to have succeeded before `wait`.
     succeeded: bool,
@@ -274,7 +280,7 @@ impl TcpTransport {
     }
 
     /// Hands `data` to the writer thread of the link to `to`.
-    fn submit<'a>(&self, to: usize, data: &'a [u8]) -> Result<PendingWrite<'a>> {
+    pub(crate) fn submit<'a>(&self, to: usize, data: &'a [u8]) -> Result<PendingWrite<'a>> {
         let link = self.link(to)?;
         let (done_tx, done_rx) = mpsc::sync_channel(1);
         let job = WriteJob {
@@ -350,7 +356,7 @@ impl TcpTransport {
     /// Finishes a concurrent send and receive. When the receive failed, a send that had
     /// already failed is the better report: its peer is certainly gone, while a closed
     /// receive link may only be a neighbour giving up after that same failure.
-    fn settle(
+    pub(crate) fn settle(
         &self,
         to: usize,
         pending: Option<PendingWrite<'_>>,
@@ -371,10 +377,32 @@ impl TcpTransport {
         sent
     }
 
-    fn shutdown_link(&self, peer: usize) {
+    pub(crate) fn shutdown_link(&self, peer: usize) {
         if let Ok(link) = self.link(peer) {
             let _ = link.control.shutdown(Shutdown::Both);
         }
+    }
+
+    /// Whether the link to `peer` was closed or broken (the peer's process exited, or it
+    /// aborted its links), without reading from it: for links that carry nothing while
+    /// the bytes go another way (shared memory).
+    pub(crate) fn peer_gone(&self, peer: usize) -> bool {
+        let Ok(link) = self.link(peer) else {
+            return true;
+        };
+        let mut fd = libc::pollfd {
+            fd: link.control.as_raw_fd(),
+            events: libc::POLLIN | libc::POLLRDHUP,
+            revents: 0,
+        };
+        // SAFETY: one valid pollfd, no waiting.
+        let ready = unsafe { libc::poll(&mut fd, 1, 0) };
+        ready > 0 && fd.revents & (libc::POLLRDHUP | libc::POLLHUP | libc::POLLERR) != 0
+    }
+
+    /// How long any wait on a peer may last.
+    pub fn timeout(&self) -> Duration {
+        self.timeout
     }
 }
 

@@ -1,5 +1,6 @@
-//! Real separate processes through the `collbench` binary: the launcher runs a checked
-//! sweep, and a rank killed with SIGKILL mid-run makes every other rank fail within the
+//! Real separate processes through the `collbench` binary: the launcher runs checked
+//! sweeps (one host with shared memory, pretend nodes with shared memory inside and TCP
+//! between, TCP only), and a rank killed with SIGKILL mid-run makes every other rank fail within the
 //! timeout with an error naming a rank.
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
@@ -55,6 +56,75 @@ fn launcher_runs_a_checked_sweep_on_three_processes() {
     let rows = v["rows"].as_array().unwrap();
     assert_eq!(rows.len(), 5); // 4 B, 64 B, 1 KiB, 16 KiB, 256 KiB (x16 steps up to 1 MiB)
     assert!(rows.iter().all(|r| r["wrong"] == 0));
+}
+
+/// Runs `collbench sweep` through its launcher with `args` and `env`; returns rank 0's JSON.
+fn checked_sweep(args: &[&str], env: &[(&str, &str)]) -> serde_json::Value {
+    let mut cmd = Command::new(BIN);
+    cmd.args(["sweep", "--factor", "8", "--iters", "2", "--json"])
+        .args(args)
+        .env("RINGWATCH_CONTROL_SOCKET", "0")
+        .env("RINGWATCH_TIMEOUT_SECS", "20")
+        .env_remove("RANK")
+        .env_remove("RINGWATCH_SHM")
+        .env_remove("RINGWATCH_HOST_ID")
+        .stdout(Stdio::piped());
+    for (k, v) in env {
+        cmd.env(k, v);
+    }
+    let mut child = cmd.spawn().unwrap();
+    let status = wait_with_limit(&mut child, Duration::from_secs(90)).expect("collbench hung");
+    let mut out = String::new();
+    std::io::Read::read_to_string(child.stdout.as_mut().unwrap(), &mut out).unwrap();
+    assert!(status.success(), "collbench {args:?} {env:?} failed: {out}");
+    let v: serde_json::Value = serde_json::from_str(out.trim()).unwrap();
+    let rows = v["rows"].as_array().unwrap();
+    assert!(!rows.is_empty());
+    assert!(
+        rows.iter().all(|r| r["wrong"] == 0),
+        "{args:?} {env:?}: {v}"
+    );
+    v
+}
+
+#[test]
+fn shared_memory_within_pretend_nodes_tcp_between_and_tcp_only_all_check_out() {
+    // Sizes from 4 B to 16 MiB: past the 2 MiB shared-memory rings and the socket buffers.
+    let sizes = ["--min-bytes", "4", "--max-bytes", "16M"];
+    let peers = |v: &serde_json::Value| v["shared_memory_peers"].clone();
+    // One host: rank 0 shares memory with every other rank.
+    let v = checked_sweep(&[&["-n", "4"], &sizes[..]].concat(), &[]);
+    assert_eq!(peers(&v), serde_json::json!([1, 2, 3]));
+    // Two pretend nodes of 2: the flat ring has shared-memory and TCP links (ranks 1 and 3
+    // send over one kind and receive over the other); hierarchical keeps each phase on one.
+    for hierarchical in ["false", "true"] {
+        let v = checked_sweep(
+            &[
+                &[
+                    "-n",
+                    "4",
+                    "--local-size",
+                    "2",
+                    "--hierarchical",
+                    hierarchical,
+                ],
+                &sizes[..],
+            ]
+            .concat(),
+            &[],
+        );
+        assert_eq!(
+            peers(&v),
+            serde_json::json!([1]),
+            "hierarchical={hierarchical}"
+        );
+    }
+    // Shared memory off: TCP everywhere.
+    let v = checked_sweep(
+        &[&["-n", "3"], &sizes[..]].concat(),
+        &[("RINGWATCH_SHM", "0")],
+    );
+    assert_eq!(peers(&v), serde_json::json!([]));
 }
 
 #[test]

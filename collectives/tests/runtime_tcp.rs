@@ -1,4 +1,5 @@
-//! The runtime over real loopback TCP, one thread per rank in this process: every op and
+//! The runtime over real links — shared memory between the ranks of this host, and loopback
+//! TCP with shared memory off — one thread per rank in this process: every op and
 //! dtype against an independent reference, fusion on and off, hierarchical layouts, live
 //! knob changes, mismatches, a silent rank, the control socket and the timeline.
 //!
@@ -17,6 +18,7 @@ use std::time::{Duration, Instant};
 use collectives::control::{
     ClientMessage, ControlClient, KnobUpdate, ServerMessage, read_message, write_message,
 };
+use collectives::mesh::HostTransport;
 use collectives::rendezvous::{RendezvousConfig, rendezvous};
 use collectives::runtime::RuntimeConfig;
 use collectives::{CollectiveError, DType, Knobs, ReduceOp, Runtime, Tensor};
@@ -257,7 +259,40 @@ fn every_op_and_dtype_matches_the_reference_for_world_sizes_1_to_8() {
             n,
             Duration::from_secs(120),
             |_| {},
-            |rt| check_everything(rt, rt.world_size()),
+            |rt| {
+                // One host: every other rank is reached through shared memory.
+                let others: Vec<usize> = (0..rt.world_size()).filter(|&r| r != rt.rank()).collect();
+                assert_eq!(rt.shared_memory_peers(), others);
+                check_everything(rt, rt.world_size())
+            },
+        );
+        assert!(checked.iter().all(|&c| c == checked[0] && c > 100));
+    }
+}
+
+#[test]
+fn every_op_and_dtype_matches_the_reference_over_tcp_alone() {
+    // The tests above run the ranks of a job on one host, so their data go through shared
+    // memory; here the same checks go over TCP only, flat and hierarchical.
+    for (n, local_size, hierarchical) in [
+        (2, 2, false),
+        (3, 3, false),
+        (5, 5, false),
+        (8, 8, false),
+        (4, 2, true),
+    ] {
+        let checked = run_job(
+            n,
+            local_size,
+            Duration::from_secs(120),
+            move |c| {
+                c.shared_memory = false;
+                c.knobs.hierarchical_allreduce = hierarchical;
+            },
+            |rt| {
+                assert!(rt.shared_memory_peers().is_empty());
+                check_everything(rt, rt.world_size() + 20)
+            },
         );
         assert!(checked.iter().all(|&c| c == checked[0] && c > 100));
     }
@@ -399,9 +434,12 @@ fn a_silent_rank_makes_every_other_rank_fail_within_the_timeout_naming_it() {
         let barrier = barrier.clone();
         std::thread::spawn(move || {
             let rv = rendezvous(&config(2, n, n, port).rendezvous, timeout).unwrap();
+            // It takes part in the start-up handshake like any rank, then goes quiet.
+            let links =
+                HostTransport::connect(rv.transport, &rv.job_id, &rv.host_keys, true).unwrap();
             barrier.wait();
             std::thread::sleep(Duration::from_secs(8));
-            drop(rv);
+            drop(links);
         })
     };
     let mut handles = Vec::new();

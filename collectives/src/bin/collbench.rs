@@ -51,7 +51,9 @@ struct Common {
     )]
     nproc_per_node: usize,
     /// Group the local ranks into pretend nodes of this many ranks (for hierarchical
-    /// allreduce); default: all ranks on one node.
+    /// allreduce); default: all ranks on one node. Ranks of one pretend node exchange data
+    /// through shared memory, ranks of different ones over TCP (loopback), as on real
+    /// nodes (RINGWATCH_SHM=0: TCP everywhere).
     #[arg(long, global = true)]
     local_size: Option<usize>,
     /// Fusion threshold in bytes (0 disables fusion) [runtime default: 64 MiB].
@@ -183,6 +185,8 @@ fn launch(cli: &Cli, workload: &Workload) -> Result<()> {
     }
     let local_size = cli.common.local_size.unwrap_or(n);
     let port = free_port()?;
+    // Each pretend node is a host of its own: shared memory within, TCP between.
+    let host_id_base = std::env::var("RINGWATCH_HOST_ID").unwrap_or_default();
     let exe = std::env::current_exe().context("cannot find my own executable")?;
     let args: Vec<String> = std::env::args().skip(1).collect();
     let mut children: Vec<Child> = Vec::new();
@@ -195,6 +199,10 @@ fn launch(cli: &Cli, workload: &Workload) -> Result<()> {
             .env("LOCAL_SIZE", local_size.to_string())
             .env("MASTER_ADDR", "127.0.0.1")
             .env("MASTER_PORT", port.to_string())
+            .env(
+                "RINGWATCH_HOST_ID",
+                format!("{host_id_base}collbench-node{}", rank / local_size),
+            )
             .stdout(if rank == 0 {
                 Stdio::inherit()
             } else {
@@ -362,10 +370,20 @@ fn sweep(cli: &Cli, min: u64, max: u64, factor: u64, iters: Option<usize>) -> Re
         if cli.common.json {
             println!(
                 "{}",
-                serde_json::json!({"workload": "sweep", "world_size": n, "knobs": knobs, "rows": rows})
+                serde_json::json!({
+                    "workload": "sweep",
+                    "world_size": n,
+                    "knobs": knobs,
+                    "shared_memory_peers": rt.shared_memory_peers(),
+                    "rows": rows,
+                })
             );
         } else {
-            println!("# collbench sweep: allreduce sum f32, {n} ranks, knobs {knobs:?}");
+            println!(
+                "# collbench sweep: allreduce sum f32, {n} ranks, knobs {knobs:?}, rank 0's \
+                 shared-memory peers {:?}",
+                rt.shared_memory_peers()
+            );
             println!(
                 "{:>12} {:>12} {:>12} {:>10} {:>10} {:>6}",
                 "size(B)", "count", "time(us)", "algbw(GB/s)", "busbw(GB/s)", "wrong"

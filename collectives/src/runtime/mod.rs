@@ -32,6 +32,7 @@ use crate::control::{
 };
 use crate::error::{CollectiveError, Result};
 use crate::knobs::{AutotuneConfig, autotune_from, knobs_from_env, parse_bool, timeout_from};
+use crate::mesh::HostTransport;
 use crate::rendezvous::{RendezvousConfig, rendezvous};
 use crate::tensor::{AlignedBuf, ReduceOp, Tensor};
 use crate::timeline::{TimelineFile, activity, now_us};
@@ -64,6 +65,9 @@ pub struct RuntimeConfig {
     /// Auto-tune the job (`RINGWATCH_AUTOTUNE=1`): wait for an agent's claim, else rank 0
     /// tunes itself. Only rank 0's value matters.
     pub autotune: Option<AutotuneConfig>,
+    /// Exchange data with ranks on the same host through shared memory (`RINGWATCH_SHM`,
+    /// default on); off, every byte goes over TCP (where the agent's TCP probes see it).
+    pub shared_memory: bool,
 }
 
 impl RuntimeConfig {
@@ -77,6 +81,7 @@ impl RuntimeConfig {
             control_socket: false,
             runtime_dir: None,
             autotune: None,
+            shared_memory: true,
         }
     }
 
@@ -98,6 +103,10 @@ impl RuntimeConfig {
                 .filter(|p| !p.is_empty())
                 .map(PathBuf::from),
             autotune: autotune_from(&get)?,
+            shared_memory: match get("RINGWATCH_SHM") {
+                Some(v) => parse_bool("RINGWATCH_SHM", &v)?,
+                None => true,
+            },
         })
     }
 }
@@ -238,9 +247,15 @@ impl Runtime {
     pub fn new(config: RuntimeConfig) -> Result<Self> {
         let rv = rendezvous(&config.rendezvous, config.timeout)?;
         let faults = FaultChannel::start(rv.transport.rank(), rv.fault_links);
+        let transport = HostTransport::connect(
+            rv.transport,
+            &rv.job_id,
+            &rv.host_keys,
+            config.shared_memory,
+        )?;
         Self::start(
             config,
-            Arc::new(rv.transport),
+            Arc::new(transport),
             rv.ranks,
             rv.job_id,
             Some(Arc::new(faults)),
@@ -382,7 +397,12 @@ impl Runtime {
         self.shared.rank
     }
 
-    /// Number of ranks.
+    /// The ranks this rank exchanges data with through shared memory (same host), not TCP.
+    pub fn shared_memory_peers(&self) -> Vec<usize> {
+        self.transport.shared_memory_peers()
+    }
+
+    /// Number of ranks in the job.
     pub fn world_size(&self) -> usize {
         self.ranks.len()
     }

@@ -1,0 +1,1177 @@
+//! Shared-memory links between the ranks of one host: a segment in `/dev/shm` holding one
+//! single-producer single-consumer byte ring per ordered pair of ranks and a doorbell per
+//! rank, and the handshake that sets it up over the TCP mesh.
+//!
+//! A byte crosses a ring with one copy in and one copy out, or none out: a reduce-scatter
+//! reduces straight from the ring. TCP on loopback costs two kernel copies plus the stack.
+//! Ranks share a segment only if they share a host *as the kernel sees it*: the same boot,
+//! network namespace and mount namespace (so pretend nodes in network namespaces are
+//! separate hosts, as real nodes are).
+//!
+//! This module knows nothing of tensors or schedules, and must never wait without a
+//! deadline: a rank waiting on a ring also watches its peer's doorbell for an abort and
+//! asks the caller (the TCP link, still open and carrying nothing) whether the peer's
+//! process is gone; with no progress for the op timeout, the error names the peer.
+
+use std::fs::{File, OpenOptions};
+use std::os::fd::AsRawFd;
+use std::os::unix::fs::OpenOptionsExt;
+use std::path::PathBuf;
+use std::sync::Mutex;
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
+use std::time::{Duration, Instant};
+
+use memmap2::{MmapOptions, MmapRaw};
+
+use crate::error::{CollectiveError, Result};
+
+/// Bytes of each ring (a power of two, a multiple of [`ALIGN`]).
+pub const RING_BYTES: usize = 2 << 20;
+
+/// Every message starts at a multiple of this, so payloads are aligned for any dtype and
+/// for vector loads when reduced in place.
+pub const ALIGN: usize = 64;
+
+/// A writer moves at most this much per step, so that a full-duplex step interleaves its
+/// send and its receive finely and the reader can start on the first bytes early.
+const WRITE_GRANULE: usize = 128 * 1024;
+
+/// Longest single sleep on a doorbell: how often a waiting rank checks its peers' health.
+const WAIT_SLICE: Duration = Duration::from_millis(10);
+
+/// Spins on the doorbell before sleeping: a peer that is running on another core usually
+/// answers within this.
+const SPINS: u32 = 200;
+
+const SEGMENT_MAGIC: u64 = u64::from_le_bytes(*b"RWSHM\0v1");
+const MESSAGE_MAGIC: u64 = u64::from_le_bytes(*b"RWmsg\0v1");
+/// Header in front of every message: payload length, magic (detects a protocol slip).
+const HEADER: usize = ALIGN;
+/// Control words of different writers live on different cache-line pairs.
+const LINE: usize = 128;
+const PAGE: usize = 4096;
+
+/// The segment's first line.
+#[repr(C)]
+struct SegmentHeader {
+    magic: AtomicU64,
+    members: AtomicU64,
+    ring_bytes: AtomicU64,
+    nonce: AtomicU64,
+}
+
+/// A rank's doorbell: every event that may let it progress (data in one of its incoming
+/// rings, space in one of its outgoing rings, a peer's abort) bumps `seq` and wakes it.
+#[repr(C)]
+struct Bell {
+    seq: AtomicU32,
+    waiters: AtomicU32,
+    aborted: AtomicU32,
+}
+
+/// Where things are in a segment of `members` ranks with rings of `ring_bytes`.
+#[derive(Clone, Copy, Debug)]
+struct Layout {
+    members: usize,
+    ring_bytes: usize,
+}
+
+impl Layout {
+    fn bell(&self, i: usize) -> usize {
+        LINE * (1 + i)
+    }
+    /// The ring from member `src` to member `dst`: `head` (written by `src`) and, one line
+    /// pair further, `tail` (written by `dst`).
+    fn ring_control(&self, src: usize, dst: usize) -> usize {
+        LINE * (1 + self.members) + 2 * LINE * (src * self.members + dst)
+    }
+    fn data_start(&self) -> usize {
+        let control_end = LINE * (1 + self.members) + 2 * LINE * self.members * self.members;
+        control_end.div_ceil(PAGE) * PAGE
+    }
+    fn ring_data(&self, src: usize, dst: usize) -> usize {
+        self.data_start() + (src * self.members + dst) * self.ring_bytes
+    }
+    fn total(&self) -> usize {
+        self.data_start() + self.members * self.members * self.ring_bytes
+    }
+}
+
+/// What a rank needs from the layer above while it waits: whether a peer's process is gone
+/// (its TCP link closed), checked every [`WAIT_SLICE`] without progress.
+pub(crate) type PeerGone<'a> = &'a (dyn Fn(usize) -> bool + Sync);
+
+/// The writer's position in one outgoing ring (only this rank writes `head`).
+#[derive(Default)]
+struct TxState {
+    head: u64,
+}
+
+/// The reader's position in one incoming ring: `tail`, and what is left of the message
+/// being read.
+#[derive(Default)]
+struct RxState {
+    tail: u64,
+    message_left: u64,
+}
+
+/// This rank's view of a host's segment: rings to and from every other member.
+pub struct ShmGroup {
+    map: MmapRaw,
+    layout: Layout,
+    /// Global rank of each member, in member order.
+    ranks: Vec<usize>,
+    /// Members that took part (a member that could not map the segment is left out).
+    active: Vec<bool>,
+    me: usize,
+    timeout: Duration,
+    tx: Vec<Mutex<TxState>>,
+    rx: Vec<Mutex<RxState>>,
+}
+
+impl std::fmt::Debug for ShmGroup {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ShmGroup")
+            .field("ranks", &self.ranks)
+            .field("active", &self.active)
+            .field("me", &self.me)
+            .finish()
+    }
+}
+
+/// A ring as seen from one end.
+struct Ring {
+    head: *const AtomicU64,
+    tail: *const AtomicU64,
+    data: *mut u8,
+    capacity: usize,
+}
+
+impl Ring {
+    fn head(&self) -> &AtomicU64 {
+        // SAFETY: points into the live mapping at an aligned offset (see `ShmGroup::ring`).
+        unsafe { &*self.head }
+    }
+    fn tail(&self) -> &AtomicU64 {
+        // SAFETY: as for `head`.
+        unsafe { &*self.tail }
+    }
+}
+
+fn pad_to_align(position: u64) -> u64 {
+    (ALIGN as u64 - position % ALIGN as u64) % ALIGN as u64
+}
+
+/// An outgoing message being written: `data`, of which `sent` bytes are in the ring.
+pub(crate) struct Outgoing<'a> {
+    data: &'a [u8],
+    sent: usize,
+    started: bool,
+}
+
+impl<'a> Outgoing<'a> {
+    pub(crate) fn new(data: &'a [u8]) -> Self {
+        Outgoing {
+            data,
+            sent: 0,
+            started: false,
+        }
+    }
+    fn done(&self) -> bool {
+        self.data.is_empty() || (self.started && self.sent == self.data.len())
+    }
+}
+
+/// Called with `(offset, bytes)` as received data arrive.
+pub(crate) type OnData<'f> = &'f mut dyn FnMut(usize, &[u8]);
+
+/// An incoming stream of bytes being read.
+pub(crate) enum Incoming<'a, 'f> {
+    /// Into `buf`; `on_chunk(offset, bytes)` for each completed chunk of `chunk` bytes.
+    Copy {
+        buf: &'a mut [u8],
+        filled: usize,
+        reported: usize,
+        chunk: usize,
+        on_chunk: Option<OnData<'f>>,
+    },
+    /// `len` bytes handed to `on_piece(offset, bytes)` in pieces of `piece_buf.len()`:
+    /// straight from the ring when a piece lies whole and aligned in it, else gathered in
+    /// `piece_buf`.
+    Pieces {
+        len: usize,
+        done: usize,
+        piece_buf: &'a mut [u8],
+        piece_filled: usize,
+        on_piece: OnData<'f>,
+    },
+}
+
+impl<'a, 'f> Incoming<'a, 'f> {
+    pub(crate) fn copy(buf: &'a mut [u8], chunk: usize, on_chunk: Option<OnData<'f>>) -> Self {
+        Incoming::Copy {
+            buf,
+            filled: 0,
+            reported: 0,
+            chunk: chunk.max(1),
+            on_chunk,
+        }
+    }
+
+    pub(crate) fn pieces(len: usize, piece_buf: &'a mut [u8], on_piece: OnData<'f>) -> Self {
+        Incoming::Pieces {
+            len,
+            done: 0,
+            piece_buf,
+            piece_filled: 0,
+            on_piece,
+        }
+    }
+
+    fn done(&self) -> bool {
+        match self {
+            Incoming::Copy { buf, filled, .. } => *filled == buf.len(),
+            Incoming::Pieces { len, done, .. } => *done == *len,
+        }
+    }
+}
+
+/// Tracks how long an operation has gone without progress and whom it waits on.
+struct Patience<'a> {
+    last_progress: Instant,
+    last_health_check: Instant,
+    peers: [Option<usize>; 2],
+    cancel: Option<&'a AtomicBool>,
+    peer_gone: PeerGone<'a>,
+}
+
+// SAFETY: the raw pointers inside `Ring`s are derived on use from `map`, which lives as
+// long as the group; every shared word is an atomic and ring bytes are handed over through
+// the head/tail protocol, so sharing the group between threads is sound.
+unsafe impl Send for ShmGroup {}
+// SAFETY: see above; per-ring local state is behind mutexes.
+unsafe impl Sync for ShmGroup {}
+
+impl ShmGroup {
+    fn base(&self) -> *mut u8 {
+        self.map.as_mut_ptr()
+    }
+
+    fn header(&self) -> &SegmentHeader {
+        // SAFETY: offset 0 of a mapping of at least one page, page aligned.
+        unsafe { &*(self.base() as *const SegmentHeader) }
+    }
+
+    fn bell(&self, member: usize) -> &Bell {
+        // SAFETY: `Layout::bell` is inside the mapping and 128-byte aligned.
+        unsafe { &*(self.base().add(self.layout.bell(member)) as *const Bell) }
+    }
+
+    fn ring(&self, src: usize, dst: usize) -> Ring {
+        let control = self.layout.ring_control(src, dst);
+        // SAFETY: control and data offsets are inside the mapping (see `Layout::total`),
+        // 128-byte and page aligned respectively.
+        unsafe {
+            Ring {
+                head: self.base().add(control) as *const AtomicU64,
+                tail: self.base().add(control + LINE) as *const AtomicU64,
+                data: self.base().add(self.layout.ring_data(src, dst)),
+                capacity: self.layout.ring_bytes,
+            }
+        }
+    }
+
+    /// The member index of global rank `rank`, if it shares memory with this rank.
+    pub fn member_of(&self, rank: usize) -> Option<usize> {
+        let m = self.ranks.iter().position(|&r| r == rank)?;
+        (m != self.me && self.active[m] && self.active[self.me]).then_some(m)
+    }
+
+    /// Global ranks that share memory with this rank.
+    pub fn peers(&self) -> Vec<usize> {
+        (0..self.ranks.len())
+            .filter(|&m| m != self.me && self.active[m])
+            .map(|m| self.ranks[m])
+            .collect()
+    }
+
+    fn my_rank(&self) -> usize {
+        self.ranks[self.me]
+    }
+
+    fn notify(&self, member: usize) {
+        let bell = self.bell(member);
+        bell.seq.fetch_add(1, Ordering::SeqCst);
+        if bell.waiters.load(Ordering::SeqCst) > 0 {
+            futex_wake(&bell.seq);
+        }
+    }
+
+    /// Marks this rank as aborted and wakes every peer, so that their waits on it end now.
+    pub fn abort(&self) {
+        self.bell(self.me).aborted.store(1, Ordering::SeqCst);
+        for m in 0..self.ranks.len() {
+            if m != self.me {
+                self.notify(m);
+            }
+        }
+    }
+
+    /// Wakes this rank's own waits (after setting a cancel flag they watch).
+    pub(crate) fn wake_self(&self) {
+        self.notify(self.me);
+    }
+
+    fn link_error(&self, peer: usize, message: impl Into<String>) -> CollectiveError {
+        CollectiveError::Link {
+            rank: self.my_rank(),
+            peer,
+            message: message.into(),
+        }
+    }
+
+    /// Writes as much of `out` as fits now, one granule at most. Returns whether it moved.
+    fn write_step(&self, to: usize, tx: &mut TxState, out: &mut Outgoing<'_>) -> bool {
+        if out.done() {
+            return false;
+        }
+        let ring = self.ring(self.me, to);
+        let capacity = ring.capacity as u64;
+        let mut free = capacity - (tx.head - ring.tail().load(Ordering::Acquire));
+        let mut moved = false;
+        if !out.started {
+            let pad = pad_to_align(tx.head);
+            if free < pad + HEADER as u64 {
+                return false;
+            }
+            tx.head += pad;
+            let at = (tx.head % capacity) as usize;
+            // SAFETY: `at` is a multiple of ALIGN inside the ring (capacity is a multiple
+            // of ALIGN), and these bytes are free: the reader's tail is behind them.
+            unsafe {
+                let words = ring.data.add(at) as *mut u64;
+                words.write(out.data.len() as u64);
+                words.add(1).write(MESSAGE_MAGIC);
+            }
+            tx.head += HEADER as u64;
+            free -= pad + HEADER as u64;
+            out.started = true;
+            moved = true;
+        }
+        let at = (tx.head % capacity) as usize;
+        let n = (out.data.len() - out.sent)
+            .min(free as usize)
+            .min(ring.capacity - at)
+            .min(WRITE_GRANULE);
+        if n > 0 {
+            // SAFETY: [at, at + n) is inside the ring and free (see above); the source is a
+            // live slice that does not overlap the mapping.
+            unsafe {
+                std::ptr::copy_nonoverlapping(out.data.as_ptr().add(out.sent), ring.data.add(at), n)
+            };
+            tx.head += n as u64;
+            out.sent += n;
+            moved = true;
+        }
+        if moved {
+            ring.head().store(tx.head, Ordering::Release);
+            self.notify(to);
+        }
+        moved
+    }
+
+    /// The next readable span of the current message from `from` (reading its header first
+    /// if a new message starts), or `None` if nothing is there yet.
+    fn readable(&self, from: usize, rx: &mut RxState) -> Result<Option<(*const u8, usize)>> {
+        let ring = self.ring(from, self.me);
+        let capacity = ring.capacity as u64;
+        let head = ring.head().load(Ordering::Acquire);
+        if rx.message_left == 0 {
+            let pad = pad_to_align(rx.tail);
+            if head - rx.tail < pad + HEADER as u64 {
+                return Ok(None);
+            }
+            rx.tail += pad;
+            let at = (rx.tail % capacity) as usize;
+            // SAFETY: the writer published these HEADER bytes (head is past them).
+            let (len, magic) = unsafe {
+                let words = ring.data.add(at) as *const u64;
+                (words.read(), words.add(1).read())
+            };
+            if magic != MESSAGE_MAGIC || len == 0 {
+                return Err(self.link_error(
+                    self.ranks[from],
+                    "corrupt shared-memory ring (a message header is wrong): the ranks \
+                     disagree on the order of operations",
+                ));
+            }
+            rx.tail += HEADER as u64;
+            rx.message_left = len;
+        }
+        let at = (rx.tail % capacity) as usize;
+        let n = ((head - rx.tail).min(rx.message_left) as usize).min(ring.capacity - at);
+        if n == 0 {
+            return Ok(None);
+        }
+        // SAFETY: [at, at + n) is inside the ring and published by the writer.
+        Ok(Some((unsafe { ring.data.add(at) as *const u8 }, n)))
+    }
+
+    fn consume(&self, from: usize, rx: &mut RxState, n: usize) {
+        rx.tail += n as u64;
+        rx.message_left -= n as u64;
+        self.ring(from, self.me)
+            .tail()
+            .store(rx.tail, Ordering::Release);
+        self.notify(from);
+    }
+
+    /// Reads what is there now into `incoming`, one chunk or piece at most.
+    fn read_step(&self, from: usize, rx: &mut RxState, incoming: &mut Incoming) -> Result<bool> {
+        match incoming {
+            Incoming::Copy {
+                buf,
+                filled,
+                reported,
+                chunk,
+                on_chunk,
+            } => {
+                if *filled == buf.len() {
+                    return Ok(false);
+                }
+                let Some((ptr, n)) = self.readable(from, rx)? else {
+                    return Ok(false);
+                };
+                let next_report = (*reported + *chunk).min(buf.len());
+                let n = n.min(next_report - *filled);
+                // SAFETY: `ptr` points at `n` published bytes of the ring; `buf` is ours.
+                unsafe { std::ptr::copy_nonoverlapping(ptr, buf.as_mut_ptr().add(*filled), n) };
+                self.consume(from, rx, n);
+                *filled += n;
+                if *filled == next_report {
+                    if let Some(cb) = on_chunk {
+                        cb(*reported, &buf[*reported..*filled]);
+                    }
+                    *reported = *filled;
+                }
+                Ok(true)
+            }
+            Incoming::Pieces {
+                len,
+                done,
+                piece_buf,
+                piece_filled,
+                on_piece,
+            } => {
+                if *done == *len {
+                    return Ok(false);
+                }
+                let needed = piece_buf.len().min(*len - *done);
+                let Some((ptr, n)) = self.readable(from, rx)? else {
+                    return Ok(false);
+                };
+                if *piece_filled == 0 {
+                    let ring = self.ring(from, self.me);
+                    let at = (rx.tail % ring.capacity as u64) as usize;
+                    let whole_in_place =
+                        rx.message_left >= needed as u64 && at + needed <= ring.capacity;
+                    if whole_in_place {
+                        if n < needed {
+                            // It will lie whole in the ring: wait for the rest rather
+                            // than copying.
+                            return Ok(false);
+                        }
+                        // SAFETY: `needed` published bytes at `ptr`; the writer does not
+                        // touch them until `consume` moves the tail past them.
+                        let piece = unsafe { std::slice::from_raw_parts(ptr, needed) };
+                        on_piece(*done, piece);
+                        self.consume(from, rx, needed);
+                        *done += needed;
+                        return Ok(true);
+                    }
+                }
+                let n = n.min(needed - *piece_filled);
+                // SAFETY: as above; `piece_buf` is ours and has room for `needed` bytes.
+                unsafe {
+                    std::ptr::copy_nonoverlapping(ptr, piece_buf.as_mut_ptr().add(*piece_filled), n)
+                };
+                self.consume(from, rx, n);
+                *piece_filled += n;
+                if *piece_filled == needed {
+                    on_piece(*done, &piece_buf[..needed]);
+                    *done += needed;
+                    *piece_filled = 0;
+                }
+                Ok(true)
+            }
+        }
+    }
+
+    fn lock<'s, T>(&self, m: &'s Mutex<T>, peer: usize) -> Result<std::sync::MutexGuard<'s, T>> {
+        m.lock()
+            .map_err(|_| self.link_error(self.ranks[peer], "shared-memory ring lock poisoned"))
+    }
+
+    /// Sends `out` to member `to` while receiving `incoming` from member `from`, on this
+    /// thread, interleaving the two. Either may be absent. `cancel` ends the wait early.
+    pub(crate) fn exchange(
+        &self,
+        to: Option<(usize, Outgoing<'_>)>,
+        from: Option<(usize, Incoming<'_, '_>)>,
+        cancel: Option<&AtomicBool>,
+        peer_gone: PeerGone<'_>,
+    ) -> Result<()> {
+        let (to_member, mut out) = match to {
+            Some((m, o)) => (Some(m), Some(o)),
+            None => (None, None),
+        };
+        let (from_member, mut incoming) = match from {
+            Some((m, i)) => (Some(m), Some(i)),
+            None => (None, None),
+        };
+        let mut tx = match to_member {
+            Some(m) => Some(self.lock(&self.tx[m], m)?),
+            None => None,
+        };
+        let mut rx = match from_member {
+            Some(m) => Some(self.lock(&self.rx[m], m)?),
+            None => None,
+        };
+        let now = Instant::now();
+        let mut patience = Patience {
+            last_progress: now,
+            last_health_check: now,
+            peers: [to_member, from_member],
+            cancel,
+            peer_gone,
+        };
+        let bell = self.bell(self.me);
+        loop {
+            let sending = out.as_ref().is_some_and(|o| !o.done());
+            let receiving = incoming.as_ref().is_some_and(|i| !i.done());
+            if !sending && !receiving {
+                return Ok(());
+            }
+            let seq = bell.seq.load(Ordering::SeqCst);
+            let mut progressed = false;
+            if let (Some(m), Some(o), Some(tx)) = (to_member, out.as_mut(), tx.as_mut()) {
+                progressed |= self.write_step(m, tx, o);
+            }
+            if let (Some(m), Some(i), Some(rx)) = (from_member, incoming.as_mut(), rx.as_mut()) {
+                progressed |= self.read_step(m, rx, i)?;
+            }
+            if progressed {
+                patience.last_progress = Instant::now();
+                continue;
+            }
+            self.wait(seq, &mut patience)?;
+        }
+    }
+
+    /// Sleeps on this rank's doorbell until it rings past `seq`, a slice passes, or a
+    /// reason to give up appears.
+    fn wait(&self, seq: u32, patience: &mut Patience<'_>) -> Result<()> {
+        let bell = self.bell(self.me);
+        for _ in 0..SPINS {
+            if bell.seq.load(Ordering::Relaxed) != seq {
+                return Ok(());
+            }
+            std::hint::spin_loop();
+        }
+        bell.waiters.fetch_add(1, Ordering::SeqCst);
+        futex_wait(&bell.seq, seq, WAIT_SLICE);
+        bell.waiters.fetch_sub(1, Ordering::SeqCst);
+        // Why we might have to stop, cheapest first.
+        if bell.aborted.load(Ordering::SeqCst) != 0 {
+            let peer = patience
+                .peers
+                .iter()
+                .flatten()
+                .next()
+                .copied()
+                .unwrap_or(self.me);
+            return Err(self.link_error(
+                self.ranks[peer],
+                "this rank aborted its links after a failure",
+            ));
+        }
+        if patience.cancel.is_some_and(|c| c.load(Ordering::SeqCst)) {
+            let peer = patience
+                .peers
+                .iter()
+                .flatten()
+                .next()
+                .copied()
+                .unwrap_or(self.me);
+            return Err(self.link_error(
+                self.ranks[peer],
+                "cancelled: the other half of this step failed",
+            ));
+        }
+        for &m in patience.peers.iter().flatten() {
+            if self.bell(m).aborted.load(Ordering::SeqCst) != 0 {
+                return Err(self.link_error(
+                    self.ranks[m],
+                    "the peer aborted its links (it failed, or gave up after another rank failed)",
+                ));
+            }
+        }
+        let now = Instant::now();
+        if now.duration_since(patience.last_health_check) >= WAIT_SLICE {
+            patience.last_health_check = now;
+            for &m in patience.peers.iter().flatten() {
+                if (patience.peer_gone)(self.ranks[m]) {
+                    return Err(self.link_error(
+                        self.ranks[m],
+                        "connection closed by the peer (that rank exited, crashed, or gave up after another rank failed)",
+                    ));
+                }
+            }
+        }
+        if now.duration_since(patience.last_progress) >= self.timeout {
+            // Name the peer we were waiting to hear from, else the one we were sending to.
+            let peer = patience.peers[1].or(patience.peers[0]).unwrap_or(self.me);
+            return Err(CollectiveError::PeerTimeout {
+                rank: self.my_rank(),
+                peer: self.ranks[peer],
+                timeout: self.timeout,
+            });
+        }
+        Ok(())
+    }
+}
+
+fn futex_wait(word: &AtomicU32, expected: u32, timeout: Duration) {
+    let ts = libc::timespec {
+        tv_sec: timeout.as_secs() as libc::time_t,
+        tv_nsec: timeout.subsec_nanos() as libc::c_long,
+    };
+    // SAFETY: `word` is a live, aligned u32 in a shared mapping (hence no PRIVATE flag);
+    // the kernel only reads it and compares with `expected`. Errors (EAGAIN when the word
+    // changed, EINTR, ETIMEDOUT) all mean "look again", which every caller does.
+    unsafe {
+        libc::syscall(
+            libc::SYS_futex,
+            word.as_ptr(),
+            libc::FUTEX_WAIT,
+            expected,
+            &ts as *const libc::timespec,
+            std::ptr::null::<u32>(),
+            0u32,
+        );
+    }
+}
+
+fn futex_wake(word: &AtomicU32) {
+    // SAFETY: as for `futex_wait`; waking has no memory effects.
+    unsafe {
+        libc::syscall(
+            libc::SYS_futex,
+            word.as_ptr(),
+            libc::FUTEX_WAKE,
+            i32::MAX,
+            std::ptr::null::<libc::timespec>(),
+            std::ptr::null::<u32>(),
+            0u32,
+        );
+    }
+}
+
+// ---------------------------------------------------------------------------------------
+// Host identity and segments
+
+/// What ranks must share to share memory: the boot, the network namespace (pretend nodes
+/// in separate namespaces stay separate hosts) and the mount namespace (the same
+/// `/dev/shm`). `RINGWATCH_HOST_ID`, if set, is added: ranks with different values never
+/// share memory (a way to split one machine into hosts for tests). `None` if any part
+/// cannot be read; such a rank uses TCP only.
+pub fn host_key() -> Option<String> {
+    let boot = std::fs::read_to_string("/proc/sys/kernel/random/boot_id").ok()?;
+    let net = std::fs::read_link("/proc/self/ns/net").ok()?;
+    let mnt = std::fs::read_link("/proc/self/ns/mnt").ok()?;
+    let extra = std::env::var("RINGWATCH_HOST_ID").unwrap_or_default();
+    Some(format!(
+        "{}|{}|{}|{extra}",
+        boot.trim(),
+        net.display(),
+        mnt.display()
+    ))
+}
+
+/// Where segments are created.
+pub const SHM_DIR: &str = "/dev/shm";
+
+/// A segment file created by a group's first rank, removed from the directory as soon as
+/// every member has mapped it (or on drop), so nothing is left behind after a crash.
+#[derive(Debug)]
+pub struct SegmentFile {
+    path: PathBuf,
+    file: File,
+    nonce: u64,
+}
+
+impl Drop for SegmentFile {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_file(&self.path);
+    }
+}
+
+fn random_nonce() -> u64 {
+    use std::hash::{BuildHasher, Hasher};
+    let mut h = std::collections::hash_map::RandomState::new().build_hasher();
+    h.write_u128(
+        std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map(|d| d.as_nanos())
+            .unwrap_or_default(),
+    );
+    h.write_u32(std::process::id());
+    h.finish() | 1
+}
+
+fn segment_name(job_id: &str, nonce: u64) -> String {
+    let job: String = job_id
+        .chars()
+        .map(|c| {
+            if c.is_ascii_alphanumeric() || "-_.".contains(c) {
+                c
+            } else {
+                '-'
+            }
+        })
+        .take(64)
+        .collect();
+    format!("ringwatch-{job}-{}-{nonce:016x}", std::process::id())
+}
+
+/// Creates and initializes a segment for `members` ranks in `dir`, reserving its memory
+/// now (so a full `/dev/shm` is an error here, not a SIGBUS later).
+pub fn create_segment(
+    dir: &std::path::Path,
+    job_id: &str,
+    members: usize,
+    ring_bytes: usize,
+) -> std::io::Result<SegmentFile> {
+    let layout = Layout {
+        members,
+        ring_bytes,
+    };
+    let nonce = random_nonce();
+    let path = dir.join(segment_name(job_id, nonce));
+    let file = OpenOptions::new()
+        .read(true)
+        .write(true)
+        .create_new(true)
+        .mode(0o600)
+        .open(&path)?;
+    let segment = SegmentFile { path, file, nonce };
+    segment.file.set_len(layout.total() as u64)?;
+    let reserve = |offset: usize, len: usize| -> std::io::Result<()> {
+        // SAFETY: a plain syscall on our open file.
+        let rc = unsafe {
+            libc::posix_fallocate(
+                segment.file.as_raw_fd(),
+                offset as libc::off_t,
+                len as libc::off_t,
+            )
+        };
+        if rc == 0 {
+            Ok(())
+        } else {
+            Err(std::io::Error::from_raw_os_error(rc))
+        }
+    };
+    reserve(0, layout.data_start())?;
+    for src in 0..members {
+        for dst in (0..members).filter(|&d| d != src) {
+            reserve(layout.ring_data(src, dst), ring_bytes)?;
+        }
+    }
+    let map = MmapOptions::new()
+        .len(layout.total())
+        .map_raw(&segment.file)?;
+    // SAFETY: offset 0 of a fresh, page-aligned mapping that nobody else has yet.
+    let header = unsafe { &*(map.as_mut_ptr() as *const SegmentHeader) };
+    header.members.store(members as u64, Ordering::Relaxed);
+    header
+        .ring_bytes
+        .store(ring_bytes as u64, Ordering::Relaxed);
+    header.nonce.store(nonce, Ordering::Relaxed);
+    header.magic.store(SEGMENT_MAGIC, Ordering::Release);
+    Ok(segment)
+}
+
+impl SegmentFile {
+    /// The file's path (sent to the other members).
+    pub fn path(&self) -> &std::path::Path {
+        &self.path
+    }
+    /// The nonce the other members check after mapping.
+    pub fn nonce(&self) -> u64 {
+        self.nonce
+    }
+}
+
+/// Maps the segment at `path` as member `me` of `ranks`, checking that it is the one
+/// announced (`nonce`) and laid out as expected.
+pub fn map_segment(
+    path: &std::path::Path,
+    nonce: u64,
+    ranks: &[usize],
+    me: usize,
+    ring_bytes: usize,
+    timeout: Duration,
+) -> std::result::Result<ShmGroup, String> {
+    let layout = Layout {
+        members: ranks.len(),
+        ring_bytes,
+    };
+    let file = OpenOptions::new()
+        .read(true)
+        .write(true)
+        .open(path)
+        .map_err(|e| format!("cannot open {}: {e}", path.display()))?;
+    let len = file
+        .metadata()
+        .map_err(|e| format!("cannot stat {}: {e}", path.display()))?
+        .len();
+    if len != layout.total() as u64 {
+        return Err(format!(
+            "{} has {len} bytes, expected {}",
+            path.display(),
+            layout.total()
+        ));
+    }
+    let map = MmapOptions::new()
+        .len(layout.total())
+        .map_raw(&file)
+        .map_err(|e| format!("cannot map {}: {e}", path.display()))?;
+    let group = ShmGroup {
+        map,
+        layout,
+        ranks: ranks.to_vec(),
+        active: vec![true; ranks.len()],
+        me,
+        timeout,
+        tx: (0..ranks.len()).map(|_| Mutex::default()).collect(),
+        rx: (0..ranks.len()).map(|_| Mutex::default()).collect(),
+    };
+    let header = group.header();
+    let ok = header.magic.load(Ordering::Acquire) == SEGMENT_MAGIC
+        && header.nonce.load(Ordering::Relaxed) == nonce
+        && header.members.load(Ordering::Relaxed) == ranks.len() as u64
+        && header.ring_bytes.load(Ordering::Relaxed) == ring_bytes as u64;
+    if !ok {
+        return Err(format!(
+            "{} is not the segment that was announced",
+            path.display()
+        ));
+    }
+    Ok(group)
+}
+
+impl ShmGroup {
+    /// Keeps only the members in `active` (those that mapped the segment).
+    pub fn restrict(&mut self, active: &[usize]) {
+        self.active = self.ranks.iter().map(|r| active.contains(r)).collect();
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn group(n: usize, ring_bytes: usize, timeout: Duration) -> (SegmentFile, Vec<ShmGroup>) {
+        let dir = std::env::temp_dir();
+        let seg = create_segment(&dir, "unit", n, ring_bytes).unwrap();
+        let ranks: Vec<usize> = (10..10 + n).collect();
+        let groups = (0..n)
+            .map(|me| {
+                map_segment(seg.path(), seg.nonce(), &ranks, me, ring_bytes, timeout).unwrap()
+            })
+            .collect();
+        (seg, groups)
+    }
+
+    fn never_gone(_: usize) -> bool {
+        false
+    }
+
+    fn pattern(len: usize, seed: u8) -> Vec<u8> {
+        (0..len)
+            .map(|i| (i as u8).wrapping_mul(seed).wrapping_add((i >> 8) as u8))
+            .collect()
+    }
+
+    #[test]
+    fn messages_of_odd_sizes_cross_a_small_ring_intact_and_in_order() {
+        let (_seg, mut g) = group(2, 4096, Duration::from_secs(10));
+        let b = g.pop().unwrap();
+        let a = g.pop().unwrap();
+        let sizes = [1usize, 63, 64, 65, 4000, 4096, 10_000, 3, 70_000];
+        std::thread::scope(|s| {
+            s.spawn(|| {
+                for (i, &n) in sizes.iter().enumerate() {
+                    let data = pattern(n, i as u8 + 1);
+                    a.exchange(Some((1, Outgoing::new(&data))), None, None, &never_gone)
+                        .unwrap();
+                }
+            });
+            for (i, &n) in sizes.iter().enumerate() {
+                let mut buf = vec![0u8; n];
+                b.exchange(
+                    None,
+                    Some((0, Incoming::copy(&mut buf, 1000, None))),
+                    None,
+                    &never_gone,
+                )
+                .unwrap();
+                assert_eq!(buf, pattern(n, i as u8 + 1), "message {i} of {n} bytes");
+            }
+        });
+    }
+
+    #[test]
+    fn a_receive_may_span_several_sends() {
+        let (_seg, mut g) = group(2, 8192, Duration::from_secs(10));
+        let b = g.pop().unwrap();
+        let a = g.pop().unwrap();
+        let whole = pattern(30_000, 7);
+        std::thread::scope(|s| {
+            s.spawn(|| {
+                for part in whole.chunks(7001) {
+                    a.exchange(Some((1, Outgoing::new(part))), None, None, &never_gone)
+                        .unwrap();
+                }
+            });
+            let mut buf = vec![0u8; whole.len()];
+            let mut chunks = Vec::new();
+            let mut cb = |off: usize, bytes: &[u8]| chunks.push((off, bytes.len()));
+            b.exchange(
+                None,
+                Some((0, Incoming::copy(&mut buf, 4096, Some(&mut cb)))),
+                None,
+                &never_gone,
+            )
+            .unwrap();
+            assert_eq!(buf, whole);
+            let expected: Vec<(usize, usize)> = (0..whole.len())
+                .step_by(4096)
+                .map(|o| (o, 4096.min(whole.len() - o)))
+                .collect();
+            assert_eq!(chunks, expected);
+        });
+    }
+
+    #[test]
+    fn full_duplex_exchange_larger_than_the_rings_both_ways() {
+        // Both ranks send 3 MiB through 64 KiB rings before either finishes receiving:
+        // only a truly interleaved exchange gets through.
+        let (_seg, mut g) = group(2, 64 * 1024, Duration::from_secs(10));
+        let b = g.pop().unwrap();
+        let a = g.pop().unwrap();
+        let size = 3 << 20;
+        let run = |t: &ShmGroup, me: usize, seed: u8| {
+            let peer = 1 - me;
+            let send = pattern(size, seed);
+            let mut recv = vec![0u8; size];
+            t.exchange(
+                Some((peer, Outgoing::new(&send))),
+                Some((peer, Incoming::copy(&mut recv, 1 << 20, None))),
+                None,
+                &never_gone,
+            )
+            .unwrap();
+            recv
+        };
+        let (ra, rb) = std::thread::scope(|s| {
+            let ha = s.spawn(|| run(&a, 0, 3));
+            let rb = run(&b, 1, 5);
+            (ha.join().unwrap(), rb)
+        });
+        assert_eq!(ra, pattern(size, 5));
+        assert_eq!(rb, pattern(size, 3));
+    }
+
+    #[test]
+    fn pieces_come_straight_from_the_ring_when_whole_and_are_gathered_otherwise() {
+        let ring = 64 * 1024;
+        let (_seg, mut g) = group(2, ring, Duration::from_secs(10));
+        let b = g.pop().unwrap();
+        let a = g.pop().unwrap();
+        let piece = 16 * 1024;
+        // A leading odd-sized message shifts later pieces so that some straddle the end of
+        // the ring; every byte must still arrive, in order, in pieces of `piece` bytes.
+        let lead = pattern(100, 1);
+        let data = pattern(300_000, 9);
+        std::thread::scope(|s| {
+            s.spawn(|| {
+                a.exchange(Some((1, Outgoing::new(&lead))), None, None, &never_gone)
+                    .unwrap();
+                a.exchange(Some((1, Outgoing::new(&data))), None, None, &never_gone)
+                    .unwrap();
+            });
+            let mut head = vec![0u8; lead.len()];
+            b.exchange(
+                None,
+                Some((0, Incoming::copy(&mut head, 4096, None))),
+                None,
+                &never_gone,
+            )
+            .unwrap();
+            assert_eq!(head, lead);
+            let mut piece_buf = vec![0u8; piece];
+            let mut got = vec![0u8; data.len()];
+            let mut in_place = 0;
+            let mut seen = Vec::new();
+            let base = b.map.as_ptr() as usize;
+            let end = base + b.layout.total();
+            let mut on_piece = |off: usize, bytes: &[u8]| {
+                let p = bytes.as_ptr() as usize;
+                if (base..end).contains(&p) {
+                    in_place += 1;
+                    assert_eq!(p % ALIGN, 0, "pieces handed in place are aligned");
+                }
+                seen.push((off, bytes.len()));
+                got[off..off + bytes.len()].copy_from_slice(bytes);
+            };
+            b.exchange(
+                None,
+                Some((
+                    0,
+                    Incoming::pieces(data.len(), &mut piece_buf, &mut on_piece),
+                )),
+                None,
+                &never_gone,
+            )
+            .unwrap();
+            assert_eq!(got, data);
+            let expected: Vec<(usize, usize)> = (0..data.len())
+                .step_by(piece)
+                .map(|o| (o, piece.min(data.len() - o)))
+                .collect();
+            assert_eq!(seen, expected);
+            assert!(
+                in_place >= expected.len() / 2,
+                "{in_place} of {} in place",
+                expected.len()
+            );
+            assert!(
+                in_place < expected.len(),
+                "some pieces straddle the ring's end"
+            );
+        });
+    }
+
+    #[test]
+    fn a_silent_peer_times_out_naming_it() {
+        let (_seg, g) = group(2, 4096, Duration::from_millis(200));
+        let mut buf = [0u8; 8];
+        let started = Instant::now();
+        let err = g[0]
+            .exchange(
+                None,
+                Some((1, Incoming::copy(&mut buf, 8, None))),
+                None,
+                &never_gone,
+            )
+            .unwrap_err();
+        assert!(started.elapsed() < Duration::from_secs(5));
+        assert!(
+            matches!(
+                err,
+                CollectiveError::PeerTimeout {
+                    rank: 10,
+                    peer: 11,
+                    ..
+                }
+            ),
+            "{err}"
+        );
+    }
+
+    #[test]
+    fn a_peers_abort_or_death_ends_the_wait_at_once_naming_it() {
+        let (_seg, g) = group(3, 4096, Duration::from_secs(30));
+        std::thread::scope(|s| {
+            let waiter = s.spawn(|| {
+                let mut buf = [0u8; 8];
+                let started = Instant::now();
+                let err = g[0]
+                    .exchange(
+                        None,
+                        Some((1, Incoming::copy(&mut buf, 8, None))),
+                        None,
+                        &never_gone,
+                    )
+                    .unwrap_err();
+                (err, started.elapsed())
+            });
+            std::thread::sleep(Duration::from_millis(50));
+            g[1].abort();
+            let (err, waited) = waiter.join().unwrap();
+            assert!(waited < Duration::from_secs(2), "{waited:?}");
+            assert!(
+                matches!(
+                    err,
+                    CollectiveError::Link {
+                        rank: 10,
+                        peer: 11,
+                        ..
+                    }
+                ),
+                "{err}"
+            );
+        });
+        // A peer whose process is gone (as the TCP link reports) is named too.
+        let gone = |r: usize| r == 12;
+        let mut buf = [0u8; 8];
+        let err = g[0]
+            .exchange(
+                None,
+                Some((2, Incoming::copy(&mut buf, 8, None))),
+                None,
+                &gone,
+            )
+            .unwrap_err();
+        assert!(
+            matches!(
+                err,
+                CollectiveError::Link {
+                    rank: 10,
+                    peer: 12,
+                    ..
+                }
+            ),
+            "{err}"
+        );
+    }
+
+    #[test]
+    fn a_segment_that_is_not_the_announced_one_is_refused() {
+        let seg = create_segment(&std::env::temp_dir(), "unit", 2, 4096).unwrap();
+        let err = map_segment(
+            seg.path(),
+            seg.nonce() ^ 2,
+            &[0, 1],
+            1,
+            4096,
+            Duration::from_secs(1),
+        )
+        .unwrap_err();
+        assert!(err.contains("not the segment"), "{err}");
+        let err = map_segment(
+            seg.path(),
+            seg.nonce(),
+            &[0, 1, 2],
+            1,
+            4096,
+            Duration::from_secs(1),
+        )
+        .unwrap_err();
+        assert!(err.contains("expected"), "{err}");
+        let path = seg.path().to_path_buf();
+        drop(seg);
+        assert!(!path.exists(), "the creator removes the file");
+    }
+}
