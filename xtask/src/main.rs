@@ -151,23 +151,17 @@ const APT_PACKAGES: &[(&str, &str)] = &[
     ),
 ];
 
-/// What is missing, as (package, reason).
-fn missing_packages() -> Vec<(&'static str, &'static str)> {
-    let present = |package: &str| -> bool {
-        match package {
-            "clang" | "libbpf-dev" => build_support::check_toolchain().is_ok(),
-            "llvm" => Path::new("/usr/bin/llvm-objdump").exists() || which("llvm-objdump"),
-            "libc6-dev" => Path::new("/usr/include/linux/bpf.h").exists(),
-            "iproute2" => which("ip") && which("tc"),
-            "chromium" => Path::new(&chromium_path()).exists(),
-            _ => false,
-        }
-    };
-    APT_PACKAGES
-        .iter()
-        .copied()
-        .filter(|(package, _)| !present(package))
-        .collect()
+/// Whether one of [`APT_PACKAGES`] is installed (checked by what the build
+/// uses from it, not by asking dpkg).
+fn package_present(package: &str) -> bool {
+    match package {
+        "clang" | "libbpf-dev" => build_support::check_toolchain().is_ok(),
+        "llvm" => Path::new("/usr/bin/llvm-objdump").exists() || which("llvm-objdump"),
+        "libc6-dev" => Path::new("/usr/include/linux/bpf.h").exists(),
+        "iproute2" => which("ip") && which("tc"),
+        "chromium" => Path::new(&chromium_path()).exists(),
+        _ => false,
+    }
 }
 
 fn which(program: &str) -> bool {
@@ -181,16 +175,30 @@ fn chromium_path() -> String {
 }
 
 fn setup() -> Result<()> {
-    let missing = missing_packages();
+    ensure_packages(APT_PACKAGES, package_present)?;
+    eprintln!(
+        "xtask: prerequisites present ({})",
+        APT_PACKAGES
+            .iter()
+            .map(|(p, _)| *p)
+            .collect::<Vec<_>>()
+            .join(", ")
+    );
+    Ok(())
+}
+
+/// Installs the packages of `wanted` (package, what it is for) that
+/// `present` says are missing: with apt-get when root on a Debian-like
+/// system, saying so; otherwise fails with the exact command to run. Checks
+/// again afterwards, so a package that installs but does not provide what
+/// `present` looks for is an error, not a silent skip.
+fn ensure_packages(wanted: &[(&str, &str)], present: impl Fn(&str) -> bool) -> Result<()> {
+    let missing: Vec<(&str, &str)> = wanted
+        .iter()
+        .copied()
+        .filter(|(package, _)| !present(package))
+        .collect();
     if missing.is_empty() {
-        eprintln!(
-            "xtask: prerequisites present ({})",
-            APT_PACKAGES
-                .iter()
-                .map(|(p, _)| *p)
-                .collect::<Vec<_>>()
-                .join(", ")
-        );
         return Ok(());
     }
     for (package, reason) in &missing {
@@ -219,9 +227,10 @@ fn setup() -> Result<()> {
     if !status.success() {
         bail!("apt-get install {} failed ({status})", names.join(" "));
     }
-    let still: Vec<&str> = missing_packages()
+    let still: Vec<&str> = names
         .iter()
-        .map(|(package, _)| *package)
+        .copied()
+        .filter(|package| !present(package))
         .collect();
     if !still.is_empty() {
         bail!("still missing after apt-get install: {}", still.join(" "));
