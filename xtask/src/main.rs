@@ -174,6 +174,16 @@ fn chromium_path() -> String {
     std::env::var("RINGWATCH_CHROMIUM").unwrap_or_else(|_| "/usr/bin/chromium".to_owned())
 }
 
+/// Where cargo puts the build outputs of the workspace at `root`:
+/// `CARGO_TARGET_DIR` when set (relative to `root`, where the builds run),
+/// else `root/target`.
+fn cargo_target_dir(root: &Path) -> PathBuf {
+    match std::env::var_os("CARGO_TARGET_DIR") {
+        Some(dir) if !dir.is_empty() => root.join(dir),
+        _ => root.join("target"),
+    }
+}
+
 fn setup() -> Result<()> {
     ensure_packages(APT_PACKAGES, package_present)?;
     eprintln!(
