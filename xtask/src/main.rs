@@ -7,6 +7,7 @@
 #[path = "../../ebpf/build_support.rs"]
 #[allow(dead_code)] // the layout probe is for ebpf/build.rs only
 mod build_support;
+mod compare;
 mod demo;
 mod multinode;
 mod topology;
@@ -51,6 +52,7 @@ enum Task {
     /// steps/s before and after, and the report's path.
     Demo(demo::Args),
     /// Benchmarks, each printing a table.
+    #[command(after_long_help = compare::HELP)]
     Bench {
         /// Which benchmark.
         #[arg(value_enum)]
@@ -59,6 +61,8 @@ enum Task {
         grid: tuning_grid::Args,
         #[command(flatten)]
         session: tuning_session::Args,
+        #[command(flatten)]
+        compare: Box<compare::Args>,
     },
 }
 
@@ -79,6 +83,13 @@ enum Bench {
     /// defaults and the grid's best, measured in the same run; writes
     /// target/bench/tuning-session.json.
     TuningSession,
+    /// Allreduce of float32 on -n local ranks at --sizes, side by side:
+    /// ours (collbench sweep, TCP), Open MPI's MPI_Allreduce with shared
+    /// memory and with TCP, and torch.distributed's gloo (TCP); interleaved
+    /// --rounds, medians; time, busbw and ours/theirs per size; writes
+    /// target/bench/compare.json. Installs openmpi-bin, libopenmpi-dev and
+    /// python3-torch with apt-get when root.
+    Compare,
 }
 
 fn main() -> std::process::ExitCode {
@@ -92,7 +103,8 @@ fn main() -> std::process::ExitCode {
             which,
             grid,
             session,
-        } => bench(which, &grid, &session),
+            compare,
+        } => bench(which, &grid, &session, &compare),
     };
     match result {
         Ok(()) => std::process::ExitCode::SUCCESS,
@@ -307,7 +319,12 @@ fn test() -> Result<()> {
     Ok(())
 }
 
-fn bench(which: Bench, grid: &tuning_grid::Args, session: &tuning_session::Args) -> Result<()> {
+fn bench(
+    which: Bench,
+    grid: &tuning_grid::Args,
+    session: &tuning_session::Args,
+    compare: &compare::Args,
+) -> Result<()> {
     match which {
         Bench::Tuner => run("cargo", &["bench", "-p", "tuner", "--bench", "tuner"]),
         Bench::Probes => {
@@ -338,6 +355,7 @@ fn bench(which: Bench, grid: &tuning_grid::Args, session: &tuning_session::Args)
             }
             tuning_session::run(&root(), session, grid)
         }
+        Bench::Compare => compare::run(&root(), compare),
     }
 }
 
