@@ -4,7 +4,9 @@
 //! 2(n−1)/n (collbench's and nccl-tests' formulas), and ours' busbw over
 //! theirs.
 //!
-//! The contenders: ours (`collbench sweep --json`, TCP over loopback), Open
+//! The contenders: ours (`collbench sweep --json`, on the runtime's own
+//! transport between local ranks: TCP over loopback unless it reports
+//! shared-memory peers; `RINGWATCH_SHM` in the environment passes through), Open
 //! MPI's `MPI_Allreduce` with its default transports (shared memory within
 //! the node) and forced to TCP over loopback (`--mca btl tcp,self`, the
 //! transport ours uses), and torch.distributed's gloo backend (TCP over
@@ -78,7 +80,9 @@ pub struct Args {
 #[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum, Serialize)]
 #[serde(rename_all = "kebab-case")]
 pub enum Contender {
-    /// ringwatch's runtime: collbench sweep --json, TCP over loopback.
+    /// ringwatch's runtime: collbench sweep --json, on the runtime's own
+    /// transport (TCP over loopback; shared memory where it has and reports
+    /// it).
     Ours,
     /// Open MPI's MPI_Allreduce, default transports (shared memory here).
     MpiShm,
@@ -101,7 +105,7 @@ impl Contender {
     fn description(self) -> &'static str {
         match self {
             Contender::Ours => {
-                "ringwatch collectives (collbench sweep --json), TCP over loopback, runtime knobs as reported"
+                "ringwatch collectives (collbench sweep --json), the runtime's own transport (TCP over loopback unless ours_runtime lists shared-memory peers), knobs as reported"
             }
             Contender::MpiShm => {
                 "Open MPI MPI_Allreduce, default transports (shared memory within the node), out of place"
@@ -195,6 +199,10 @@ fn parse_result_lines(stdout: &str) -> Result<Vec<ResultLine>> {
 struct CollbenchSweep {
     world_size: usize,
     knobs: serde_json::Value,
+    /// Rank 0's peers over shared memory, from a collbench that has that
+    /// transport (absent from one that has only TCP).
+    #[serde(default)]
+    shared_memory_peers: Option<serde_json::Value>,
     rows: Vec<CollbenchRow>,
 }
 
@@ -413,18 +421,14 @@ impl Setup {
     }
 
     /// One run of a contender at every size: the mean time per call of each,
-    /// in plan order, and (for ours) the knobs the runtime reported.
-    fn run(
-        &self,
-        contender: Contender,
-        plan: &[Size],
-    ) -> Result<(Vec<f64>, Option<serde_json::Value>)> {
+    /// in plan order, and (for ours) what the runtime reported about itself.
+    fn run(&self, contender: Contender, plan: &[Size]) -> Result<(Vec<f64>, Option<OursRuntime>)> {
         let limit = timeout(plan, self.warmup);
         match contender {
             Contender::Ours => {
                 let collbench = self.collbench.as_ref().context("collbench was not built")?;
                 let mut times = Vec::new();
-                let mut knobs = None;
+                let mut runtime = None;
                 // collbench sweep takes a geometric range; one run per size
                 // takes any list.
                 for size in plan {
@@ -469,9 +473,12 @@ impl Setup {
                         })
                         .collect();
                     times.extend(check_results(contender, &[*size], None, &lines)?);
-                    knobs = Some(sweep.knobs);
+                    runtime = Some(OursRuntime {
+                        knobs: sweep.knobs,
+                        shared_memory_peers: sweep.shared_memory_peers,
+                    });
                 }
-                Ok((times, knobs))
+                Ok((times, runtime))
             }
             Contender::MpiShm | Contender::MpiTcp => {
                 let mut command = self.mpirun(contender == Contender::MpiTcp, plan)?;
@@ -513,7 +520,8 @@ compare, in detail (cargo xtask bench compare [-n 4] [--sizes 64K,1M,16M,64M] [-
   ours' busbw over X's (above 1: ours is faster). MPI and gloo make --warmup-iters untimed
   calls after the checked one; collbench has no such flag, so ours warms up with that one.
   ours:    collbench -n N --json sweep --min-bytes S --max-bytes S --iters I, one run per size
-           (collbench from `cargo build -p collectives`, the dev profile other benches use).
+           (collbench from `cargo build -p collectives`, the dev profile other benches use), on
+           the runtime's own transport; RINGWATCH_* in the environment passes through.
   mpi-shm: xtask/bench/mpi_allreduce.c, built with mpicc into <target>/bench/, run by
            mpirun --allow-run-as-root --oversubscribe --bind-to none -np N.
   mpi-tcp: the same with --mca pml ob1 --mca btl tcp,self --mca btl_tcp_if_include lo.
@@ -611,6 +619,15 @@ fn prerequisites(args: &Args) -> Result<Vec<(Contender, String)>> {
     Ok(skipped)
 }
 
+/// What collbench said about the runtime it measured (last run).
+#[derive(Debug, Clone, Serialize)]
+struct OursRuntime {
+    knobs: serde_json::Value,
+    /// Rank 0's shared-memory peers; None: this collbench reports none
+    /// (TCP only).
+    shared_memory_peers: Option<serde_json::Value>,
+}
+
 /// One contender's figures at one size.
 #[derive(Debug, Serialize)]
 struct Measured {
@@ -652,7 +669,7 @@ struct Report {
     statistic: &'static str,
     busbw: &'static str,
     contenders: Vec<ContenderReport>,
-    ours_knobs: Option<serde_json::Value>,
+    ours_runtime: Option<OursRuntime>,
     rows: Vec<Row>,
     wall_seconds: f64,
 }
@@ -764,19 +781,19 @@ pub fn run(root: &Path, args: &Args) -> Result<()> {
 
     // samples[contender][size] = one time per round.
     let mut samples: Vec<Vec<Vec<f64>>> = vec![vec![Vec::new(); plan.len()]; contenders.len()];
-    let mut ours_knobs = None;
+    let mut ours_runtime = None;
     for round in 0..args.rounds {
         let mut spent = Vec::new();
         for (i, &contender) in contenders.iter().enumerate() {
             let t0 = Instant::now();
-            let (times, knobs) = setup
+            let (times, runtime) = setup
                 .run(contender, &plan)
                 .with_context(|| format!("round {}: {}", round + 1, contender.name()))?;
             for (k, time) in times.into_iter().enumerate() {
                 samples[i][k].push(time);
             }
-            if knobs.is_some() {
-                ours_knobs = knobs;
+            if runtime.is_some() {
+                ours_runtime = runtime;
             }
             spent.push(format!(
                 "{} {:.1} s",
@@ -825,6 +842,15 @@ pub fn run(root: &Path, args: &Args) -> Result<()> {
             }
         })
         .collect();
+    if let Some(ours) = &ours_runtime {
+        println!(
+            "# ours: knobs {}; rank 0's shared-memory peers: {}",
+            ours.knobs,
+            ours.shared_memory_peers
+                .as_ref()
+                .map_or_else(|| "none reported (TCP)".to_owned(), ToString::to_string)
+        );
+    }
     print!("{}", table(&contenders, &rows));
 
     let version = |c: Contender| match c {
@@ -880,7 +906,7 @@ pub fn run(root: &Path, args: &Args) -> Result<()> {
         statistic: "time_us is the median over rounds of each round's mean time per call (rank 0's wall clock); ours warms up with its one checked call only",
         busbw: "algbw = bytes / time; busbw = algbw * 2(n-1)/n (GB/s = 1e9 B/s)",
         contenders: reports,
-        ours_knobs,
+        ours_runtime,
         rows,
         wall_seconds: started.elapsed().as_secs_f64(),
     };
@@ -1003,6 +1029,21 @@ mod tests {
             parse_result_lines("allreduce bytes=4 count=1 warmup=0 iters=1 time_us=0 wrong=0");
         assert!(zero.is_err());
         assert!(parse_result_lines("no results here\n").unwrap().is_empty());
+    }
+
+    #[test]
+    fn collbench_sweep_json_parses_with_and_without_shared_memory_peers() {
+        let tcp_only = r#"{"workload":"sweep","world_size":4,"knobs":{"cycle_time_us":1000},
+            "rows":[{"bytes":65536,"count":16384,"time_us":1087.4,"algbw_gbps":0.06,
+            "busbw_gbps":0.09,"wrong":0}]}"#;
+        let sweep: CollbenchSweep = serde_json::from_str(tcp_only).unwrap();
+        assert_eq!((sweep.world_size, sweep.rows.len()), (4, 1));
+        assert_eq!((sweep.rows[0].bytes, sweep.rows[0].count), (65536, 16384));
+        assert_eq!(sweep.rows[0].time_us, 1087.4);
+        assert!(sweep.shared_memory_peers.is_none());
+        let with_shm = r#"{"world_size":2,"knobs":{},"shared_memory_peers":[1],"rows":[]}"#;
+        let sweep: CollbenchSweep = serde_json::from_str(with_shm).unwrap();
+        assert_eq!(sweep.shared_memory_peers, Some(serde_json::json!([1])));
     }
 
     fn line(bytes: u64, iters: usize, wrong: u64) -> ResultLine {

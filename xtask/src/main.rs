@@ -84,7 +84,7 @@ enum Bench {
     /// target/bench/tuning-session.json.
     TuningSession,
     /// Allreduce of float32 on -n local ranks at --sizes, side by side:
-    /// ours (collbench sweep, TCP), Open MPI's MPI_Allreduce with shared
+    /// ours (collbench sweep), Open MPI's MPI_Allreduce with shared
     /// memory and with TCP, and torch.distributed's gloo (TCP); interleaved
     /// --rounds, medians; time, busbw and ours/theirs per size; writes
     /// target/bench/compare.json. Installs openmpi-bin, libopenmpi-dev and
