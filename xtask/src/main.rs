@@ -7,6 +7,7 @@
 #[path = "../../ebpf/build_support.rs"]
 #[allow(dead_code)] // the layout probe is for ebpf/build.rs only
 mod build_support;
+mod compare;
 mod demo;
 mod multinode;
 mod topology;
@@ -51,6 +52,7 @@ enum Task {
     /// steps/s before and after, and the report's path.
     Demo(demo::Args),
     /// Benchmarks, each printing a table.
+    #[command(after_long_help = compare::HELP)]
     Bench {
         /// Which benchmark.
         #[arg(value_enum)]
@@ -59,6 +61,8 @@ enum Task {
         grid: tuning_grid::Args,
         #[command(flatten)]
         session: tuning_session::Args,
+        #[command(flatten)]
+        compare: Box<compare::Args>,
     },
 }
 
@@ -79,6 +83,13 @@ enum Bench {
     /// defaults and the grid's best, measured in the same run; writes
     /// target/bench/tuning-session.json.
     TuningSession,
+    /// Allreduce of float32 on -n local ranks at --sizes, side by side:
+    /// ours (collbench sweep), Open MPI's MPI_Allreduce with shared
+    /// memory and with TCP, and torch.distributed's gloo (TCP); interleaved
+    /// --rounds, medians; time, busbw and ours/theirs per size; writes
+    /// target/bench/compare.json. Installs openmpi-bin, libopenmpi-dev and
+    /// python3-torch with apt-get when root.
+    Compare,
 }
 
 fn main() -> std::process::ExitCode {
@@ -92,7 +103,8 @@ fn main() -> std::process::ExitCode {
             which,
             grid,
             session,
-        } => bench(which, &grid, &session),
+            compare,
+        } => bench(which, &grid, &session, &compare),
     };
     match result {
         Ok(()) => std::process::ExitCode::SUCCESS,
@@ -151,23 +163,17 @@ const APT_PACKAGES: &[(&str, &str)] = &[
     ),
 ];
 
-/// What is missing, as (package, reason).
-fn missing_packages() -> Vec<(&'static str, &'static str)> {
-    let present = |package: &str| -> bool {
-        match package {
-            "clang" | "libbpf-dev" => build_support::check_toolchain().is_ok(),
-            "llvm" => Path::new("/usr/bin/llvm-objdump").exists() || which("llvm-objdump"),
-            "libc6-dev" => Path::new("/usr/include/linux/bpf.h").exists(),
-            "iproute2" => which("ip") && which("tc"),
-            "chromium" => Path::new(&chromium_path()).exists(),
-            _ => false,
-        }
-    };
-    APT_PACKAGES
-        .iter()
-        .copied()
-        .filter(|(package, _)| !present(package))
-        .collect()
+/// Whether one of [`APT_PACKAGES`] is installed (checked by what the build
+/// uses from it, not by asking dpkg).
+fn package_present(package: &str) -> bool {
+    match package {
+        "clang" | "libbpf-dev" => build_support::check_toolchain().is_ok(),
+        "llvm" => Path::new("/usr/bin/llvm-objdump").exists() || which("llvm-objdump"),
+        "libc6-dev" => Path::new("/usr/include/linux/bpf.h").exists(),
+        "iproute2" => which("ip") && which("tc"),
+        "chromium" => Path::new(&chromium_path()).exists(),
+        _ => false,
+    }
 }
 
 fn which(program: &str) -> bool {
@@ -180,17 +186,41 @@ fn chromium_path() -> String {
     std::env::var("RINGWATCH_CHROMIUM").unwrap_or_else(|_| "/usr/bin/chromium".to_owned())
 }
 
+/// Where cargo puts the build outputs of the workspace at `root`:
+/// `CARGO_TARGET_DIR` when set (relative to `root`, where the builds run),
+/// else `root/target`.
+fn cargo_target_dir(root: &Path) -> PathBuf {
+    match std::env::var_os("CARGO_TARGET_DIR") {
+        Some(dir) if !dir.is_empty() => root.join(dir),
+        _ => root.join("target"),
+    }
+}
+
 fn setup() -> Result<()> {
-    let missing = missing_packages();
+    ensure_packages(APT_PACKAGES, package_present)?;
+    eprintln!(
+        "xtask: prerequisites present ({})",
+        APT_PACKAGES
+            .iter()
+            .map(|(p, _)| *p)
+            .collect::<Vec<_>>()
+            .join(", ")
+    );
+    Ok(())
+}
+
+/// Installs the packages of `wanted` (package, what it is for) that
+/// `present` says are missing: with apt-get when root on a Debian-like
+/// system, saying so; otherwise fails with the exact command to run. Checks
+/// again afterwards, so a package that installs but does not provide what
+/// `present` looks for is an error, not a silent skip.
+fn ensure_packages(wanted: &[(&str, &str)], present: impl Fn(&str) -> bool) -> Result<()> {
+    let missing: Vec<(&str, &str)> = wanted
+        .iter()
+        .copied()
+        .filter(|(package, _)| !present(package))
+        .collect();
     if missing.is_empty() {
-        eprintln!(
-            "xtask: prerequisites present ({})",
-            APT_PACKAGES
-                .iter()
-                .map(|(p, _)| *p)
-                .collect::<Vec<_>>()
-                .join(", ")
-        );
         return Ok(());
     }
     for (package, reason) in &missing {
@@ -219,9 +249,10 @@ fn setup() -> Result<()> {
     if !status.success() {
         bail!("apt-get install {} failed ({status})", names.join(" "));
     }
-    let still: Vec<&str> = missing_packages()
+    let still: Vec<&str> = names
         .iter()
-        .map(|(package, _)| *package)
+        .copied()
+        .filter(|package| !present(package))
         .collect();
     if !still.is_empty() {
         bail!("still missing after apt-get install: {}", still.join(" "));
@@ -288,7 +319,12 @@ fn test() -> Result<()> {
     Ok(())
 }
 
-fn bench(which: Bench, grid: &tuning_grid::Args, session: &tuning_session::Args) -> Result<()> {
+fn bench(
+    which: Bench,
+    grid: &tuning_grid::Args,
+    session: &tuning_session::Args,
+    compare: &compare::Args,
+) -> Result<()> {
     match which {
         Bench::Tuner => run("cargo", &["bench", "-p", "tuner", "--bench", "tuner"]),
         Bench::Probes => {
@@ -319,6 +355,7 @@ fn bench(which: Bench, grid: &tuning_grid::Args, session: &tuning_session::Args)
             }
             tuning_session::run(&root(), session, grid)
         }
+        Bench::Compare => compare::run(&root(), compare),
     }
 }
 

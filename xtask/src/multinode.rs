@@ -75,13 +75,15 @@ fn next_port() -> u16 {
     29500 + NEXT.fetch_add(1, Ordering::Relaxed) % 2000
 }
 
-/// collbench, built if missing (`cargo build -p collectives`). The dev
+/// collbench, built if missing (`cargo build -p collectives`), from cargo's
+/// target directory (`CARGO_TARGET_DIR` counts: a stale `target/` binary
+/// must not be benchmarked in place of the one just built). The dev
 /// profile optimizes `collectives` (opt-level 3) and every dependency, so it
 /// runs as fast as a release build (measured: within run-to-run noise on
 /// resnet50) and shares the test build instead of a cold release build of
 /// polars with LTO.
 pub fn collbench(root: &Path) -> Result<PathBuf> {
-    let path = root.join("target/debug/collbench");
+    let path = crate::cargo_target_dir(root).join("debug/collbench");
     crate::run("cargo", &["build", "-p", "collectives"])?;
     if !path.is_file() {
         bail!("{} is missing after the build", path.display());

@@ -129,7 +129,9 @@ pub struct Row {
     pub busbw_gbps: f64,
 }
 
-fn median(values: &[f64]) -> f64 {
+/// The middle value (the mean of the two middle ones for an even count);
+/// NaN for none.
+pub(crate) fn median(values: &[f64]) -> f64 {
     let mut sorted = values.to_vec();
     sorted.sort_by(f64::total_cmp);
     let n = sorted.len();
