@@ -16,7 +16,10 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use serde::{Deserialize, Serialize};
 
 use crate::error::{CollectiveError, Result};
-use crate::shm::{Incoming, Outgoing, RING_BYTES, SHM_DIR, ShmGroup, create_segment, map_segment};
+use crate::shm::{
+    Incoming, Outgoing, SHM_DIR, ShmGroup, create_segment, free_bytes, map_segment, ring_bytes_for,
+    valid_ring_bytes,
+};
 use crate::transport::{
     CHUNK_BYTES, MAX_FRAME_BYTES, TcpTransport, Transport, recv_frame, send_frame,
 };
@@ -119,24 +122,35 @@ impl HostTransport {
         group: &[usize],
         enabled: bool,
     ) -> Result<Option<ShmGroup>> {
+        let m = group.len();
         let segment = if enabled {
-            create_segment(Path::new(SHM_DIR), job_id, group.len(), RING_BYTES).map_err(|e| {
-                format!(
-                    "cannot create a {} MiB segment in {SHM_DIR}: {e}",
-                    (group.len() * (group.len() - 1) * RING_BYTES) >> 20
-                )
+            let free =
+                free_bytes(Path::new(SHM_DIR)).map_err(|e| format!("cannot use {SHM_DIR}: {e}"));
+            let ring = free.and_then(|free| {
+                ring_bytes_for(m, free)
+                    .ok_or_else(|| format!("{SHM_DIR} has only {} MiB free", free >> 20))
+            });
+            ring.and_then(|ring| {
+                create_segment(Path::new(SHM_DIR), job_id, m, ring)
+                    .map(|seg| (seg, ring))
+                    .map_err(|e| {
+                        format!(
+                            "cannot create a {} MiB segment in {SHM_DIR}: {e}",
+                            (m * (m - 1) * ring) >> 20
+                        )
+                    })
             })
         } else {
             Err(format!("RINGWATCH_SHM=0 on rank {}", tcp.rank()))
         };
         let (offer, mapped) = match &segment {
-            Ok(seg) => (
+            Ok((seg, ring)) => (
                 Offer::Segment {
                     path: seg.path().display().to_string(),
                     nonce: seg.nonce(),
-                    ring_bytes: RING_BYTES,
+                    ring_bytes: *ring,
                 },
-                map_segment(seg.path(), seg.nonce(), group, 0, RING_BYTES, tcp.timeout()),
+                map_segment(seg.path(), seg.nonce(), group, 0, *ring, tcp.timeout()),
             ),
             Err(reason) => (
                 Offer::Declined {
@@ -200,9 +214,9 @@ impl HostTransport {
             .ok_or_else(|| handshake_error(rank, leader, "membership", "not in the group"))?;
         let mapped = if !enabled {
             Err(format!("RINGWATCH_SHM=0 on rank {rank}"))
-        } else if ring_bytes != RING_BYTES {
+        } else if !valid_ring_bytes(ring_bytes) {
             Err(format!(
-                "rings of {ring_bytes} bytes offered, this build uses {RING_BYTES}"
+                "rings of {ring_bytes} bytes offered: not a size this build uses"
             ))
         } else {
             map_segment(

@@ -25,8 +25,48 @@ use memmap2::{MmapOptions, MmapRaw};
 
 use crate::error::{CollectiveError, Result};
 
-/// Bytes of each ring (a power of two, a multiple of [`ALIGN`]).
-pub const RING_BYTES: usize = 2 << 20;
+/// Largest ring: more lets a writer run further ahead of a reader that is off the CPU
+/// (4 ranks on 2 cores: 2 → 8 MiB took 64 MiB busbw from ~1.4 to ~2.0 GB/s).
+pub const MAX_RING_BYTES: usize = 8 << 20;
+
+/// Smallest ring a segment is made with; below this a host uses TCP.
+pub const MIN_RING_BYTES: usize = 256 << 10;
+
+/// Most memory one host's segment reserves for its rings (there are `m(m-1)` of them).
+pub const SEGMENT_BUDGET_BYTES: usize = 256 << 20;
+
+/// The ring size for `members` ranks when `free_bytes` are free in [`SHM_DIR`]: the
+/// largest power of two up to [`MAX_RING_BYTES`] whose rings fit in the budget and in half
+/// of the free space (containers often get a small `/dev/shm`), or `None` below
+/// [`MIN_RING_BYTES`].
+pub fn ring_bytes_for(members: usize, free_bytes: u64) -> Option<usize> {
+    let rings = (members * members.saturating_sub(1)).max(1) as u64;
+    let budget = (SEGMENT_BUDGET_BYTES as u64).min(free_bytes / 2);
+    let mut ring = MAX_RING_BYTES;
+    while ring > MIN_RING_BYTES && ring as u64 * rings > budget {
+        ring /= 2;
+    }
+    (ring as u64 * rings <= budget).then_some(ring)
+}
+
+/// Whether a ring size offered by another rank is one this build can use.
+pub fn valid_ring_bytes(ring: usize) -> bool {
+    ring.is_power_of_two() && (MIN_RING_BYTES..=MAX_RING_BYTES).contains(&ring)
+}
+
+/// Free bytes in `dir`'s file system.
+pub fn free_bytes(dir: &std::path::Path) -> std::io::Result<u64> {
+    use std::os::unix::ffi::OsStrExt;
+    let path = std::ffi::CString::new(dir.as_os_str().as_bytes())
+        .map_err(|e| std::io::Error::new(std::io::ErrorKind::InvalidInput, e))?;
+    // SAFETY: a zeroed statvfs is a valid out-parameter; `path` is NUL-terminated.
+    let mut st: libc::statvfs = unsafe { std::mem::zeroed() };
+    // SAFETY: valid pointers for the duration of the call.
+    if unsafe { libc::statvfs(path.as_ptr(), &mut st) } != 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    Ok(st.f_bavail as u64 * st.f_frsize as u64)
+}
 
 /// Every message starts at a multiple of this, so payloads are aligned for any dtype and
 /// for vector loads when reduced in place.
@@ -1145,6 +1185,26 @@ mod tests {
             ),
             "{err}"
         );
+    }
+
+    #[test]
+    fn ring_size_shrinks_with_more_members_and_less_free_space() {
+        let plenty = 1 << 40;
+        assert_eq!(ring_bytes_for(2, plenty), Some(MAX_RING_BYTES));
+        assert_eq!(ring_bytes_for(4, plenty), Some(MAX_RING_BYTES)); // 12 rings, 96 MiB
+        assert_eq!(ring_bytes_for(8, plenty), Some(4 << 20)); // 56 rings, 224 MiB
+        assert_eq!(ring_bytes_for(16, plenty), Some(1 << 20)); // 240 rings, 240 MiB
+        // Docker's default 64 MiB /dev/shm: 4 ranks get 2 MiB rings (24 MiB).
+        assert_eq!(ring_bytes_for(4, 64 << 20), Some(2 << 20));
+        assert_eq!(ring_bytes_for(4, 1 << 20), None);
+        for m in 2..40 {
+            if let Some(r) = ring_bytes_for(m, plenty) {
+                assert!(valid_ring_bytes(r));
+                assert!(r * m * (m - 1) <= SEGMENT_BUDGET_BYTES);
+            }
+        }
+        assert!(!valid_ring_bytes(3 << 20) && !valid_ring_bytes(64 << 20));
+        assert!(free_bytes(std::path::Path::new("/")).unwrap() > 0);
     }
 
     #[test]
