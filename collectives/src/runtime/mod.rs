@@ -41,6 +41,9 @@ use coordinator::{Coordinator, Item, OpKind, Request, Response, TensorRequest};
 use faults::FaultChannel;
 use server::{ControlServer, ServerState};
 
+/// The length prefix [`send_frame`] puts before every message.
+const FRAME_HEADER_BYTES: usize = 4;
+
 /// How long a tensor may wait for some ranks before rank 0 logs a stall warning.
 pub const STALL_WARNING: Duration = Duration::from_secs(60);
 
@@ -134,6 +137,7 @@ struct Shared {
     knobs: Arc<Mutex<(Knobs, u64)>>,
     cycles: AtomicU64,
     bytes_reduced: AtomicU64,
+    negotiation_bytes: AtomicU64,
     claims: Arc<TuningClaims>,
     self_tune: Arc<Mutex<Option<SelfTuneOutcome>>>,
 }
@@ -203,6 +207,10 @@ pub struct Totals {
     pub cycles: u64,
     /// Bytes reduced by allreduce.
     pub bytes_reduced: u64,
+    /// Bytes of negotiation messages (requests and responses, frame headers included)
+    /// this rank sent and received. Rank 0 takes part in every exchange, so its count is
+    /// the job's whole negotiation traffic.
+    pub negotiation_bytes: u64,
 }
 
 /// One rank of a collective job.
@@ -281,6 +289,7 @@ impl Runtime {
             knobs: knobs_state.clone(),
             cycles: AtomicU64::new(0),
             bytes_reduced: AtomicU64::new(0),
+            negotiation_bytes: AtomicU64::new(0),
             claims: claims.clone(),
             self_tune: Arc::new(Mutex::new(None)),
         });
@@ -423,6 +432,7 @@ impl Runtime {
         Totals {
             cycles: self.shared.cycles.load(Ordering::Relaxed),
             bytes_reduced: self.shared.bytes_reduced.load(Ordering::Relaxed),
+            negotiation_bytes: self.shared.negotiation_bytes.load(Ordering::Relaxed),
         }
     }
 
@@ -893,8 +903,10 @@ impl CycleThread {
         if let Some(coordinator) = &mut self.coordinator {
             let mut requests = Vec::with_capacity(self.world_size);
             requests.push(request);
+            let mut request_bytes = 0;
             for peer in 1..self.world_size {
                 let got = recv_frame(t, peer, MAX_FRAME_BYTES).and_then(|bytes| {
+                    request_bytes += FRAME_HEADER_BYTES + bytes.len();
                     serde_json::from_slice::<Request>(&bytes).map_err(|e| CollectiveError::Link {
                         rank: 0,
                         peer,
@@ -954,6 +966,8 @@ impl CycleThread {
             for peer in 1..self.world_size {
                 send_frame(t, peer, &bytes)?;
             }
+            let response_bytes = (self.world_size - 1) * (FRAME_HEADER_BYTES + bytes.len());
+            self.count_negotiation(response.cycle, request_bytes, response_bytes);
             // In force here before anyone is told so.
             if let Ok(mut k) = self.shared.knobs.lock() {
                 *k = (response.knobs, response.cycle);
@@ -977,14 +991,36 @@ impl CycleThread {
             }
             Ok(response)
         } else {
-            send_frame(t, 0, &encode(&request))?;
+            let request = encode(&request);
+            send_frame(t, 0, &request)?;
             let bytes = recv_frame(t, 0, MAX_FRAME_BYTES)?;
-            serde_json::from_slice(&bytes).map_err(|e| CollectiveError::Link {
-                rank: self.rank,
-                peer: 0,
-                message: format!("bad response: {e}"),
-            })
+            let response: Response =
+                serde_json::from_slice(&bytes).map_err(|e| CollectiveError::Link {
+                    rank: self.rank,
+                    peer: 0,
+                    message: format!("bad response: {e}"),
+                })?;
+            self.count_negotiation(
+                response.cycle,
+                FRAME_HEADER_BYTES + request.len(),
+                FRAME_HEADER_BYTES + bytes.len(),
+            );
+            Ok(response)
         }
+    }
+
+    /// Adds one cycle's negotiation traffic on this rank's links to the totals.
+    fn count_negotiation(&self, cycle: u64, request_bytes: usize, response_bytes: usize) {
+        self.shared
+            .negotiation_bytes
+            .fetch_add((request_bytes + response_bytes) as u64, Ordering::Relaxed);
+        tracing::debug!(
+            rank = self.rank,
+            cycle,
+            request_bytes,
+            response_bytes,
+            "negotiation bytes"
+        );
     }
 
     fn take(&mut self, name: &str) -> Result<Entry> {
