@@ -7,6 +7,7 @@
 //! others do not also decide, and must never leave a handle waiting forever: a failure
 //! fails every pending handle with an error that names the rank or tensor.
 
+pub mod cache;
 mod claim;
 pub mod coordinator;
 mod faults;
@@ -31,13 +32,16 @@ use crate::control::{
     TimelineEvent,
 };
 use crate::error::{CollectiveError, Result};
-use crate::knobs::{AutotuneConfig, autotune_from, knobs_from_env, parse_bool, timeout_from};
+use crate::knobs::{
+    AutotuneConfig, autotune_from, cache_capacity_from, knobs_from_env, parse_bool, timeout_from,
+};
 use crate::rendezvous::{RendezvousConfig, rendezvous};
 use crate::tensor::{AlignedBuf, ReduceOp, Tensor};
 use crate::timeline::{TimelineFile, activity, now_us};
 use crate::transport::{MAX_FRAME_BYTES, Transport, recv_frame, send_frame};
+use cache::{DEFAULT_CACHE_CAPACITY, RankCache};
 use claim::TuningClaims;
-use coordinator::{Coordinator, Item, OpKind, Request, Response, TensorRequest};
+use coordinator::{Coordinator, Item, OpKind, Request, Response, TensorRequest, WireResponse};
 use faults::FaultChannel;
 use server::{ControlServer, ServerState};
 
@@ -67,6 +71,10 @@ pub struct RuntimeConfig {
     /// Auto-tune the job (`RINGWATCH_AUTOTUNE=1`): wait for an agent's claim, else rank 0
     /// tunes itself. Only rank 0's value matters.
     pub autotune: Option<AutotuneConfig>,
+    /// Tensors the response cache holds (`RINGWATCH_CACHE_CAPACITY`, default 1024; 0: no
+    /// cache, every tensor is negotiated by name). Only rank 0's value matters: it gives it
+    /// to every rank in its first response.
+    pub cache_capacity: usize,
 }
 
 impl RuntimeConfig {
@@ -80,6 +88,7 @@ impl RuntimeConfig {
             control_socket: false,
             runtime_dir: None,
             autotune: None,
+            cache_capacity: DEFAULT_CACHE_CAPACITY,
         }
     }
 
@@ -101,6 +110,7 @@ impl RuntimeConfig {
                 .filter(|p| !p.is_empty())
                 .map(PathBuf::from),
             autotune: autotune_from(&get)?,
+            cache_capacity: cache_capacity_from(&get)?,
         })
     }
 }
@@ -346,7 +356,11 @@ impl Runtime {
             rank,
             world_size,
             layout,
-            coordinator: (rank == 0).then(|| Coordinator::new(world_size, config.knobs)),
+            coordinator: (rank == 0).then(|| {
+                Coordinator::new(world_size, config.knobs)
+                    .with_cache_capacity(config.cache_capacity)
+            }),
+            cache: RankCache::new(),
             knobs: config.knobs,
             pending: HashMap::new(),
             fusion: AlignedBuf::default(),
@@ -594,6 +608,8 @@ struct CycleThread {
     world_size: usize,
     layout: Option<NodeLayout>,
     coordinator: Option<Coordinator>,
+    /// This rank's response cache (rank 0 has one too, beside its coordinator's).
+    cache: RankCache,
     knobs: Knobs,
     pending: HashMap<String, Entry>,
     fusion: AlignedBuf,
@@ -803,8 +819,8 @@ impl CycleThread {
                 inbox.shutdown,
             )
         };
-        let mut request = Request {
-            tensors: Vec::with_capacity(entries.len()),
+        let request = Request {
+            tensors: self.cache.encode(entries.iter().map(|e| &e.request)),
             knobs: knob_updates,
             shutdown,
         };
@@ -815,7 +831,6 @@ impl CycleThread {
                 Phase::Begin,
                 &[],
             );
-            request.tensors.push(entry.request.clone());
             self.pending.insert(entry.request.name.clone(), entry);
         }
 
@@ -826,6 +841,16 @@ impl CycleThread {
                 cause,
             });
         }
+        let pending = &self.pending;
+        let response = self
+            .cache
+            .decode(response, |name| {
+                pending.get(name).map(|e| e.request.clone())
+            })
+            .map_err(|cause| CollectiveError::JobFailed {
+                rank: self.rank,
+                cause,
+            })?;
         if response.knobs.hierarchical_allreduce && !self.knobs.hierarchical_allreduce {
             self.warned_fallback = false;
         }
@@ -897,7 +922,7 @@ impl CycleThread {
         false
     }
 
-    fn negotiate(&mut self, request: Request) -> Result<Response> {
+    fn negotiate(&mut self, request: Request) -> Result<WireResponse> {
         let t = &*self.transport;
         let encode = |v: &dyn erased::Encode| v.encode();
         if let Some(coordinator) = &mut self.coordinator {
@@ -917,12 +942,13 @@ impl CycleThread {
                     Ok(r) => requests.push(r),
                     Err(e) => {
                         // Tell everyone else which rank failed before the links go down.
-                        let abort = Response {
+                        let abort: WireResponse = Response {
                             cycle: 0,
                             knobs: coordinator.knobs(),
                             items: Vec::new(),
                             shutdown: false,
                             abort: Some(e.to_string()),
+                            cache_capacity: None,
                         };
                         let bytes = encode(&abort);
                         for other in (1..self.world_size).filter(|&o| o != peer) {
@@ -994,7 +1020,7 @@ impl CycleThread {
             let request = encode(&request);
             send_frame(t, 0, &request)?;
             let bytes = recv_frame(t, 0, MAX_FRAME_BYTES)?;
-            let response: Response =
+            let response: WireResponse =
                 serde_json::from_slice(&bytes).map_err(|e| CollectiveError::Link {
                     rank: self.rank,
                     peer: 0,
