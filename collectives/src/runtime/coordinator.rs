@@ -403,7 +403,6 @@ impl Coordinator {
 
     /// A response that fails the job on every rank with `message`.
     fn abort(&mut self, message: String) -> WireResponse {
-        tracing::error!(message, "aborting the job");
         let response = Response {
             cycle: self.cycle,
             knobs: self.knobs,
