@@ -193,6 +193,21 @@ pub fn autotune_from(get: &dyn Fn(&str) -> Option<String>) -> Result<Option<Auto
     Ok(Some(c))
 }
 
+/// The response cache's capacity from `RINGWATCH_CACHE_CAPACITY` / Horovod's
+/// `HOROVOD_CACHE_CAPACITY` (tensors; 0 disables the cache), or
+/// [`crate::runtime::cache::DEFAULT_CACHE_CAPACITY`].
+pub fn cache_capacity_from(get: &dyn Fn(&str) -> Option<String>) -> Result<usize> {
+    let names = ["RINGWATCH_CACHE_CAPACITY", "HOROVOD_CACHE_CAPACITY"];
+    match first_set(get, &names) {
+        None => Ok(crate::runtime::cache::DEFAULT_CACHE_CAPACITY),
+        Some((name, v)) => v
+            .trim()
+            .parse::<u32>()
+            .map(|c| c as usize)
+            .map_err(|_| bad(&name, &v, "a number of tensors (0 disables the cache)")),
+    }
+}
+
 /// The peer timeout from `RINGWATCH_TIMEOUT_SECS` (seconds, fractions allowed), or
 /// [`DEFAULT_TIMEOUT`].
 pub fn timeout_from(get: &dyn Fn(&str) -> Option<String>) -> Result<Duration> {
@@ -288,5 +303,21 @@ mod tests {
         assert!(err.to_string().contains("RINGWATCH_CYCLE_TIME_MS"), "{err}");
         let err = timeout_from(&vars(&[("RINGWATCH_TIMEOUT_SECS", "-1")])).unwrap_err();
         assert!(err.to_string().contains("RINGWATCH_TIMEOUT_SECS"), "{err}");
+        let err = cache_capacity_from(&vars(&[("HOROVOD_CACHE_CAPACITY", "-1")])).unwrap_err();
+        assert!(err.to_string().contains("HOROVOD_CACHE_CAPACITY"), "{err}");
+    }
+
+    #[test]
+    fn cache_capacity_defaults_to_horovods_and_zero_disables() {
+        assert_eq!(cache_capacity_from(&vars(&[])).unwrap(), 1024);
+        assert_eq!(
+            cache_capacity_from(&vars(&[("HOROVOD_CACHE_CAPACITY", "0")])).unwrap(),
+            0
+        );
+        let both = [
+            ("HOROVOD_CACHE_CAPACITY", "0"),
+            ("RINGWATCH_CACHE_CAPACITY", "64"),
+        ];
+        assert_eq!(cache_capacity_from(&vars(&both)).unwrap(), 64);
     }
 }

@@ -26,6 +26,9 @@
 //! - Links: `RINGWATCH_SHM=0` sends everything over TCP (default: ranks on the same host —
 //!   same boot, network and mount namespace — share a segment in `/dev/shm`).
 //!   `RINGWATCH_HOST_ID` splits one machine into hosts that never share memory (tests).
+//! - Negotiation: `RINGWATCH_CACHE_CAPACITY` (or Horovod's `HOROVOD_CACHE_CAPACITY`; default
+//!   1024, 0 disables): tensors in the response cache, through which a tensor negotiated
+//!   before is sent as a bit instead of its name and shape. Rank 0's value holds for all.
 //! - Faults: `RINGWATCH_TIMEOUT_SECS` (peer timeout, default 30),
 //!   `RINGWATCH_CONNECT_TIMEOUT_SECS` (rendezvous, default 60).
 //! - Observation: `RINGWATCH_TIMELINE` (Chrome-trace file; `{rank}` in it for one per rank),
@@ -60,6 +63,10 @@
 //!   is an observer and advisor, never on the data path.
 //! - Every rank gets a bit-identical result: each element is reduced once, in a fixed order,
 //!   by exactly one rank, and copied to the others.
+//! - Every rank's response cache holds the same tensors under the same bits: tables change
+//!   only through rank 0's responses, the same way on every rank. A bit is sent only for a
+//!   request identical to the cached one; anything else goes by name, so a mismatch is
+//!   still found and reported as without a cache.
 //! - Knobs change only at a cycle boundary decided by rank 0 and carried in its response, so
 //!   all ranks run the same knobs on the same fused buffers. A knob never changes a result.
 //! - Nothing blocks forever: every wait on a peer has a timeout that names the peer, and

@@ -1,7 +1,8 @@
 //! The runtime over real links — shared memory between the ranks of this host, and loopback
 //! TCP with shared memory off — one thread per rank in this process: every op and
 //! dtype against an independent reference, fusion on and off, hierarchical layouts, live
-//! knob changes, mismatches, a silent rank, the control socket and the timeline.
+//! knob changes, mismatches, a silent rank, the control socket and the timeline, and the
+//! response cache (on by default here, as in a job) against the name path.
 //!
 //! Reference data are small integers (|x| ≤ 20), exactly representable in every dtype
 //! (f16 and bf16 included) with exact sums for up to 8 ranks, so the reduction order does
@@ -682,6 +683,149 @@ fn fusion_threshold_never_changes_a_float_result_even_in_the_last_bit() {
                 );
                 assert!(fused[rank] == fused[0], "ranks disagree");
             }
+        }
+    }
+}
+
+#[test]
+fn a_steady_workload_through_the_response_cache_matches_the_reference_every_step() {
+    let n = 3;
+    let steps = 40;
+    let run = |capacity: usize| {
+        run_job(
+            n,
+            n,
+            Duration::from_secs(120),
+            move |c| c.cache_capacity = capacity,
+            move |rt| {
+                let rank = rt.rank();
+                let mut rng = fastrand::Rng::with_seed(rank as u64 + 5);
+                let mut floats = Vec::new();
+                for step in 0..steps {
+                    // Knob changes between steps, from a rank other than 0.
+                    if rank == 1 && step % 7 == 3 {
+                        rt.set_knobs(KnobUpdate {
+                            fusion_threshold_bytes: Some([0u64, 256, 64 << 20][step % 3]),
+                            cycle_time_us: Some([500, 1000, 2000][step % 3]),
+                            ..Default::default()
+                        });
+                    }
+                    // The same names, ops, dtypes and shapes every step (what the cache
+                    // holds), new values every step.
+                    let mut handles = Vec::new();
+                    for k in 0..24 {
+                        let (dtype, op) = (DTYPES[k % DTYPES.len()], OPS[k % OPS.len()]);
+                        let count = [1usize, 7, 64, 1031][k % 4];
+                        let seed = step * 24 + k;
+                        let h = rt
+                            .allreduce_async(
+                                &format!("layer.{k}"),
+                                input(dtype, rank, count, seed),
+                                op,
+                            )
+                            .unwrap();
+                        handles.push((h, reference(dtype, op, n, count, seed)));
+                    }
+                    // Random floats: compared bitwise with the run without the cache.
+                    let data: Vec<f32> = (0..999).map(|_| rng.f32() * 1e3 - 5e2).collect();
+                    let sum = rt
+                        .allreduce_async("floats", Tensor::from_slice(&data), ReduceOp::Sum)
+                        .unwrap();
+                    for (h, expected) in handles {
+                        let name = h.name().to_string();
+                        let got = h.wait().unwrap();
+                        assert!(got == expected, "rank {rank} step {step}: {name} is wrong");
+                    }
+                    floats.push(sum.wait().unwrap());
+                }
+                (floats, rt.totals(), rt.knobs().0)
+            },
+        )
+    };
+    let cached = run(1024);
+    let by_name = run(0);
+    for rank in 0..n {
+        assert!(
+            cached[rank].0 == by_name[rank].0,
+            "rank {rank}: floats differ from the name path"
+        );
+        assert!(cached[rank].0 == cached[0].0, "ranks disagree");
+        assert_eq!(
+            cached[rank].2, cached[0].2,
+            "rank {rank} ends on other knobs"
+        );
+    }
+    assert_eq!(cached[0].2.fusion_threshold_bytes, 64 << 20); // the last change, at step 38
+    // Rank 0 sees all negotiation traffic. With the cache a step's tensors are a few bits
+    // each way, but 12 dtype-op pairs make 13 or more buffers a step, each with its dtype
+    // and op in the response, and idle cycles cost the same: about half is saved here
+    // (resnet50 in tests/processes.rs saves over 90%).
+    let (with_cache, without) = (
+        cached[0].1.negotiation_bytes,
+        by_name[0].1.negotiation_bytes,
+    );
+    assert!(
+        with_cache * 3 < without * 2,
+        "negotiation bytes: {with_cache} with the cache, {without} without"
+    );
+}
+
+#[test]
+fn a_cached_tensor_whose_shape_changes_on_one_rank_mid_stream_fails_everywhere_and_the_job_goes_on()
+{
+    let n = 3;
+    let results = run_job(
+        n,
+        n,
+        Duration::from_secs(60),
+        |c| c.cache_capacity = 64,
+        move |rt| {
+            let rank = rt.rank();
+            let mut errors = Vec::new();
+            for step in 0..12 {
+                // From step 1 on, w and x are cached on every rank; at step 6 rank 1's w
+                // has another shape.
+                let len = if step == 6 && rank == 1 { 5 } else { 4 };
+                let w = rt
+                    .allreduce_async(
+                        "w",
+                        Tensor::from_slice(&vec![(rank + step) as f32; len]),
+                        ReduceOp::Sum,
+                    )
+                    .unwrap();
+                let x = rt
+                    .allreduce_async(
+                        "x",
+                        Tensor::from_slice(&[(rank * step) as i64; 3]),
+                        ReduceOp::Sum,
+                    )
+                    .unwrap();
+                match w.wait() {
+                    Ok(t) => {
+                        let want: f32 = (0..n).map(|r| (r + step) as f32).sum();
+                        assert_eq!(t.to_vec::<f32>().unwrap(), vec![want; 4], "step {step}");
+                    }
+                    Err(e) => errors.push((step, e)),
+                }
+                let want: i64 = (0..n).map(|r| (r * step) as i64).sum();
+                assert_eq!(x.wait().unwrap().to_vec::<i64>().unwrap(), vec![want; 3]);
+            }
+            errors
+        },
+    );
+    for (rank, errors) in results.iter().enumerate() {
+        match &errors[..] {
+            [(6, e)] => {
+                let m = e.to_string();
+                assert!(matches!(e, CollectiveError::Mismatch { .. }), "{m}");
+                assert!(
+                    m.contains("'w'")
+                        && m.contains("[5] on ranks [1]")
+                        && m.contains("[4] on ranks [0, 2]"),
+                    "rank {rank}: {m}"
+                );
+            }
+            other => panic!("rank {rank}: expected one mismatch at step 6, got {other:?}"),
         }
     }
 }

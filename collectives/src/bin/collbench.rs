@@ -541,6 +541,7 @@ fn resnet50(cli: &Cli, run: Resnet50Run) -> Result<()> {
         bar.inc(1);
     }
     let mut records: Vec<StepRecord> = Vec::new();
+    let totals_before = rt.totals();
     let started = Instant::now();
     // The timed step index at whose start rank 0 first saw tuning over.
     let mut tuned_at: Option<usize> = None;
@@ -583,7 +584,14 @@ fn resnet50(cli: &Cli, run: Resnet50Run) -> Result<()> {
         }
     }
     bar.finish_and_clear();
+    let totals = rt.totals();
     let steps = records.len();
+    // Rank 0 takes part in every negotiation, so its count is the whole job's.
+    let negotiation_bytes = totals.negotiation_bytes - totals_before.negotiation_bytes;
+    let cycles = totals.cycles - totals_before.cycles;
+    let per = |n: u64| negotiation_bytes.checked_div(n).unwrap_or(0);
+    let negotiation = serde_json::json!({"bytes": negotiation_bytes, "cycles": cycles,
+        "bytes_per_step": per(steps as u64), "bytes_per_cycle": per(cycles)});
     let total: f64 = records.iter().map(|r| r.seconds).sum();
     let steps_per_sec = if total > 0.0 {
         steps as f64 / total
@@ -617,7 +625,7 @@ fn resnet50(cli: &Cli, run: Resnet50Run) -> Result<()> {
                     "seconds": total, "first": first, "last": last,
                     "autotune_state": rt.autotune_state().as_str(),
                     "tuned_after_s": tuned_after_s, "after_tuning": tail,
-                    "self_tuning": autotune})
+                    "self_tuning": autotune, "negotiation": negotiation})
             );
         } else {
             println!(
@@ -635,6 +643,13 @@ fn resnet50(cli: &Cli, run: Resnet50Run) -> Result<()> {
                 steps_per_sec,
                 algbw,
                 algbw * busbw_factor(n)
+            );
+            println!(
+                "# negotiation (requests + responses on the wire): {} bytes per step, {} bytes \
+                 per cycle ({} cycles)",
+                per(steps as u64),
+                per(cycles),
+                cycles
             );
             if decided_by_rank0 {
                 for (name, phase) in [("first", &first), ("last", &last)] {

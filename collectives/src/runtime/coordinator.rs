@@ -3,6 +3,11 @@
 //!
 //! It must never look at tensor data, and every decision it makes must be sent to every
 //! rank in the same response: ranks never decide anything on their own.
+//!
+//! With the response cache ([`super::cache`]) ranks send bits for tensors negotiated before
+//! and the response names such tensors by bit. The coordinator turns bits back into the
+//! requests they stand for before deciding anything, so its decisions are exactly those of
+//! the name path; only the messages are smaller.
 
 use std::collections::HashMap;
 use std::fmt::Debug;
@@ -10,6 +15,7 @@ use std::time::{Duration, Instant};
 
 use serde::{Deserialize, Serialize};
 
+use super::cache::ResponseCache;
 use crate::control::{KnobUpdate, Knobs};
 use crate::tensor::{DType, ReduceOp};
 
@@ -41,24 +47,72 @@ pub struct TensorRequest {
     pub shape: Vec<usize>,
 }
 
+/// Response-cache bits `first, first + 1, …, first + count - 1`, written `[first, count]`.
+/// Bits are given out in response order, so in a steady workload a whole step's tensors
+/// are one run: the order of tensors is kept (it decides what runs first), at a few bytes.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct BitRun(pub u32, pub u32);
+
+impl BitRun {
+    /// The bits, in order.
+    pub fn bits(self) -> impl Iterator<Item = u64> {
+        let first = u64::from(self.0);
+        first..first + u64::from(self.1)
+    }
+
+    /// Whether `bit` is the one right after this run.
+    pub fn extends_to(self, bit: u32) -> bool {
+        u64::from(self.0) + u64::from(self.1) == u64::from(bit)
+    }
+}
+
+/// A tensor that became ready on a rank: by its cache bits when it is cached there with
+/// exactly this request, else the whole request.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(untagged)]
+pub enum Ready {
+    /// Tensors cached with exactly these requests on this rank.
+    Cached(BitRun),
+    /// A tensor by its whole request (new, or changed since it was cached).
+    Full(TensorRequest),
+}
+
+impl From<TensorRequest> for Ready {
+    fn from(request: TensorRequest) -> Self {
+        Ready::Full(request)
+    }
+}
+
+/// A tensor named in a response on the wire: by cache bits when every rank caches it, else
+/// by name.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(untagged)]
+pub enum TensorRef {
+    /// Tensors every rank caches under these bits.
+    Cached(BitRun),
+    /// A tensor by name.
+    Name(String),
+}
+
 /// What one rank sends rank 0 every cycle.
 #[derive(Clone, Debug, Default, Serialize, Deserialize)]
 pub struct Request {
-    /// Tensors that became ready on this rank since the last cycle.
-    pub tensors: Vec<TensorRequest>,
+    /// Tensors that became ready on this rank since the last cycle, in the order they did.
+    pub tensors: Vec<Ready>,
     /// Knob changes asked for on this rank.
     pub knobs: Vec<KnobUpdate>,
     /// This rank wants to shut down.
     pub shutdown: bool,
 }
 
-/// One thing every rank does in a cycle, in response order.
+/// One thing every rank does in a cycle, in response order. `T` names a tensor: `String`
+/// once decoded, [`TensorRef`] on the wire.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
-pub enum Item {
+pub enum Item<T = String> {
     /// Allreduce these tensors together (one fused buffer when more than one).
     Allreduce {
         /// The tensors, in fusion-buffer order.
-        names: Vec<String>,
+        names: Vec<T>,
         /// Their dtype.
         dtype: DType,
         /// Their op.
@@ -67,39 +121,80 @@ pub enum Item {
     /// Allgather one tensor; `first_dims[r]` is rank r's first dimension.
     Allgather {
         /// The tensor.
-        name: String,
+        name: T,
         /// First dimension on each rank.
         first_dims: Vec<usize>,
     },
     /// Broadcast one tensor from `root`.
     Broadcast {
         /// The tensor.
-        name: String,
+        name: T,
         /// The root rank.
         root: usize,
     },
     /// The tensor was enqueued inconsistently: fail it on every rank with this message.
     Error {
-        /// The tensor.
+        /// The tensor (always by name: a failed tensor leaves every cache).
         name: String,
         /// Which ranks disagree on what.
         message: String,
     },
 }
 
-/// Rank 0's answer for one cycle, the same for every rank.
+/// Rank 0's answer for one cycle, the same for every rank. `T` names a tensor: `String`
+/// once decoded, [`TensorRef`] on the wire ([`WireResponse`]).
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
-pub struct Response {
+pub struct Response<T = String> {
     /// Index of this cycle.
     pub cycle: u64,
     /// Knobs in force from this cycle on.
     pub knobs: Knobs,
     /// What to do, in order.
-    pub items: Vec<Item>,
+    pub items: Vec<Item<T>>,
     /// Every rank asked to shut down: stop after this cycle.
     pub shutdown: bool,
     /// The job failed (a rank died): fail everything with this message.
     pub abort: Option<String>,
+    /// The response cache's capacity, which rank 0 decides for every rank: sent in the
+    /// first response (absent: no cache). Every rank sets it before decoding that response.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub cache_capacity: Option<usize>,
+}
+
+/// A response as sent: tensors every rank caches are named by their bits.
+pub type WireResponse = Response<TensorRef>;
+
+/// What rank 0 keeps of a cached tensor: enough to rebuild any rank's request from its bit.
+/// (Not every rank's request: a validated request is the same on every rank, but for the
+/// first dimension of an allgather.)
+#[derive(Clone, Debug)]
+struct Negotiated {
+    /// Rank 0's request.
+    request: TensorRequest,
+    /// For an allgather, each rank's first dimension; empty otherwise.
+    first_dims: Vec<usize>,
+}
+
+impl Negotiated {
+    /// From the validated requests of every rank.
+    fn of(reqs: &[TensorRequest]) -> Self {
+        Negotiated {
+            request: reqs[0].clone(),
+            first_dims: match reqs[0].kind {
+                OpKind::Allgather => reqs.iter().map(|r| r.shape[0]).collect(),
+                _ => Vec::new(),
+            },
+        }
+    }
+
+    /// The request `rank` made.
+    fn request_of(&self, rank: usize) -> TensorRequest {
+        let mut request = self.request.clone();
+        if let (Some(dim), Some(&mine)) = (request.shape.first_mut(), self.first_dims.get(rank)) {
+            *dim = mine;
+        }
+        request
+    }
 }
 
 /// The coordinator's state between cycles.
@@ -114,10 +209,13 @@ pub struct Coordinator {
     cycle: u64,
     /// When each waiting name first arrived, and whether it was reported as stalled.
     first_seen: HashMap<String, (Instant, bool)>,
+    /// Rank 0's copy of the response cache every rank keeps.
+    cache: ResponseCache<Negotiated>,
 }
 
 impl Coordinator {
-    /// A coordinator for `world_size` ranks starting with `knobs`.
+    /// A coordinator for `world_size` ranks starting with `knobs`, without a response cache
+    /// (every tensor negotiated by name).
     pub fn new(world_size: usize, knobs: Knobs) -> Self {
         Coordinator {
             world_size,
@@ -127,7 +225,15 @@ impl Coordinator {
             knobs: clamp(knobs),
             cycle: 0,
             first_seen: HashMap::new(),
+            cache: ResponseCache::new(0),
         }
+    }
+
+    /// This coordinator with a response cache of `capacity` tensors (0: none), which every
+    /// rank adopts from the first response. Set it before the first [`Self::step`].
+    pub fn with_cache_capacity(mut self, capacity: usize) -> Self {
+        self.cache = ResponseCache::new(capacity);
+        self
     }
 
     /// Tensors some ranks have enqueued and others not, for longer than `after` (as of
@@ -156,28 +262,33 @@ impl Coordinator {
     }
 
     /// One cycle: `requests[r]` is rank r's request; `control_updates` are knob changes
-    /// from the control socket (applied after those from ranks).
-    pub fn step(&mut self, requests: Vec<Request>, control_updates: &[KnobUpdate]) -> Response {
+    /// from the control socket (applied after those from ranks). The response names by bit
+    /// the tensors every rank caches; every rank decodes it with its
+    /// [`super::cache::RankCache`].
+    pub fn step(&mut self, requests: Vec<Request>, control_updates: &[KnobUpdate]) -> WireResponse {
         let mut items = Vec::new();
         for (rank, request) in requests.into_iter().enumerate() {
             for update in &request.knobs {
                 self.knobs = clamp(self.knobs.with(update));
             }
             self.shutdown[rank] |= request.shutdown;
-            for t in request.tensors {
-                let slot = self.table.entry(t.name.clone()).or_insert_with(|| {
-                    self.arrival.push(t.name.clone());
-                    self.first_seen
-                        .insert(t.name.clone(), (Instant::now(), false));
-                    vec![None; self.world_size]
-                });
-                if slot[rank].is_some() {
-                    items.push(Item::Error {
-                        message: format!("enqueued twice on rank {rank} before completing"),
-                        name: t.name,
-                    });
-                } else {
-                    slot[rank] = Some(t);
+            for ready in request.tensors {
+                match ready {
+                    Ready::Full(t) => self.arrive(rank, t, &mut items),
+                    Ready::Cached(run) => {
+                        for bit in run.bits() {
+                            match self.cache.get(bit).map(|(_, n)| n.request_of(rank)) {
+                                Some(t) => self.arrive(rank, t, &mut items),
+                                None => {
+                                    return self.abort(format!(
+                                        "rank {rank} sent response-cache bit {bit}, which rank \
+                                         0's cache does not hold (the caches diverged: a bug \
+                                         in collectives)"
+                                    ));
+                                }
+                            }
+                        }
+                    }
                 }
             }
         }
@@ -206,6 +317,8 @@ impl Coordinator {
         // Fusion: an allreduce joins the open buffer of its dtype and op if it fits.
         let threshold = self.knobs.fusion_threshold_bytes;
         let mut open: HashMap<(DType, ReduceOp), (usize, u64)> = HashMap::new();
+        let caching = self.cache.capacity() > 0;
+        let mut scheduled: HashMap<String, Negotiated> = HashMap::new();
         for reqs in ready {
             match validate(&reqs, self.world_size) {
                 Err(message) => items.push(Item::Error {
@@ -214,6 +327,9 @@ impl Coordinator {
                 }),
                 Ok(()) => {
                     let first = &reqs[0];
+                    if caching {
+                        scheduled.insert(first.name.clone(), Negotiated::of(&reqs));
+                    }
                     match first.kind {
                         OpKind::Allreduce(op) => {
                             let bytes =
@@ -251,12 +367,49 @@ impl Coordinator {
                 }
             }
         }
+        // Named with the cache as every rank has it now, then changed as every rank will.
+        let wire_items = self.cache.encode(items.clone());
+        self.cache
+            .apply(&items, |name| scheduled.get(name).cloned());
         let response = Response {
             cycle: self.cycle,
             knobs: self.knobs,
-            items,
+            items: wire_items,
             shutdown: self.shutdown.iter().all(|&s| s),
             abort: None,
+            cache_capacity: (self.cycle == 0 && caching).then(|| self.cache.capacity()),
+        };
+        self.cycle += 1;
+        response
+    }
+
+    /// Rank `rank` says `t` is ready.
+    fn arrive(&mut self, rank: usize, t: TensorRequest, items: &mut Vec<Item>) {
+        let slot = self.table.entry(t.name.clone()).or_insert_with(|| {
+            self.arrival.push(t.name.clone());
+            self.first_seen
+                .insert(t.name.clone(), (Instant::now(), false));
+            vec![None; self.world_size]
+        });
+        if slot[rank].is_some() {
+            items.push(Item::Error {
+                message: format!("enqueued twice on rank {rank} before completing"),
+                name: t.name,
+            });
+        } else {
+            slot[rank] = Some(t);
+        }
+    }
+
+    /// A response that fails the job on every rank with `message`.
+    fn abort(&mut self, message: String) -> WireResponse {
+        let response = Response {
+            cycle: self.cycle,
+            knobs: self.knobs,
+            items: Vec::new(),
+            shutdown: false,
+            abort: Some(message),
+            cache_capacity: None,
         };
         self.cycle += 1;
         response
@@ -342,12 +495,33 @@ fn validate(reqs: &[TensorRequest], world_size: usize) -> Result<(), String> {
 mod tests {
     use super::*;
 
-    fn req(name: &str, shape: &[usize], kind: OpKind) -> TensorRequest {
+    fn request(name: &str, shape: &[usize], kind: OpKind) -> TensorRequest {
         TensorRequest {
             name: name.into(),
             kind,
             dtype: DType::F32,
             shape: shape.to_vec(),
+        }
+    }
+
+    fn req(name: &str, shape: &[usize], kind: OpKind) -> Ready {
+        Ready::Full(request(name, shape, kind))
+    }
+
+    impl Coordinator {
+        /// A step of a coordinator without a cache, whose response names every tensor.
+        fn step_named(&mut self, requests: Vec<Request>, updates: &[KnobUpdate]) -> Response {
+            let wire = self.step(requests, updates);
+            Response {
+                items: ResponseCache::<()>::new(0)
+                    .decode(wire.items)
+                    .expect("no cache, no bits"),
+                cycle: wire.cycle,
+                knobs: wire.knobs,
+                shutdown: wire.shutdown,
+                abort: wire.abort,
+                cache_capacity: wire.cache_capacity,
+            }
         }
     }
 
@@ -366,7 +540,7 @@ mod tests {
             tensors: vec![req("b", &[4], sum())],
             ..Default::default()
         };
-        let resp = c.step(vec![r0, r1], &[]);
+        let resp = c.step_named(vec![r0, r1], &[]);
         assert_eq!(
             resp.items,
             vec![Item::Allreduce {
@@ -379,7 +553,7 @@ mod tests {
             tensors: vec![req("a", &[4], sum())],
             ..Default::default()
         };
-        let resp = c.step(vec![Request::default(), r1], &[]);
+        let resp = c.step_named(vec![Request::default(), r1], &[]);
         assert_eq!(resp.cycle, 1);
         assert!(
             matches!(&resp.items[0], Item::Allreduce { names, .. } if names == &vec!["a".to_string()])
@@ -399,7 +573,7 @@ mod tests {
                 req("b", &[4], sum()),
                 req("c", &[4], sum()),
             ];
-            let resp = c.step(
+            let resp = c.step_named(
                 vec![Request {
                     tensors,
                     ..Default::default()
@@ -417,7 +591,7 @@ mod tests {
             tensors: vec![req("late", &[4], sum())],
             ..Default::default()
         };
-        c.step(vec![r.clone(), Request::default(), r], &[]);
+        c.step_named(vec![r.clone(), Request::default(), r], &[]);
         let later = Instant::now() + Duration::from_secs(61);
         assert!(
             c.stalled(Instant::now(), Duration::from_secs(60))
@@ -439,7 +613,7 @@ mod tests {
                 ..Default::default()
             })
             .collect();
-        let resp = c.step(reqs, &[]);
+        let resp = c.step_named(reqs, &[]);
         match &resp.items[0] {
             Item::Error { name, message } => {
                 assert_eq!(name, "w");
@@ -463,7 +637,7 @@ mod tests {
             shutdown: true,
             ..Default::default()
         };
-        let resp = c.step(
+        let resp = c.step_named(
             vec![Request::default(), r1],
             &[KnobUpdate {
                 cycle_time_us: Some(u64::MAX),
@@ -473,7 +647,7 @@ mod tests {
         assert!(resp.knobs.hierarchical_allreduce);
         assert_eq!(resp.knobs.cycle_time_us, MAX_CYCLE_TIME_US);
         assert!(!resp.shutdown);
-        let resp = c.step(
+        let resp = c.step_named(
             vec![
                 Request {
                     shutdown: true,
@@ -484,5 +658,328 @@ mod tests {
             &[],
         );
         assert!(resp.shutdown);
+    }
+
+    // The response cache, driven through every rank's side as the runtime does, with every
+    // message through JSON as on the wire.
+
+    use crate::runtime::cache::RankCache;
+
+    /// A job without sockets: rank 0's coordinator and every rank's cache and pending
+    /// tensors.
+    struct Job {
+        coordinator: Coordinator,
+        ranks: Vec<RankCache>,
+        pending: Vec<HashMap<String, TensorRequest>>,
+        /// What each rank sent in the last cycle.
+        sent: Vec<Vec<Ready>>,
+        /// JSON bytes naming tensors in requests (from ranks 1..) and responses (to ranks
+        /// 1..) so far: what the cache saves (knobs, cycle and flags are sent anyway).
+        wire_bytes: usize,
+    }
+
+    impl Job {
+        fn new(world_size: usize, capacity: usize) -> Self {
+            Job {
+                coordinator: Coordinator::new(world_size, Knobs::default())
+                    .with_cache_capacity(capacity),
+                ranks: (0..world_size).map(|_| RankCache::new()).collect(),
+                pending: vec![HashMap::new(); world_size],
+                sent: Vec::new(),
+                wire_bytes: 0,
+            }
+        }
+
+        /// One cycle in which `ready[r]` became ready on rank r; the response as every
+        /// rank decoded it (they must agree).
+        fn cycle(&mut self, ready: &[Vec<TensorRequest>], updates: &[KnobUpdate]) -> Response {
+            let n = self.ranks.len();
+            let mut requests = Vec::new();
+            self.sent.clear();
+            for (r, tensors) in ready.iter().enumerate() {
+                let request = Request {
+                    tensors: self.ranks[r].encode(tensors),
+                    ..Default::default()
+                };
+                for t in tensors {
+                    self.pending[r].insert(t.name.clone(), t.clone());
+                }
+                let json = serde_json::to_vec(&request).unwrap();
+                if r > 0 {
+                    self.wire_bytes += serde_json::to_vec(&request.tensors).unwrap().len();
+                }
+                let request: Request = serde_json::from_slice(&json).unwrap();
+                self.sent.push(request.tensors.clone());
+                requests.push(request);
+            }
+            let response = self.coordinator.step(requests, updates);
+            let json = serde_json::to_vec(&response).unwrap();
+            self.wire_bytes += serde_json::to_vec(&response.items).unwrap().len() * (n - 1);
+            let mut decoded: Vec<Response> = Vec::new();
+            for r in 0..n {
+                let wire: WireResponse = serde_json::from_slice(&json).unwrap();
+                let pending = &self.pending[r];
+                let response = self.ranks[r]
+                    .decode(wire, |name| pending.get(name).cloned())
+                    .unwrap();
+                // As the runtime does: scheduled and failed tensors leave `pending`.
+                for item in &response.items {
+                    match item {
+                        Item::Allreduce { names, .. } => names.iter().for_each(|name| {
+                            self.pending[r].remove(name);
+                        }),
+                        Item::Allgather { name, .. }
+                        | Item::Broadcast { name, .. }
+                        | Item::Error { name, .. } => {
+                            self.pending[r].remove(name);
+                        }
+                    }
+                }
+                if let Some(first) = decoded.first() {
+                    assert_eq!(&response, first, "rank {r} decoded another response");
+                }
+                decoded.push(response);
+            }
+            decoded.swap_remove(0)
+        }
+
+        /// The name under each bit on rank `r`'s table, checked against every other
+        /// rank's and rank 0's coordinator's.
+        fn table(&self) -> Vec<Option<String>> {
+            let bits = (0..64u64).map(|b| {
+                let names: Vec<Option<&str>> = self
+                    .ranks
+                    .iter()
+                    .map(|c| c.table().get(b).map(|(n, _)| n))
+                    .collect();
+                let coordinator = self.coordinator.cache.get(b).map(|(n, _)| n);
+                assert!(
+                    names.iter().all(|n| *n == coordinator),
+                    "bit {b}: ranks {names:?}, coordinator {coordinator:?}"
+                );
+                coordinator.map(String::from)
+            });
+            let mut out: Vec<Option<String>> = bits.collect();
+            while out.last() == Some(&None) {
+                out.pop();
+            }
+            out
+        }
+    }
+
+    fn all(n: usize, tensors: &[TensorRequest]) -> Vec<Vec<TensorRequest>> {
+        vec![tensors.to_vec(); n]
+    }
+
+    fn some(names: &[&str]) -> Vec<Option<String>> {
+        names.iter().map(|n| Some(n.to_string())).collect()
+    }
+
+    #[test]
+    fn cache_hits_give_the_same_responses_as_the_name_path() {
+        let n = 3;
+        let model: Vec<TensorRequest> = (0..12)
+            .map(|i| {
+                let op = [ReduceOp::Sum, ReduceOp::Average, ReduceOp::Max][i % 3];
+                TensorRequest {
+                    name: format!("w{i}"),
+                    kind: OpKind::Allreduce(op),
+                    dtype: if i % 4 == 3 { DType::I32 } else { DType::F32 },
+                    shape: vec![i * 7 + 1, 3],
+                }
+            })
+            .chain([request("bc", &[9], OpKind::Broadcast(1))])
+            .collect();
+        // Each step every rank reports every tensor of the step, each in one of the next
+        // cycles at random, in model order; some steps change something.
+        let mut rng = fastrand::Rng::with_seed(7);
+        let mut schedule: Vec<(Vec<Vec<TensorRequest>>, Vec<KnobUpdate>)> = Vec::new();
+        for step in 0..30 {
+            let mut tensors: Vec<Vec<TensorRequest>> = vec![model.clone(); n];
+            for (r, ts) in tensors.iter_mut().enumerate() {
+                // An allgather whose first dimension is each rank's own.
+                let rows = if step >= 14 && r == 2 { 5 } else { r + 1 };
+                ts.push(request("ag", &[rows, 2], OpKind::Allgather));
+                if step >= 5 {
+                    ts.push(request("late", &[4], sum()));
+                }
+                if step >= 8 {
+                    ts[3].shape = vec![100]; // changed on every rank: fine
+                }
+                if step == 11 && r == 1 {
+                    ts[1].shape = vec![1]; // changed on one rank: a mismatch
+                }
+                if step == 17 && r == 0 {
+                    ts[2].dtype = DType::F64; // another mismatch
+                }
+            }
+            let mut left: Vec<std::collections::VecDeque<TensorRequest>> =
+                tensors.into_iter().map(Into::into).collect();
+            while left.iter().any(|l| !l.is_empty()) {
+                let ready = left
+                    .iter_mut()
+                    .map(|l| {
+                        let k = rng.usize(0..=l.len().min(6));
+                        l.drain(..k).collect()
+                    })
+                    .collect();
+                let updates = if rng.u32(0..8) == 0 {
+                    vec![KnobUpdate {
+                        fusion_threshold_bytes: Some([0u64, 64, 300, 1 << 20][rng.usize(0..4)]),
+                        ..Default::default()
+                    }]
+                } else {
+                    Vec::new()
+                };
+                schedule.push((ready, updates));
+            }
+        }
+        let mut by_name = Job::new(n, 0);
+        let mut cached = Job::new(n, 1024);
+        let mut tiny = Job::new(n, 5);
+        let (mut errors, mut all_bits) = (0, 0);
+        for (cycle, (ready, updates)) in schedule.iter().enumerate() {
+            let want = by_name.cycle(ready, updates);
+            for job in [&mut cached, &mut tiny] {
+                let mut got = job.cycle(ready, updates);
+                got.cache_capacity = None;
+                assert_eq!(got, want, "cycle {cycle}");
+            }
+            errors += want
+                .items
+                .iter()
+                .filter(|i| matches!(i, Item::Error { .. }))
+                .count();
+            let sent_tensors = cached.sent.iter().any(|s| !s.is_empty());
+            if sent_tensors
+                && cached
+                    .sent
+                    .iter()
+                    .flatten()
+                    .all(|r| matches!(r, Ready::Cached(_)))
+            {
+                all_bits += 1;
+            }
+            cached.table();
+            tiny.table();
+        }
+        assert_eq!(errors, 2, "both mismatches are reported");
+        assert!(
+            all_bits > schedule.len() / 2,
+            "{all_bits} of {}",
+            schedule.len()
+        );
+        // Mixed ops and dtypes make many small buffers, each with its dtype and op, so
+        // this workload saves less than a model's step (see the test below).
+        assert!(
+            cached.wire_bytes * 3 < by_name.wire_bytes * 2,
+            "cached {} bytes, by name {}",
+            cached.wire_bytes,
+            by_name.wire_bytes
+        );
+    }
+
+    #[test]
+    fn a_steady_step_of_161_tensors_is_one_bit_run_each_way() {
+        let n = 2;
+        let step: Vec<TensorRequest> = (0..161)
+            .rev()
+            .map(|i| request(&format!("grad.{i}"), &[i + 1], sum()))
+            .collect();
+        let mut job = Job::new(n, 1024);
+        let first = job.cycle(&all(n, &step), &[]);
+        let names_bytes = job.wire_bytes;
+        let second = job.cycle(&all(n, &step), &[]);
+        assert_eq!(first.items, second.items);
+        assert_eq!(job.sent, vec![vec![Ready::Cached(BitRun(0, 161))]; n]);
+        let wire = job.wire_bytes - names_bytes;
+        assert!(wire < 300, "{wire} bytes (by name: {names_bytes})");
+    }
+
+    #[test]
+    fn a_full_cache_evicts_the_least_recently_used_tensor_on_every_rank() {
+        let n = 2;
+        let t = |name: &str| request(name, &[4], sum());
+        let mut job = Job::new(n, 2);
+        job.cycle(&all(n, &[t("a"), t("b")]), &[]);
+        assert_eq!(job.table(), some(&["a", "b"]));
+        job.cycle(&all(n, &[t("a")]), &[]);
+        assert_eq!(job.sent, vec![vec![Ready::Cached(BitRun(0, 1))]; n]);
+        // c takes the bit of b, the least recently used.
+        job.cycle(&all(n, &[t("c")]), &[]);
+        assert_eq!(job.table(), some(&["a", "c"]));
+        // b again goes by name, and now a (used before c) gives up its bit.
+        let response = job.cycle(&all(n, &[t("b"), t("c")]), &[]);
+        assert_eq!(
+            job.sent,
+            vec![vec![Ready::Full(t("b")), Ready::Cached(BitRun(1, 1))]; n]
+        );
+        assert_eq!(job.table(), some(&["b", "c"]));
+        assert!(
+            matches!(&response.items[0], Item::Allreduce { names, .. } if names == &["b", "c"])
+        );
+    }
+
+    #[test]
+    fn a_cached_tensor_whose_shape_changes_on_one_rank_fails_on_every_rank() {
+        let n = 3;
+        let (w, x) = (request("w", &[4], sum()), request("x", &[2], sum()));
+        let mut job = Job::new(n, 16);
+        job.cycle(&all(n, &[w.clone(), x.clone()]), &[]);
+        job.cycle(&all(n, &[w.clone(), x.clone()]), &[]);
+        assert_eq!(job.sent, vec![vec![Ready::Cached(BitRun(0, 2))]; n]);
+        let w5 = request("w", &[5], sum());
+        let mut ready = all(n, &[w.clone(), x.clone()]);
+        ready[1][0] = w5.clone();
+        let response = job.cycle(&ready, &[]);
+        // Rank 1 sends its changed request in full; the others' bits stand for [4].
+        assert_eq!(
+            job.sent[1],
+            vec![Ready::Full(w5), Ready::Cached(BitRun(1, 1))]
+        );
+        assert_eq!(job.sent[0], vec![Ready::Cached(BitRun(0, 2))]);
+        match &response.items[..] {
+            [Item::Error { name, message }, Item::Allreduce { names, .. }] => {
+                assert_eq!(name, "w");
+                assert!(
+                    message.contains("[4] on ranks [0, 2]") && message.contains("[5] on ranks [1]"),
+                    "{message}"
+                );
+                assert_eq!(names, &["x"]);
+            }
+            other => panic!("expected the mismatch and x, got {other:?}"),
+        }
+        // w left every cache: its next use goes by name everywhere, and is cached again.
+        assert_eq!(job.table(), vec![None, Some("x".to_string())]);
+        job.cycle(&all(n, std::slice::from_ref(&w)), &[]);
+        assert_eq!(job.sent, vec![vec![Ready::Full(w)]; n]);
+        assert_eq!(job.table(), some(&["w", "x"]));
+    }
+
+    #[test]
+    fn a_bit_rank_0_does_not_hold_aborts_the_job_naming_the_rank() {
+        let mut c = Coordinator::new(2, Knobs::default()).with_cache_capacity(8);
+        let bad = Request {
+            tensors: vec![Ready::Cached(BitRun(7, 1))],
+            ..Default::default()
+        };
+        let response = c.step(vec![Request::default(), bad], &[]);
+        let abort = response.abort.unwrap_or_default();
+        assert!(
+            abort.contains("rank 1") && abort.contains("bit 7"),
+            "{abort}"
+        );
+    }
+
+    #[test]
+    fn rank_0_gives_its_capacity_in_the_first_response_only() {
+        let mut c = Coordinator::new(1, Knobs::default()).with_cache_capacity(8);
+        assert_eq!(
+            c.step(vec![Request::default()], &[]).cache_capacity,
+            Some(8)
+        );
+        assert_eq!(c.step(vec![Request::default()], &[]).cache_capacity, None);
+        let mut off = Coordinator::new(1, Knobs::default());
+        assert_eq!(off.step(vec![Request::default()], &[]).cache_capacity, None);
     }
 }

@@ -7,6 +7,7 @@
 //! others do not also decide, and must never leave a handle waiting forever: a failure
 //! fails every pending handle with an error that names the rank or tensor.
 
+pub mod cache;
 mod claim;
 pub mod coordinator;
 mod faults;
@@ -31,16 +32,22 @@ use crate::control::{
     TimelineEvent,
 };
 use crate::error::{CollectiveError, Result};
-use crate::knobs::{AutotuneConfig, autotune_from, knobs_from_env, parse_bool, timeout_from};
+use crate::knobs::{
+    AutotuneConfig, autotune_from, cache_capacity_from, knobs_from_env, parse_bool, timeout_from,
+};
 use crate::mesh::HostTransport;
 use crate::rendezvous::{RendezvousConfig, rendezvous};
 use crate::tensor::{AlignedBuf, ReduceOp, Tensor};
 use crate::timeline::{TimelineFile, activity, now_us};
 use crate::transport::{MAX_FRAME_BYTES, Transport, recv_frame, send_frame};
+use cache::{DEFAULT_CACHE_CAPACITY, RankCache};
 use claim::TuningClaims;
-use coordinator::{Coordinator, Item, OpKind, Request, Response, TensorRequest};
+use coordinator::{Coordinator, Item, OpKind, Request, Response, TensorRequest, WireResponse};
 use faults::FaultChannel;
 use server::{ControlServer, ServerState};
+
+/// The length prefix [`send_frame`] puts before every message.
+const FRAME_HEADER_BYTES: usize = 4;
 
 /// How long a tensor may wait for some ranks before rank 0 logs a stall warning.
 pub const STALL_WARNING: Duration = Duration::from_secs(60);
@@ -68,6 +75,10 @@ pub struct RuntimeConfig {
     /// Exchange data with ranks on the same host through shared memory (`RINGWATCH_SHM`,
     /// default on); off, every byte goes over TCP (where the agent's TCP probes see it).
     pub shared_memory: bool,
+    /// Tensors the response cache holds (`RINGWATCH_CACHE_CAPACITY`, default 1024; 0: no
+    /// cache, every tensor is negotiated by name). Only rank 0's value matters: it gives it
+    /// to every rank in its first response.
+    pub cache_capacity: usize,
 }
 
 impl RuntimeConfig {
@@ -82,6 +93,7 @@ impl RuntimeConfig {
             runtime_dir: None,
             autotune: None,
             shared_memory: true,
+            cache_capacity: DEFAULT_CACHE_CAPACITY,
         }
     }
 
@@ -107,6 +119,7 @@ impl RuntimeConfig {
                 Some(v) => parse_bool("RINGWATCH_SHM", &v)?,
                 None => true,
             },
+            cache_capacity: cache_capacity_from(&get)?,
         })
     }
 }
@@ -143,6 +156,7 @@ struct Shared {
     knobs: Arc<Mutex<(Knobs, u64)>>,
     cycles: AtomicU64,
     bytes_reduced: AtomicU64,
+    negotiation_bytes: AtomicU64,
     claims: Arc<TuningClaims>,
     self_tune: Arc<Mutex<Option<SelfTuneOutcome>>>,
 }
@@ -212,6 +226,10 @@ pub struct Totals {
     pub cycles: u64,
     /// Bytes reduced by allreduce.
     pub bytes_reduced: u64,
+    /// Bytes of negotiation messages (requests and responses, frame headers included)
+    /// this rank sent and received. Rank 0 takes part in every exchange, so its count is
+    /// the job's whole negotiation traffic.
+    pub negotiation_bytes: u64,
 }
 
 /// One rank of a collective job.
@@ -296,6 +314,7 @@ impl Runtime {
             knobs: knobs_state.clone(),
             cycles: AtomicU64::new(0),
             bytes_reduced: AtomicU64::new(0),
+            negotiation_bytes: AtomicU64::new(0),
             claims: claims.clone(),
             self_tune: Arc::new(Mutex::new(None)),
         });
@@ -352,7 +371,11 @@ impl Runtime {
             rank,
             world_size,
             layout,
-            coordinator: (rank == 0).then(|| Coordinator::new(world_size, config.knobs)),
+            coordinator: (rank == 0).then(|| {
+                Coordinator::new(world_size, config.knobs)
+                    .with_cache_capacity(config.cache_capacity)
+            }),
+            cache: RankCache::new(),
             knobs: config.knobs,
             pending: HashMap::new(),
             fusion: AlignedBuf::default(),
@@ -443,6 +466,7 @@ impl Runtime {
         Totals {
             cycles: self.shared.cycles.load(Ordering::Relaxed),
             bytes_reduced: self.shared.bytes_reduced.load(Ordering::Relaxed),
+            negotiation_bytes: self.shared.negotiation_bytes.load(Ordering::Relaxed),
         }
     }
 
@@ -604,6 +628,8 @@ struct CycleThread {
     world_size: usize,
     layout: Option<NodeLayout>,
     coordinator: Option<Coordinator>,
+    /// This rank's response cache (rank 0 has one too, beside its coordinator's).
+    cache: RankCache,
     knobs: Knobs,
     pending: HashMap<String, Entry>,
     fusion: AlignedBuf,
@@ -813,8 +839,8 @@ impl CycleThread {
                 inbox.shutdown,
             )
         };
-        let mut request = Request {
-            tensors: Vec::with_capacity(entries.len()),
+        let request = Request {
+            tensors: self.cache.encode(entries.iter().map(|e| &e.request)),
             knobs: knob_updates,
             shutdown,
         };
@@ -825,7 +851,6 @@ impl CycleThread {
                 Phase::Begin,
                 &[],
             );
-            request.tensors.push(entry.request.clone());
             self.pending.insert(entry.request.name.clone(), entry);
         }
 
@@ -836,6 +861,16 @@ impl CycleThread {
                 cause,
             });
         }
+        let pending = &self.pending;
+        let response = self
+            .cache
+            .decode(response, |name| {
+                pending.get(name).map(|e| e.request.clone())
+            })
+            .map_err(|cause| CollectiveError::JobFailed {
+                rank: self.rank,
+                cause,
+            })?;
         if response.knobs.hierarchical_allreduce && !self.knobs.hierarchical_allreduce {
             self.warned_fallback = false;
         }
@@ -907,14 +942,16 @@ impl CycleThread {
         false
     }
 
-    fn negotiate(&mut self, request: Request) -> Result<Response> {
+    fn negotiate(&mut self, request: Request) -> Result<WireResponse> {
         let t = &*self.transport;
         let encode = |v: &dyn erased::Encode| v.encode();
         if let Some(coordinator) = &mut self.coordinator {
             let mut requests = Vec::with_capacity(self.world_size);
             requests.push(request);
+            let mut request_bytes = 0;
             for peer in 1..self.world_size {
                 let got = recv_frame(t, peer, MAX_FRAME_BYTES).and_then(|bytes| {
+                    request_bytes += FRAME_HEADER_BYTES + bytes.len();
                     serde_json::from_slice::<Request>(&bytes).map_err(|e| CollectiveError::Link {
                         rank: 0,
                         peer,
@@ -925,12 +962,13 @@ impl CycleThread {
                     Ok(r) => requests.push(r),
                     Err(e) => {
                         // Tell everyone else which rank failed before the links go down.
-                        let abort = Response {
+                        let abort: WireResponse = Response {
                             cycle: 0,
                             knobs: coordinator.knobs(),
                             items: Vec::new(),
                             shutdown: false,
                             abort: Some(e.to_string()),
+                            cache_capacity: None,
                         };
                         let bytes = encode(&abort);
                         for other in (1..self.world_size).filter(|&o| o != peer) {
@@ -974,6 +1012,8 @@ impl CycleThread {
             for peer in 1..self.world_size {
                 send_frame(t, peer, &bytes)?;
             }
+            let response_bytes = (self.world_size - 1) * (FRAME_HEADER_BYTES + bytes.len());
+            self.count_negotiation(response.cycle, request_bytes, response_bytes);
             // In force here before anyone is told so.
             if let Ok(mut k) = self.shared.knobs.lock() {
                 *k = (response.knobs, response.cycle);
@@ -997,14 +1037,36 @@ impl CycleThread {
             }
             Ok(response)
         } else {
-            send_frame(t, 0, &encode(&request))?;
+            let request = encode(&request);
+            send_frame(t, 0, &request)?;
             let bytes = recv_frame(t, 0, MAX_FRAME_BYTES)?;
-            serde_json::from_slice(&bytes).map_err(|e| CollectiveError::Link {
-                rank: self.rank,
-                peer: 0,
-                message: format!("bad response: {e}"),
-            })
+            let response: WireResponse =
+                serde_json::from_slice(&bytes).map_err(|e| CollectiveError::Link {
+                    rank: self.rank,
+                    peer: 0,
+                    message: format!("bad response: {e}"),
+                })?;
+            self.count_negotiation(
+                response.cycle,
+                FRAME_HEADER_BYTES + request.len(),
+                FRAME_HEADER_BYTES + bytes.len(),
+            );
+            Ok(response)
         }
+    }
+
+    /// Adds one cycle's negotiation traffic on this rank's links to the totals.
+    fn count_negotiation(&self, cycle: u64, request_bytes: usize, response_bytes: usize) {
+        self.shared
+            .negotiation_bytes
+            .fetch_add((request_bytes + response_bytes) as u64, Ordering::Relaxed);
+        tracing::debug!(
+            rank = self.rank,
+            cycle,
+            request_bytes,
+            response_bytes,
+            "negotiation bytes"
+        );
     }
 
     fn take(&mut self, name: &str) -> Result<Entry> {
