@@ -11,7 +11,7 @@ use std::ops::Range;
 use serde::{Deserialize, Serialize};
 
 use crate::error::{CollectiveError, Result};
-use crate::tensor::{AlignedBuf, DType, ReduceOp, divide, reduce_into};
+use crate::tensor::{AlignedBuf, DType, ReduceOp, divide, reduce_into, reduce_into_swapped};
 use crate::transport::Transport;
 
 /// Which allreduce schedule ran (reported in timeline events and statistics).
@@ -220,11 +220,20 @@ fn allreduce_over(
     segments: &[Range<usize>],
 ) -> Result<()> {
     let elem = dtype.size();
-    let owned = ring_reduce_scatter(t, ranks, buf, dtype, op, segments)?;
-    if op == ReduceOp::Average {
-        divide(dtype, &mut buf[byte_range(&segments[owned], elem)], divisor);
-    }
     let byte_segments: Vec<Range<usize>> = segments.iter().map(|s| byte_range(s, elem)).collect();
+    // The ring's reduce-scatter computes `local ⊕ partial` at every step: the incoming
+    // operand goes first (it matters for no IEEE op, but the bits are the ring's anyway).
+    let combine = |acc: &mut [u8], incoming: &[u8]| reduce_into_swapped(dtype, op, acc, incoming);
+    let finish = |acc: &mut [u8]| {
+        if op == ReduceOp::Average {
+            divide(dtype, acc, divisor);
+        }
+    };
+    if let Some(done) = t.native_allreduce(ranks, buf, &byte_segments, &combine, &finish) {
+        return done;
+    }
+    let owned = ring_reduce_scatter(t, ranks, buf, dtype, op, segments)?;
+    finish(&mut buf[byte_segments[owned].clone()]);
     ring_pass(t, ranks, buf, &byte_segments, 1)
 }
 

@@ -424,6 +424,20 @@ impl Transport for HostTransport {
         self.shm.as_ref().map(ShmGroup::peers).unwrap_or_default()
     }
 
+    fn native_allreduce(
+        &self,
+        ranks: &[usize],
+        buf: &mut [u8],
+        segments: &[std::ops::Range<usize>],
+        combine: &dyn Fn(&mut [u8], &[u8]),
+        finish: &dyn Fn(&mut [u8]),
+    ) -> Option<Result<()>> {
+        let g = self.shm.as_ref()?;
+        let members = g.whole_group(ranks)?;
+        let gone = |r: usize| self.tcp.peer_gone(r);
+        Some(g.fold_allreduce(&members, buf, segments, combine, finish, &gone))
+    }
+
     fn abort(&self) {
         if let Some(g) = &self.shm {
             g.abort();
@@ -530,6 +544,84 @@ mod tests {
             let expected: Vec<u8> = (0..size).map(|i| (i * (prev + 1)) as u8).collect();
             assert!(recv == expected, "rank {r} send_recv");
             assert!(pieces == expected, "rank {r} send_recv_pieces");
+        }
+    }
+
+    #[test]
+    fn shared_memory_allreduce_gives_the_rings_bits_for_random_floats() {
+        use crate::algorithms::ring_allreduce;
+        use crate::tensor::{DType, ReduceOp};
+        use crate::transport::MemoryTransport;
+        // Random floats make the result depend on the order of every operation: the
+        // shared-memory fold must match the ring's reduce-scatter bit for bit. Sizes cross
+        // the slot parts (several chunks) and leave segments of unequal and zero length.
+        let run = |transports: Vec<Box<dyn Transport>>, inputs: &[Vec<f32>], op: ReduceOp| {
+            let handles: Vec<_> = transports
+                .into_iter()
+                .zip(inputs.to_vec())
+                .map(|(t, data)| {
+                    std::thread::spawn(move || {
+                        let mut buf: Vec<u8> = bytemuck::cast_slice(&data).to_vec();
+                        ring_allreduce(&*t, &mut buf, DType::F32, op).unwrap();
+                        buf
+                    })
+                })
+                .collect();
+            handles
+                .into_iter()
+                .map(|h| h.join().unwrap())
+                .collect::<Vec<_>>()
+        };
+        for n in [2usize, 3, 4] {
+            let shm: Vec<Box<dyn Transport>> = connect(&vec![Some("h"); n], &vec![true; n])
+                .into_iter()
+                .map(|t| {
+                    assert_eq!(t.shared_memory_peers().len(), n - 1);
+                    Box::new(t) as Box<dyn Transport>
+                })
+                .collect();
+            let shm = std::sync::Arc::new(std::sync::Mutex::new(Some(shm)));
+            for (count, op) in [
+                (0usize, ReduceOp::Sum),
+                (1, ReduceOp::Sum),
+                (n + 1, ReduceOp::Average),
+                (3_000_001, ReduceOp::Sum),
+                (777_777, ReduceOp::Min),
+            ] {
+                let mut rng = fastrand::Rng::with_seed((n * 1000 + count) as u64);
+                let inputs: Vec<Vec<f32>> = (0..n)
+                    .map(|_| (0..count).map(|_| rng.f32() * 2e3 - 1e3).collect())
+                    .collect();
+                let memory: Vec<Box<dyn Transport>> =
+                    MemoryTransport::mesh(n, Duration::from_secs(10))
+                        .into_iter()
+                        .map(|t| Box::new(t) as Box<dyn Transport>)
+                        .collect();
+                let expected = run(memory, &inputs, op);
+                // The same shared-memory links serve every case in turn, as in a job.
+                let links = shm.lock().unwrap().take().unwrap();
+                let shared: Vec<std::sync::Arc<Box<dyn Transport>>> =
+                    links.into_iter().map(std::sync::Arc::new).collect();
+                let handles: Vec<_> = shared
+                    .iter()
+                    .cloned()
+                    .zip(inputs.clone())
+                    .map(|(t, data)| {
+                        std::thread::spawn(move || {
+                            let mut buf: Vec<u8> = bytemuck::cast_slice(&data).to_vec();
+                            ring_allreduce(&**t, &mut buf, DType::F32, op).unwrap();
+                            buf
+                        })
+                    })
+                    .collect();
+                let got: Vec<Vec<u8>> = handles.into_iter().map(|h| h.join().unwrap()).collect();
+                assert!(got == expected, "n={n} count={count} {op:?}");
+                let links: Vec<Box<dyn Transport>> = shared
+                    .into_iter()
+                    .map(|a| std::sync::Arc::try_unwrap(a).ok().unwrap())
+                    .collect();
+                *shm.lock().unwrap() = Some(links);
+            }
         }
     }
 

@@ -40,7 +40,8 @@ pub const SEGMENT_BUDGET_BYTES: usize = 256 << 20;
 /// of the free space (containers often get a small `/dev/shm`), or `None` below
 /// [`MIN_RING_BYTES`].
 pub fn ring_bytes_for(members: usize, free_bytes: u64) -> Option<usize> {
-    let rings = (members * members.saturating_sub(1)).max(1) as u64;
+    // m(m-1) rings and 2m allreduce slots, all of one size.
+    let rings = (members * members.saturating_sub(1) + 2 * members).max(1) as u64;
     let budget = (SEGMENT_BUDGET_BYTES as u64).min(free_bytes / 2);
     let mut ring = MAX_RING_BYTES;
     while ring > MIN_RING_BYTES && ring as u64 * rings > budget {
@@ -120,21 +121,38 @@ impl Layout {
     fn bell(&self, i: usize) -> usize {
         LINE * (1 + i)
     }
+    /// Member `i`'s progress through shared allreduces ([`Flags`]).
+    fn flags(&self, i: usize) -> usize {
+        LINE * (1 + self.members + i)
+    }
     /// The ring from member `src` to member `dst`: `head` (written by `src`) and, one line
     /// pair further, `tail` (written by `dst`).
     fn ring_control(&self, src: usize, dst: usize) -> usize {
-        LINE * (1 + self.members) + 2 * LINE * (src * self.members + dst)
+        LINE * (1 + 2 * self.members) + 2 * LINE * (src * self.members + dst)
     }
     fn data_start(&self) -> usize {
-        let control_end = LINE * (1 + self.members) + 2 * LINE * self.members * self.members;
+        let control_end = LINE * (1 + 2 * self.members) + 2 * LINE * self.members * self.members;
         control_end.div_ceil(PAGE) * PAGE
     }
     fn ring_data(&self, src: usize, dst: usize) -> usize {
         self.data_start() + (src * self.members + dst) * self.ring_bytes
     }
-    fn total(&self) -> usize {
-        self.data_start() + self.members * self.members * self.ring_bytes
+    /// Member `i`'s slot `s` (of two) for shared allreduces, as large as a ring.
+    fn slot(&self, i: usize, s: usize) -> usize {
+        self.data_start() + (self.members * self.members + 2 * i + s) * self.ring_bytes
     }
+    fn total(&self) -> usize {
+        self.data_start() + (self.members * self.members + 2 * self.members) * self.ring_bytes
+    }
+}
+
+/// How far a member is through the chunks of shared allreduces (counts, only growing):
+/// its inputs are in its slot, its own part is reduced, it has copied everyone's results.
+#[repr(C)]
+struct Flags {
+    written: AtomicU64,
+    reduced: AtomicU64,
+    consumed: AtomicU64,
 }
 
 /// What a rank needs from the layer above while it waits: whether a peer's process is gone
@@ -167,6 +185,8 @@ pub struct ShmGroup {
     timeout: Duration,
     tx: Vec<Mutex<TxState>>,
     rx: Vec<Mutex<RxState>>,
+    /// Chunks of shared allreduces this rank has started (the same count on every member).
+    chunks: Mutex<u64>,
 }
 
 impl std::fmt::Debug for ShmGroup {
@@ -280,7 +300,10 @@ impl<'a, 'f> Incoming<'a, 'f> {
 struct Patience<'a> {
     last_progress: Instant,
     last_health_check: Instant,
-    peers: [Option<usize>; 2],
+    /// Members whose health is watched.
+    peers: Vec<usize>,
+    /// The member named if the wait times out: the one not heard from.
+    waiting_on: usize,
     cancel: Option<&'a AtomicBool>,
     peer_gone: PeerGone<'a>,
 }
@@ -319,6 +342,186 @@ impl ShmGroup {
                 capacity: self.layout.ring_bytes,
             }
         }
+    }
+
+    fn flags(&self, member: usize) -> &Flags {
+        // SAFETY: `Layout::flags` is inside the mapping and 128-byte aligned.
+        unsafe { &*(self.base().add(self.layout.flags(member)) as *const Flags) }
+    }
+
+    fn slot(&self, member: usize, s: usize) -> *mut u8 {
+        // SAFETY: `Layout::slot` is inside the mapping (see `Layout::total`).
+        unsafe { self.base().add(self.layout.slot(member, s)) }
+    }
+
+    /// Member indices of `ranks`, in their order, if they are exactly the members that share
+    /// this segment (so every member takes part in every shared allreduce).
+    pub(crate) fn whole_group(&self, ranks: &[usize]) -> Option<Vec<usize>> {
+        let active = self.active.iter().filter(|&&a| a).count();
+        if ranks.len() != active || active < 2 {
+            return None;
+        }
+        let members: Vec<usize> = ranks
+            .iter()
+            .map(|&r| {
+                let m = self.ranks.iter().position(|&x| x == r)?;
+                self.active[m].then_some(m)
+            })
+            .collect::<Option<_>>()?;
+        members.contains(&self.me).then_some(members)
+    }
+
+    /// Waits until `ready(flags)` holds for every one of `members`.
+    fn wait_for_all(
+        &self,
+        members: &[usize],
+        ready: impl Fn(&Flags) -> bool,
+        patience: &mut Patience<'_>,
+    ) -> Result<()> {
+        let bell = self.bell(self.me);
+        loop {
+            let seq = bell.seq.load(Ordering::SeqCst);
+            match members.iter().find(|&&m| !ready(self.flags(m))) {
+                None => {
+                    patience.last_progress = Instant::now();
+                    return Ok(());
+                }
+                Some(&laggard) => patience.waiting_on = laggard,
+            }
+            self.wait(seq, patience)?;
+        }
+    }
+
+    fn notify_all(&self, members: &[usize]) {
+        for &m in members.iter().filter(|&&m| m != self.me) {
+            self.notify(m);
+        }
+    }
+
+    /// Allreduce of `buf` among `members` (member indices by position) straight through
+    /// the segment, in chunks, with two alternating slots per member: each member puts its
+    /// inputs for the others in its slot; the member at position `j` folds segment `j`
+    /// (byte ranges `segments[j]`, whole elements) in the ring's order, starting from its
+    /// own bytes: `combine(acc, x[j+1])`, `combine(acc, x[j+2])`, … (`combine` puts the
+    /// incoming operand where the ring does), then `finish`es it and publishes it in its
+    /// slot; everyone copies the others' results. Each byte is copied in once and out
+    /// once, against twice each way on a ring, and a chunk takes three barriers instead of
+    /// `2(n-1)` ring steps.
+    pub(crate) fn fold_allreduce(
+        &self,
+        members: &[usize],
+        buf: &mut [u8],
+        segments: &[std::ops::Range<usize>],
+        combine: &dyn Fn(&mut [u8], &[u8]),
+        finish: &dyn Fn(&mut [u8]),
+        peer_gone: PeerGone<'_>,
+    ) -> Result<()> {
+        let n = members.len();
+        let p = members
+            .iter()
+            .position(|&m| m == self.me)
+            .ok_or_else(|| self.link_error(self.my_rank(), "not a member of this allreduce"))?;
+        let part = self.layout.ring_bytes / n / ALIGN * ALIGN;
+        if part == 0 || segments.len() != n || segments.iter().any(|s| s.end > buf.len()) {
+            return Err(self.link_error(self.my_rank(), "shared allreduce: bad layout"));
+        }
+        let rounds = segments
+            .iter()
+            .map(|s| s.len().div_ceil(part))
+            .max()
+            .unwrap_or(0);
+        let mut chunks = self.lock(&self.chunks, self.me)?;
+        let now = Instant::now();
+        let mut patience = Patience {
+            last_progress: now,
+            last_health_check: now,
+            peers: members.iter().copied().filter(|&m| m != self.me).collect(),
+            waiting_on: self.me,
+            cancel: None,
+            peer_gone,
+        };
+        let me = self.flags(self.me);
+        for round in 0..rounds {
+            let g = *chunks;
+            *chunks += 1;
+            let s = (g % 2) as usize;
+            let sub = |j: usize| {
+                let seg = &segments[j];
+                let start = (seg.start + round * part).min(seg.end);
+                start..(start + part).min(seg.end)
+            };
+            // This slot was last used two chunks ago: everyone must be done with it.
+            self.wait_for_all(
+                members,
+                |f| f.consumed.load(Ordering::Acquire) + 1 >= g,
+                &mut patience,
+            )?;
+            let my_slot = self.slot(self.me, s);
+            for j in (0..n).filter(|&j| j != p) {
+                let r = sub(j);
+                // SAFETY: part j of our slot has room for `part` bytes; nobody reads it
+                // until `written` says so.
+                unsafe {
+                    std::ptr::copy_nonoverlapping(
+                        buf[r.clone()].as_ptr(),
+                        my_slot.add(j * part),
+                        r.len(),
+                    )
+                };
+            }
+            me.written.store(g + 1, Ordering::Release);
+            self.notify_all(members);
+
+            self.wait_for_all(
+                members,
+                |f| f.written.load(Ordering::Acquire) > g,
+                &mut patience,
+            )?;
+            let mine = sub(p);
+            if !mine.is_empty() {
+                let acc = &mut buf[mine];
+                for k in 1..n {
+                    let q = members[(p + k) % n];
+                    // SAFETY: member q published part p of its slot (`written` > g) and
+                    // leaves it alone until we say `consumed`.
+                    let incoming = unsafe {
+                        std::slice::from_raw_parts(
+                            self.slot(q, s).add(p * part) as *const u8,
+                            acc.len(),
+                        )
+                    };
+                    combine(acc, incoming);
+                }
+                finish(acc);
+                // SAFETY: part p of our own slot is read by nobody until `reduced`.
+                unsafe {
+                    std::ptr::copy_nonoverlapping(acc.as_ptr(), my_slot.add(p * part), acc.len())
+                };
+            }
+            me.reduced.store(g + 1, Ordering::Release);
+            self.notify_all(members);
+
+            self.wait_for_all(
+                members,
+                |f| f.reduced.load(Ordering::Acquire) > g,
+                &mut patience,
+            )?;
+            for j in (0..n).filter(|&j| j != p) {
+                let r = sub(j);
+                // SAFETY: the member at position j published its result in part j of its
+                // slot, and does not touch it before we say `consumed`.
+                unsafe {
+                    std::ptr::copy_nonoverlapping(
+                        self.slot(members[j], s).add(j * part) as *const u8,
+                        buf[r.clone()].as_mut_ptr(),
+                        r.len(),
+                    )
+                };
+            }
+            me.consumed.store(g + 1, Ordering::Release);
+            self.notify_all(members);
+        }
+        Ok(())
     }
 
     /// The member index of global rank `rank`, if it shares memory with this rank.
@@ -581,7 +784,9 @@ impl ShmGroup {
         let mut patience = Patience {
             last_progress: now,
             last_health_check: now,
-            peers: [to_member, from_member],
+            peers: to_member.into_iter().chain(from_member).collect(),
+            // Name the peer we were waiting to hear from, else the one we were sending to.
+            waiting_on: from_member.or(to_member).unwrap_or(self.me),
             cancel,
             peer_gone,
         };
@@ -623,32 +828,18 @@ impl ShmGroup {
         bell.waiters.fetch_sub(1, Ordering::SeqCst);
         // Why we might have to stop, cheapest first.
         if bell.aborted.load(Ordering::SeqCst) != 0 {
-            let peer = patience
-                .peers
-                .iter()
-                .flatten()
-                .next()
-                .copied()
-                .unwrap_or(self.me);
             return Err(self.link_error(
-                self.ranks[peer],
+                self.ranks[patience.waiting_on],
                 "this rank aborted its links after a failure",
             ));
         }
         if patience.cancel.is_some_and(|c| c.load(Ordering::SeqCst)) {
-            let peer = patience
-                .peers
-                .iter()
-                .flatten()
-                .next()
-                .copied()
-                .unwrap_or(self.me);
             return Err(self.link_error(
-                self.ranks[peer],
+                self.ranks[patience.waiting_on],
                 "cancelled: the other half of this step failed",
             ));
         }
-        for &m in patience.peers.iter().flatten() {
+        for &m in &patience.peers {
             if self.bell(m).aborted.load(Ordering::SeqCst) != 0 {
                 return Err(self.link_error(
                     self.ranks[m],
@@ -659,7 +850,7 @@ impl ShmGroup {
         let now = Instant::now();
         if now.duration_since(patience.last_health_check) >= WAIT_SLICE {
             patience.last_health_check = now;
-            for &m in patience.peers.iter().flatten() {
+            for &m in &patience.peers {
                 if (patience.peer_gone)(self.ranks[m]) {
                     return Err(self.link_error(
                         self.ranks[m],
@@ -669,11 +860,9 @@ impl ShmGroup {
             }
         }
         if now.duration_since(patience.last_progress) >= self.timeout {
-            // Name the peer we were waiting to hear from, else the one we were sending to.
-            let peer = patience.peers[1].or(patience.peers[0]).unwrap_or(self.me);
             return Err(CollectiveError::PeerTimeout {
                 rank: self.my_rank(),
-                peer: self.ranks[peer],
+                peer: self.ranks[patience.waiting_on],
                 timeout: self.timeout,
             });
         }
@@ -827,6 +1016,7 @@ pub fn create_segment(
             reserve(layout.ring_data(src, dst), ring_bytes)?;
         }
     }
+    reserve(layout.slot(0, 0), 2 * members * ring_bytes)?;
     let map = MmapOptions::new()
         .len(layout.total())
         .map_raw(&segment.file)?;
@@ -895,6 +1085,7 @@ pub fn map_segment(
         timeout,
         tx: (0..ranks.len()).map(|_| Mutex::default()).collect(),
         rx: (0..ranks.len()).map(|_| Mutex::default()).collect(),
+        chunks: Mutex::new(0),
     };
     let header = group.header();
     let ok = header.magic.load(Ordering::Acquire) == SEGMENT_MAGIC
@@ -1190,17 +1381,18 @@ mod tests {
     #[test]
     fn ring_size_shrinks_with_more_members_and_less_free_space() {
         let plenty = 1 << 40;
+        // m(m-1) rings plus 2m allreduce slots of the same size.
         assert_eq!(ring_bytes_for(2, plenty), Some(MAX_RING_BYTES));
-        assert_eq!(ring_bytes_for(4, plenty), Some(MAX_RING_BYTES)); // 12 rings, 96 MiB
-        assert_eq!(ring_bytes_for(8, plenty), Some(4 << 20)); // 56 rings, 224 MiB
-        assert_eq!(ring_bytes_for(16, plenty), Some(1 << 20)); // 240 rings, 240 MiB
-        // Docker's default 64 MiB /dev/shm: 4 ranks get 2 MiB rings (24 MiB).
-        assert_eq!(ring_bytes_for(4, 64 << 20), Some(2 << 20));
+        assert_eq!(ring_bytes_for(4, plenty), Some(MAX_RING_BYTES)); // 20 of them, 160 MiB
+        assert_eq!(ring_bytes_for(8, plenty), Some(2 << 20)); // 72, 144 MiB
+        assert_eq!(ring_bytes_for(16, plenty), Some(512 << 10)); // 272, 136 MiB
+        // Docker's default 64 MiB /dev/shm: 4 ranks get 1 MiB (20 MiB in all).
+        assert_eq!(ring_bytes_for(4, 64 << 20), Some(1 << 20));
         assert_eq!(ring_bytes_for(4, 1 << 20), None);
         for m in 2..40 {
             if let Some(r) = ring_bytes_for(m, plenty) {
                 assert!(valid_ring_bytes(r));
-                assert!(r * m * (m - 1) <= SEGMENT_BUDGET_BYTES);
+                assert!(r * m * (m + 1) <= SEGMENT_BUDGET_BYTES);
             }
         }
         assert!(!valid_ring_bytes(3 << 20) && !valid_ring_bytes(64 << 20));

@@ -224,7 +224,12 @@ impl Tensor {
     }
 }
 
-fn combine<T: bytemuck::Pod>(acc: &mut [u8], incoming: &[u8], f: impl Fn(T, T) -> T) {
+fn combine<const SWAP: bool, T: bytemuck::Pod>(
+    acc: &mut [u8],
+    incoming: &[u8],
+    f: impl Fn(T, T) -> T,
+) {
+    let f = |a: T, b: T| if SWAP { f(b, a) } else { f(a, b) };
     match (
         bytemuck::try_cast_slice_mut::<u8, T>(acc),
         bytemuck::try_cast_slice::<u8, T>(incoming),
@@ -264,41 +269,51 @@ fn map_in_place<T: bytemuck::Pod>(buf: &mut [u8], f: impl Fn(T) -> T) {
 /// `acc[i] = acc[i] ⊕ incoming[i]` for every element. `Average` combines as `Sum`; the
 /// division happens once, in [`divide`]. Both slices must hold whole elements of `dtype`.
 pub fn reduce_into(dtype: DType, op: ReduceOp, acc: &mut [u8], incoming: &[u8]) {
+    reduce_impl::<false>(dtype, op, acc, incoming)
+}
+
+/// `acc[i] = incoming[i] ⊕ acc[i]`: the operands of [`reduce_into`] swapped, for schedules
+/// that must apply the ring's exact operand order from the other side.
+pub fn reduce_into_swapped(dtype: DType, op: ReduceOp, acc: &mut [u8], incoming: &[u8]) {
+    reduce_impl::<true>(dtype, op, acc, incoming)
+}
+
+fn reduce_impl<const SWAP: bool>(dtype: DType, op: ReduceOp, acc: &mut [u8], incoming: &[u8]) {
     debug_assert_eq!(acc.len(), incoming.len());
     use half::{bf16, f16};
     match (dtype, op) {
         (DType::F32, ReduceOp::Sum | ReduceOp::Average) => {
-            combine::<f32>(acc, incoming, |a, b| a + b)
+            combine::<SWAP, f32>(acc, incoming, |a, b| a + b)
         }
-        (DType::F32, ReduceOp::Min) => combine::<f32>(acc, incoming, f32::min),
-        (DType::F32, ReduceOp::Max) => combine::<f32>(acc, incoming, f32::max),
+        (DType::F32, ReduceOp::Min) => combine::<SWAP, f32>(acc, incoming, f32::min),
+        (DType::F32, ReduceOp::Max) => combine::<SWAP, f32>(acc, incoming, f32::max),
         (DType::F64, ReduceOp::Sum | ReduceOp::Average) => {
-            combine::<f64>(acc, incoming, |a, b| a + b)
+            combine::<SWAP, f64>(acc, incoming, |a, b| a + b)
         }
-        (DType::F64, ReduceOp::Min) => combine::<f64>(acc, incoming, f64::min),
-        (DType::F64, ReduceOp::Max) => combine::<f64>(acc, incoming, f64::max),
+        (DType::F64, ReduceOp::Min) => combine::<SWAP, f64>(acc, incoming, f64::min),
+        (DType::F64, ReduceOp::Max) => combine::<SWAP, f64>(acc, incoming, f64::max),
         (DType::I32, ReduceOp::Sum | ReduceOp::Average) => {
-            combine::<i32>(acc, incoming, i32::wrapping_add)
+            combine::<SWAP, i32>(acc, incoming, i32::wrapping_add)
         }
-        (DType::I32, ReduceOp::Min) => combine::<i32>(acc, incoming, std::cmp::min),
-        (DType::I32, ReduceOp::Max) => combine::<i32>(acc, incoming, std::cmp::max),
+        (DType::I32, ReduceOp::Min) => combine::<SWAP, i32>(acc, incoming, std::cmp::min),
+        (DType::I32, ReduceOp::Max) => combine::<SWAP, i32>(acc, incoming, std::cmp::max),
         (DType::I64, ReduceOp::Sum | ReduceOp::Average) => {
-            combine::<i64>(acc, incoming, i64::wrapping_add)
+            combine::<SWAP, i64>(acc, incoming, i64::wrapping_add)
         }
-        (DType::I64, ReduceOp::Min) => combine::<i64>(acc, incoming, std::cmp::min),
-        (DType::I64, ReduceOp::Max) => combine::<i64>(acc, incoming, std::cmp::max),
+        (DType::I64, ReduceOp::Min) => combine::<SWAP, i64>(acc, incoming, std::cmp::min),
+        (DType::I64, ReduceOp::Max) => combine::<SWAP, i64>(acc, incoming, std::cmp::max),
         (DType::F16, ReduceOp::Sum | ReduceOp::Average) => {
-            combine::<f16>(acc, incoming, |a, b| f16::from_f32(a.to_f32() + b.to_f32()))
+            combine::<SWAP, f16>(acc, incoming, |a, b| f16::from_f32(a.to_f32() + b.to_f32()))
         }
-        (DType::F16, ReduceOp::Min) => combine::<f16>(acc, incoming, f16::min),
-        (DType::F16, ReduceOp::Max) => combine::<f16>(acc, incoming, f16::max),
+        (DType::F16, ReduceOp::Min) => combine::<SWAP, f16>(acc, incoming, f16::min),
+        (DType::F16, ReduceOp::Max) => combine::<SWAP, f16>(acc, incoming, f16::max),
         (DType::BF16, ReduceOp::Sum | ReduceOp::Average) => {
-            combine::<bf16>(acc, incoming, |a, b| {
+            combine::<SWAP, bf16>(acc, incoming, |a, b| {
                 bf16::from_f32(a.to_f32() + b.to_f32())
             })
         }
-        (DType::BF16, ReduceOp::Min) => combine::<bf16>(acc, incoming, bf16::min),
-        (DType::BF16, ReduceOp::Max) => combine::<bf16>(acc, incoming, bf16::max),
+        (DType::BF16, ReduceOp::Min) => combine::<SWAP, bf16>(acc, incoming, bf16::min),
+        (DType::BF16, ReduceOp::Max) => combine::<SWAP, bf16>(acc, incoming, bf16::max),
     }
 }
 

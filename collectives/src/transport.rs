@@ -84,6 +84,23 @@ pub trait Transport: Send + Sync {
     fn shared_memory_peers(&self) -> Vec<usize> {
         Vec::new()
     }
+
+    /// Allreduce of `buf` among `ranks` done by the transport itself, when it has a native
+    /// way for exactly these ranks (all in one shared-memory segment); `None`: run a
+    /// schedule. It must give the bits a ring reduce-scatter then allgather over
+    /// `segments` would (byte ranges, one per position in `ranks`): segment `j` starts as
+    /// position j's bytes, takes `combine(acc, incoming)` with positions j+1, j+2, … in
+    /// turn, and is `finish`ed. `combine` and `finish` know the dtype; the transport not.
+    fn native_allreduce(
+        &self,
+        _ranks: &[usize],
+        _buf: &mut [u8],
+        _segments: &[std::ops::Range<usize>],
+        _combine: &dyn Fn(&mut [u8], &[u8]),
+        _finish: &dyn Fn(&mut [u8]),
+    ) -> Option<Result<()>> {
+        None
+    }
 }
 
 /// Sends one length-prefixed frame (4-byte big-endian length, then the payload).
