@@ -973,6 +973,36 @@ fn segment_name(job_id: &str, nonce: u64) -> String {
     format!("ringwatch-{job}-{}-{nonce:016x}", std::process::id())
 }
 
+/// The creator's pid in a segment file's name (`ringwatch-<job>-<pid>-<nonce>`).
+fn creator_pid(name: &str) -> Option<u32> {
+    let rest = name.strip_prefix("ringwatch-")?;
+    let (before_nonce, nonce) = rest.rsplit_once('-')?;
+    if nonce.len() != 16 || !nonce.chars().all(|c| c.is_ascii_hexdigit()) {
+        return None;
+    }
+    before_nonce.rsplit_once('-')?.1.parse().ok()
+}
+
+/// Removes segment files whose creator is gone. A segment's name lives only between its
+/// creation and the end of the start-up handshake; a file left behind means its creator
+/// died in between, and it would hold its memory until the next boot.
+fn remove_orphans(dir: &std::path::Path) {
+    let Ok(entries) = std::fs::read_dir(dir) else {
+        return;
+    };
+    for entry in entries.flatten() {
+        let name = entry.file_name();
+        let Some(pid) = name.to_str().and_then(creator_pid) else {
+            continue;
+        };
+        if !std::path::Path::new(&format!("/proc/{pid}")).exists()
+            && std::fs::remove_file(entry.path()).is_ok()
+        {
+            tracing::info!(path = %entry.path().display(), "removed a shared-memory segment whose creator is gone");
+        }
+    }
+}
+
 /// Creates and initializes a segment for `members` ranks in `dir`, reserving its memory
 /// now (so a full `/dev/shm` is an error here, not a SIGBUS later).
 pub fn create_segment(
@@ -985,6 +1015,7 @@ pub fn create_segment(
         members,
         ring_bytes,
     };
+    remove_orphans(dir);
     let nonce = random_nonce();
     let path = dir.join(segment_name(job_id, nonce));
     let file = OpenOptions::new()
@@ -1397,6 +1428,31 @@ mod tests {
         }
         assert!(!valid_ring_bytes(3 << 20) && !valid_ring_bytes(64 << 20));
         assert!(free_bytes(std::path::Path::new("/")).unwrap() > 0);
+    }
+
+    #[test]
+    fn a_segment_left_by_a_dead_creator_is_removed_and_a_live_ones_kept() {
+        let dir = std::env::temp_dir().join(format!("rw-shm-orphans-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        // pid_max is at most 2^22: this pid cannot be running.
+        let dead = dir.join("ringwatch-job-a-99999999-00000000deadbeef");
+        let alive = dir.join(format!(
+            "ringwatch-job-a-{}-00000000deadbeef",
+            std::process::id()
+        ));
+        let unrelated = dir.join("ringwatch-notes-99999999-x");
+        for p in [&dead, &alive, &unrelated] {
+            std::fs::write(p, b"x").unwrap();
+        }
+        assert_eq!(
+            creator_pid("ringwatch-job-a-99999999-00000000deadbeef"),
+            Some(99_999_999)
+        );
+        let seg = create_segment(&dir, "job", 2, MIN_RING_BYTES).unwrap();
+        assert!(!dead.exists());
+        assert!(alive.exists() && unrelated.exists() && seg.path().exists());
+        drop(seg);
+        std::fs::remove_dir_all(&dir).unwrap();
     }
 
     #[test]
