@@ -250,6 +250,35 @@ impl HostTransport {
         g.member_of(peer).map(|m| (g, m))
     }
 
+    /// A step that receives `incoming` from shared-memory member `from` while sending
+    /// `send` to rank `to`: on this thread through the rings if `to` shares memory too,
+    /// else through `to`'s TCP writer thread.
+    fn step_into_shared_memory(
+        &self,
+        to: usize,
+        send: &[u8],
+        g: &ShmGroup,
+        from: usize,
+        incoming: Incoming<'_, '_>,
+    ) -> Result<()> {
+        let gone = |r: usize| self.tcp.peer_gone(r);
+        if let Some((_, mt)) = self.member(to) {
+            return g.exchange(
+                Some((mt, Outgoing::new(send))),
+                Some((from, incoming)),
+                None,
+                &gone,
+            );
+        }
+        let pending = if send.is_empty() {
+            None
+        } else {
+            Some(self.tcp.submit(to, send)?)
+        };
+        let received = g.exchange(None, Some((from, incoming)), None, &gone);
+        self.tcp.settle(to, pending, received)
+    }
+
     /// Sends `send` to shared-memory member `to` on a helper thread while `receive` runs
     /// here (a step whose receive comes over TCP); a failed receive cancels the send.
     fn send_while(
@@ -327,30 +356,16 @@ impl Transport for HostTransport {
         recv: &mut [u8],
         on_chunk: &mut dyn FnMut(usize, &[u8]),
     ) -> Result<()> {
-        let gone = |r: usize| self.tcp.peer_gone(r);
-        match (self.member(to), self.member(from)) {
-            (None, None) => self.tcp.send_recv(to, send, from, recv, on_chunk),
-            (Some((g, mt)), Some((_, mf))) => g.exchange(
-                Some((mt, Outgoing::new(send))),
-                Some((mf, Incoming::copy(recv, CHUNK_BYTES, Some(on_chunk)))),
-                None,
-                &gone,
+        match (self.member(from), self.member(to)) {
+            (Some((g, mf)), _) => self.step_into_shared_memory(
+                to,
+                send,
+                g,
+                mf,
+                Incoming::copy(recv, CHUNK_BYTES, Some(on_chunk)),
             ),
-            (None, Some((g, mf))) => {
-                let pending = if send.is_empty() {
-                    None
-                } else {
-                    Some(self.tcp.submit(to, send)?)
-                };
-                let received = g.exchange(
-                    None,
-                    Some((mf, Incoming::copy(recv, CHUNK_BYTES, Some(on_chunk)))),
-                    None,
-                    &gone,
-                );
-                self.tcp.settle(to, pending, received)
-            }
-            (Some((g, mt)), None) => self.send_while(g, mt, send, || {
+            (None, None) => self.tcp.send_recv(to, send, from, recv, on_chunk),
+            (None, Some((g, mt))) => self.send_while(g, mt, send, || {
                 self.tcp.send_recv(to, &[], from, recv, on_chunk)
             }),
         }
@@ -372,32 +387,18 @@ impl Transport for HostTransport {
                 message: "empty piece buffer".into(),
             });
         }
-        let gone = |r: usize| self.tcp.peer_gone(r);
-        match (self.member(to), self.member(from)) {
+        match (self.member(from), self.member(to)) {
+            (Some((g, mf)), _) => self.step_into_shared_memory(
+                to,
+                send,
+                g,
+                mf,
+                Incoming::pieces(recv_len, piece_buf, on_piece),
+            ),
             (None, None) => self
                 .tcp
                 .send_recv_pieces(to, send, from, recv_len, piece_buf, on_piece),
-            (Some((g, mt)), Some((_, mf))) => g.exchange(
-                Some((mt, Outgoing::new(send))),
-                Some((mf, Incoming::pieces(recv_len, piece_buf, on_piece))),
-                None,
-                &gone,
-            ),
-            (None, Some((g, mf))) => {
-                let pending = if send.is_empty() {
-                    None
-                } else {
-                    Some(self.tcp.submit(to, send)?)
-                };
-                let received = g.exchange(
-                    None,
-                    Some((mf, Incoming::pieces(recv_len, piece_buf, on_piece))),
-                    None,
-                    &gone,
-                );
-                self.tcp.settle(to, pending, received)
-            }
-            (Some((g, mt)), None) => self.send_while(g, mt, send, || {
+            (None, Some((g, mt))) => self.send_while(g, mt, send, || {
                 self.tcp
                     .send_recv_pieces(to, &[], from, recv_len, piece_buf, on_piece)
             }),
