@@ -22,6 +22,9 @@ pub enum Algorithm {
     Ring,
     /// Intra-node reduce-scatter, cross-node ring allreduce, intra-node allgather.
     Hierarchical,
+    /// Every rank on one host: straight through the shared-memory segment (the flat
+    /// ring's bits, without its steps).
+    SharedMemory,
 }
 
 impl Algorithm {
@@ -30,6 +33,7 @@ impl Algorithm {
         match self {
             Algorithm::Ring => "ring",
             Algorithm::Hierarchical => "hierarchical",
+            Algorithm::SharedMemory => "shared_memory",
         }
     }
 }

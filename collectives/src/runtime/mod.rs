@@ -1083,6 +1083,13 @@ impl CycleThread {
 
     fn algorithm(&mut self) -> Algorithm {
         if !self.knobs.hierarchical_allreduce {
+            // The flat schedule; the transport runs it natively when every rank shares
+            // this rank's memory, and the timeline says so.
+            if self.world_size > 1
+                && self.transport.shared_memory_peers().len() + 1 == self.world_size
+            {
+                return Algorithm::SharedMemory;
+            }
             return Algorithm::Ring;
         }
         if self.layout.is_some() {
