@@ -100,8 +100,7 @@ static __always_inline void rw_send_interval(struct rw_thread_state *state, __u3
 		rw_count(RW_COUNTER_RINGBUF_DROPS);
 		return;
 	}
-	rw_fill_header(&event->hdr, RW_EVENT_SCHED_INTERVAL);
-	event->hdr.ts_ns = end_ns;
+	rw_fill_header(&event->hdr, RW_EVENT_SCHED_INTERVAL, end_ns);
 	event->tgid = tgid;
 	event->tid = tid;
 	event->start_ns = start_ns;
@@ -181,8 +180,7 @@ int BPF_PROG(rw_sched_switch, bool preempt, struct task_struct *prev,
 		rw_count(RW_COUNTER_RINGBUF_DROPS);
 		return 0;
 	}
-	rw_fill_header(&event->hdr, RW_EVENT_SCHED_SWITCH);
-	event->hdr.ts_ns = now;
+	rw_fill_header(&event->hdr, RW_EVENT_SCHED_SWITCH, now);
 	event->prev_tgid = prev_tgid;
 	event->prev_tid = prev->pid;
 	event->next_tgid = next_tgid;
@@ -253,7 +251,7 @@ int BPF_PROG(rw_sched_process_exit, struct task_struct *p)
 		rw_count(RW_COUNTER_RINGBUF_DROPS);
 		return 0;
 	}
-	rw_fill_header(&event->hdr, RW_EVENT_THREAD_EXIT);
+	rw_fill_header(&event->hdr, RW_EVENT_THREAD_EXIT, bpf_ktime_get_ns());
 	event->tgid = tgid;
 	event->tid = tid;
 	rw_submit(event);
