@@ -77,10 +77,14 @@ mod tests {
         bytes.extend_from_slice(&123u64.to_ne_bytes()); // ts_ns
         bytes.extend_from_slice(&1u32.to_ne_bytes()); // kind
         bytes.extend_from_slice(&3u32.to_ne_bytes()); // cpu
-        for v in [10u32, 11, 20, 21, 1] {
+        for v in [10u32, 11, 20, 21] {
             bytes.extend_from_slice(&v.to_ne_bytes());
         }
-        bytes.extend_from_slice(&[0, 1, 0, 0]);
+        for v in [100u64, 0] {
+            bytes.extend_from_slice(&v.to_ne_bytes());
+        }
+        // watched prev, next; on-CPU part only, preempted; padding
+        bytes.extend_from_slice(&[1, 0, 1, 0, 1, 0, 0, 0]);
         bytes
     }
 
@@ -94,10 +98,13 @@ mod tests {
             (e.prev_tgid, e.prev_tid, e.next_tgid, e.next_tid),
             (10, 11, 20, 21)
         );
-        assert_eq!(
-            (e.prev_state, e.preempt, e.prev_watched, e.next_watched),
-            (1, 0, 1, 0)
-        );
+        assert_eq!((e.prev_watched, e.next_watched), (1, 0));
+        let intervals: Vec<_> = e.intervals().collect();
+        assert_eq!(intervals.len(), 1);
+        let on_cpu = intervals[0];
+        assert_eq!((on_cpu.tgid, on_cpu.tid), (10, 11));
+        assert_eq!((on_cpu.start_ns, on_cpu.duration_ns), (100, 23));
+        assert_eq!((on_cpu.interval, on_cpu.cause), (1, 1));
     }
 
     #[test]

@@ -11,7 +11,7 @@ use anyhow::{Context, Result, bail};
 use aya::maps::{Array, HashMap as BpfHashMap, MapData, PerCpuArray, RingBuf};
 use aya::programs::{BtfTracePoint, UProbe};
 use aya::{Btf, Ebpf, EbpfLoader, Pod};
-use ebpf::{Counter, HistKey, HistKind, SockStats, ThreadKey, ThreadNet, names};
+use ebpf::{Counter, HistKey, HistKind, SockStats, ThreadKey, ThreadNet, ThreadState, names};
 
 /// Plain-old-data wrappers so aya can read the kernel's map keys/values.
 #[repr(transparent)]
@@ -26,6 +26,9 @@ struct PodThreadNet(ThreadNet);
 #[repr(transparent)]
 #[derive(Clone, Copy)]
 struct PodSockStats(SockStats);
+#[repr(transparent)]
+#[derive(Clone, Copy)]
+struct PodThreadState(ThreadState);
 // SAFETY: each wraps a #[repr(C)] struct of integers (ebpf crate, layout
 // checked against the C header), valid for every bit pattern.
 unsafe impl Pod for PodHistKey {}
@@ -35,11 +38,13 @@ unsafe impl Pod for PodThreadKey {}
 unsafe impl Pod for PodThreadNet {}
 // SAFETY: as above.
 unsafe impl Pod for PodSockStats {}
+// SAFETY: as above.
+unsafe impl Pod for PodThreadState {}
 
 /// Groups of probes that can be switched on and off.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
 pub enum ProbeSet {
-    /// sched_switch, sched_wakeup(_new), sched_process_exit.
+    /// sched_switch, sched_wakeup(_new).
     Sched,
     /// sock_send/recv_length, tcp_retransmit_skb, tcp_probe, inet_sock_set_state.
     Tcp,
@@ -83,6 +88,7 @@ pub struct Probes {
     watched: Array<MapData, u64>,
     counters: PerCpuArray<MapData, u64>,
     hist: BpfHashMap<MapData, PodHistKey, u64>,
+    thread_state: BpfHashMap<MapData, u32, PodThreadState>,
     thread_net: BpfHashMap<MapData, PodThreadKey, PodThreadNet>,
     sock_stats: BpfHashMap<MapData, u64, PodSockStats>,
     nccl_attached: BTreeSet<u32>,
@@ -114,11 +120,6 @@ impl Probes {
                 ProbeSet::Sched,
                 names::PROG_SCHED_WAKEUP_NEW,
                 "sched_wakeup_new",
-            ),
-            (
-                ProbeSet::Sched,
-                names::PROG_SCHED_PROCESS_EXIT,
-                "sched_process_exit",
             ),
             (
                 ProbeSet::Tcp,
@@ -166,6 +167,8 @@ impl Probes {
             .context("map counters has an unexpected type")?;
         let hist = BpfHashMap::try_from(take_map(&mut ebpf, names::MAP_SCHED_HIST)?)
             .context("map sched_hist has an unexpected type")?;
+        let thread_state = BpfHashMap::try_from(take_map(&mut ebpf, names::MAP_THREAD_STATE)?)
+            .context("map thread_state has an unexpected type")?;
         let thread_net = BpfHashMap::try_from(take_map(&mut ebpf, names::MAP_THREAD_NET)?)
             .context("map thread_net has an unexpected type")?;
         let sock_stats = BpfHashMap::try_from(take_map(&mut ebpf, names::MAP_SOCK_STATS)?)
@@ -175,6 +178,7 @@ impl Probes {
             watched,
             counters,
             hist,
+            thread_state,
             thread_net,
             sock_stats,
             nccl_attached: BTreeSet::new(),
@@ -295,11 +299,17 @@ impl Probes {
         out
     }
 
-    /// Deletes the histogram buckets and traffic counters of threads the
-    /// model forgot, so the kernel maps stay bounded on a long run.
+    /// Deletes the histogram buckets, traffic counters and scheduling
+    /// state of threads the model forgot, so the kernel maps stay bounded
+    /// on a long run. (The kernel deletes an exiting thread's state itself;
+    /// a live thread of a watched process is never forgotten, as its state
+    /// is read every refresh.)
     pub fn forget_threads(&mut self, tids: &[u32]) {
         if tids.is_empty() {
             return;
+        }
+        for tid in tids {
+            let _ = self.thread_state.remove(tid);
         }
         let doomed_net: Vec<PodThreadKey> = self
             .thread_net
@@ -319,6 +329,15 @@ impl Probes {
         for key in doomed {
             let _ = self.hist.remove(&key);
         }
+    }
+
+    /// Scheduling state and context-switch counts per thread (tid → state).
+    pub fn thread_states(&self) -> Vec<(u32, ThreadState)> {
+        self.thread_state
+            .iter()
+            .flatten()
+            .map(|(tid, state)| (tid, state.0))
+            .collect()
     }
 
     /// TCP bytes and calls per thread (cumulative, exact).

@@ -329,9 +329,15 @@ impl Session {
         Ok(())
     }
 
-    /// Reads the kernel's aggregate maps into the model.
+    /// Reads the kernel's aggregate maps into the model: per-thread
+    /// scheduling state and switch counts (of watched processes only: a
+    /// process no longer watched keeps its last figures), TCP traffic,
+    /// connections.
     pub fn poll_maps(&mut self) {
         let now = monotonic_ns();
+        let mut states = self.probes.thread_states();
+        states.retain(|(_, state)| self.watched.contains(&state.tgid));
+        self.model.update_thread_states(now, &states);
         let net = self.probes.thread_net();
         self.model.update_thread_net(now, &net);
         let socks = self.probes.sockets();

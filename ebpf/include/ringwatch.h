@@ -74,22 +74,33 @@ struct rw_event_header {
 	__u32 cpu;
 };
 
-/* One context switch on a CPU where the outgoing or incoming thread belongs
- * to a watched process. */
+/* The intervals one context switch ended, for the watched threads in it:
+ * the outgoing thread's on-CPU interval and the incoming thread's run-queue
+ * wait, both ending at hdr.ts_ns. One record instead of one per interval
+ * (each costs a ring-buffer reservation on the hottest path in the kernel).
+ * Each part is there only when it passed rw_min_interval_ns and the rate
+ * limit; a switch with neither part sends no record (switch counts live in
+ * rw_thread_state, not in records). */
 struct rw_sched_switch_event {
 	struct rw_event_header hdr;
 	__u32 prev_tgid;
 	__u32 prev_tid;
 	__u32 next_tgid;
 	__u32 next_tid;
-	__u32 prev_state;  /* the outgoing task's __state: 0 = runnable (preempted) */
-	__u8 preempt;      /* the switch was a preemption */
-	__u8 prev_watched; /* prev_tgid is in watched_tgids */
-	__u8 next_watched; /* next_tgid is in watched_tgids */
-	__u8 _pad;
+	__u64 on_cpu_start_ns;    /* prev's on-CPU interval, if has_on_cpu */
+	__u64 run_queue_start_ns; /* next's run-queue wait, if has_run_queue */
+	__u8 prev_watched;        /* prev_tgid is in watched_tgids */
+	__u8 next_watched;        /* next_tgid is in watched_tgids */
+	__u8 has_on_cpu;
+	__u8 has_run_queue;
+	__u8 on_cpu_cause;        /* enum rw_interval_cause: preempted or blocked */
+	__u8 run_queue_cause;     /* enum rw_interval_cause: preempted, woken or new */
+	__u8 _pad[2];
 };
 
-/* One finished interval of a watched thread (at least rw_min_interval_ns). */
+/* One finished interval of a watched thread (at least rw_min_interval_ns):
+ * the off-CPU intervals, sent at the wakeup that ends them (the on-CPU and
+ * run-queue intervals travel in rw_sched_switch_event). */
 struct rw_sched_interval_event {
 	struct rw_event_header hdr;
 	__u32 tgid;
@@ -100,11 +111,34 @@ struct rw_sched_interval_event {
 	__u32 cause;       /* enum rw_interval_cause */
 };
 
-/* A watched thread exited (its kernel-side state is gone). */
+/* A watched thread exited (sent at its last switch out; its kernel-side
+ * state is gone), with its final context-switch counts. */
 struct rw_thread_exit_event {
 	struct rw_event_header hdr;
 	__u32 tgid;
 	__u32 tid;
+	__u64 switched_out; /* that last switch included */
+	__u64 switched_in;
+	__u64 preempted;
+};
+
+/* Value of the `thread_state` map (key: tid): where a watched thread is and
+ * since when, and its context switches since the agent loaded the programs.
+ * The agent reads the map for the counts and for "on CPU since"; the
+ * counts of an exited thread come in its rw_thread_exit_event. */
+struct rw_thread_state {
+	__u64 on_ts;          /* switched in at (valid while on_cpu) */
+	__u64 off_ts;         /* switched out at */
+	__u64 runq_ts;        /* became runnable at; 0 when not waiting */
+	__u64 rate_window_ns; /* start of the current one-second rate window */
+	__u64 switched_out;   /* times it left a CPU */
+	__u64 switched_in;    /* times it got a CPU */
+	__u64 preempted;      /* of switched_out, still runnable (__state 0) */
+	__u32 rate_count;     /* interval records sent in the rate window */
+	__u32 tgid;
+	__u8 on_cpu;
+	__u8 runq_cause;      /* enum rw_interval_cause */
+	__u8 _pad[6];
 };
 
 /* Key of the `sched_hist` map: one log2 bucket of one thread's histogram.

@@ -37,8 +37,6 @@ pub mod names {
     pub const PROG_SCHED_WAKEUP: &str = "rw_sched_wakeup";
     /// BTF tracepoint program on `sched_wakeup_new`.
     pub const PROG_SCHED_WAKEUP_NEW: &str = "rw_sched_wakeup_new";
-    /// BTF tracepoint program on `sched_process_exit`.
-    pub const PROG_SCHED_PROCESS_EXIT: &str = "rw_sched_process_exit";
     /// BTF tracepoint program on `sock_send_length`.
     pub const PROG_SOCK_SEND_LENGTH: &str = "rw_sock_send_length";
     /// BTF tracepoint program on `sock_recv_length`.
@@ -62,7 +60,8 @@ pub mod names {
     ];
     /// `HASH` of per-thread log2 histograms ([`crate::HistKey`] → `u64`).
     pub const MAP_SCHED_HIST: &str = "sched_hist";
-    /// `HASH` of per-thread scheduling state (tid → private struct).
+    /// `HASH` of per-thread scheduling state and switch counts (tid →
+    /// [`crate::ThreadState`]).
     pub const MAP_THREAD_STATE: &str = "thread_state";
     /// `HASH` [`crate::ThreadKey`] → [`crate::ThreadNet`].
     pub const MAP_THREAD_NET: &str = "thread_net";
@@ -260,12 +259,15 @@ pub struct EventHeader {
     pub cpu: u32,
 }
 
-/// `struct rw_sched_switch_event`: a context switch in which a watched
-/// process's thread went off or came on a CPU.
+/// `struct rw_sched_switch_event`: the intervals one context switch ended
+/// for the watched threads in it: the outgoing thread's on-CPU interval and
+/// the incoming thread's run-queue wait, both ending at `hdr.ts_ns`. Sent
+/// only when at least one of them is there (switch counts are in
+/// [`ThreadState`], not in records).
 #[repr(C)]
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct SchedSwitchEvent {
-    /// Common header; `kind` is [`EventKind::SchedSwitch`].
+    /// Common header; `kind` is [`EventKind::SchedSwitch`], `ts_ns` the switch.
     pub hdr: EventHeader,
     /// Process of the thread leaving the CPU.
     pub prev_tgid: u32,
@@ -275,19 +277,72 @@ pub struct SchedSwitchEvent {
     pub next_tgid: u32,
     /// Thread taking the CPU.
     pub next_tid: u32,
-    /// The outgoing thread's `__state` (0: still runnable).
-    pub prev_state: u32,
-    /// 1 when the switch was a preemption.
-    pub preempt: u8,
+    /// Start of the outgoing thread's on-CPU interval (if `has_on_cpu`).
+    pub on_cpu_start_ns: u64,
+    /// Start of the incoming thread's run-queue wait (if `has_run_queue`).
+    pub run_queue_start_ns: u64,
     /// 1 when `prev_tgid` is watched.
     pub prev_watched: u8,
     /// 1 when `next_tgid` is watched.
     pub next_watched: u8,
+    /// 1 when the record carries the outgoing thread's on-CPU interval.
+    pub has_on_cpu: u8,
+    /// 1 when the record carries the incoming thread's run-queue wait.
+    pub has_run_queue: u8,
+    /// An [`IntervalCause`] value: how the on-CPU interval ended.
+    pub on_cpu_cause: u8,
+    /// An [`IntervalCause`] value: why the thread was runnable.
+    pub run_queue_cause: u8,
     /// Padding, zero.
-    pub _pad: u8,
+    pub _pad: [u8; 2],
 }
 
-/// `struct rw_sched_interval_event`: one finished interval of a watched thread.
+impl SchedSwitchEvent {
+    /// The intervals the record carries, each as the one-interval record
+    /// the kernel would have sent for it: the outgoing thread's on-CPU
+    /// interval first, then the incoming thread's run-queue wait.
+    pub fn intervals(&self) -> impl Iterator<Item = SchedIntervalEvent> + use<> {
+        let end = self.hdr.ts_ns;
+        let interval =
+            |tgid, tid, start_ns: u64, kind: IntervalKind, cause: u8| SchedIntervalEvent {
+                hdr: EventHeader {
+                    ts_ns: end,
+                    kind: EventKind::SchedInterval as u32,
+                    cpu: self.hdr.cpu,
+                },
+                tgid,
+                tid,
+                start_ns,
+                duration_ns: end.saturating_sub(start_ns),
+                interval: kind as u32,
+                cause: u32::from(cause),
+            };
+        let on_cpu = (self.has_on_cpu != 0).then(|| {
+            interval(
+                self.prev_tgid,
+                self.prev_tid,
+                self.on_cpu_start_ns,
+                IntervalKind::OnCpu,
+                self.on_cpu_cause,
+            )
+        });
+        let run_queue = (self.has_run_queue != 0).then(|| {
+            interval(
+                self.next_tgid,
+                self.next_tid,
+                self.run_queue_start_ns,
+                IntervalKind::RunQueue,
+                self.run_queue_cause,
+            )
+        });
+        on_cpu.into_iter().chain(run_queue)
+    }
+}
+
+/// `struct rw_sched_interval_event`: one finished interval of a watched
+/// thread. The kernel sends off-CPU intervals so (the on-CPU and run-queue
+/// ones travel in [`SchedSwitchEvent`]); the agent's model takes every
+/// interval in this form.
 #[repr(C)]
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct SchedIntervalEvent {
@@ -307,7 +362,8 @@ pub struct SchedIntervalEvent {
     pub cause: u32,
 }
 
-/// `struct rw_thread_exit_event`: a watched thread exited.
+/// `struct rw_thread_exit_event`: a watched thread exited (sent at its last
+/// switch out), with its final context-switch counts.
 #[repr(C)]
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct ThreadExitEvent {
@@ -317,6 +373,44 @@ pub struct ThreadExitEvent {
     pub tgid: u32,
     /// Thread.
     pub tid: u32,
+    /// Times it left a CPU, its last switch included.
+    pub switched_out: u64,
+    /// Times it got a CPU.
+    pub switched_in: u64,
+    /// Of `switched_out`, how many left it runnable (preemptions).
+    pub preempted: u64,
+}
+
+/// `struct rw_thread_state`: value of the `thread_state` map (key: tid):
+/// where a watched thread is, since when, and its context-switch counts
+/// since the programs were loaded.
+#[repr(C)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct ThreadState {
+    /// Switched in at (valid while `on_cpu` is 1), ns.
+    pub on_ts: u64,
+    /// Switched out at, ns.
+    pub off_ts: u64,
+    /// Became runnable at, ns; 0 when not waiting.
+    pub runq_ts: u64,
+    /// Start of the current one-second rate window, ns.
+    pub rate_window_ns: u64,
+    /// Times it left a CPU.
+    pub switched_out: u64,
+    /// Times it got a CPU.
+    pub switched_in: u64,
+    /// Of `switched_out`, how many left it runnable (`__state` 0).
+    pub preempted: u64,
+    /// Interval records sent in the rate window.
+    pub rate_count: u32,
+    /// Process.
+    pub tgid: u32,
+    /// 1 while on a CPU.
+    pub on_cpu: u8,
+    /// An [`IntervalCause`] value: why it is runnable.
+    pub runq_cause: u8,
+    /// Padding.
+    pub _pad: [u8; 6],
 }
 
 /// `struct rw_hist_key`: one log2 bucket of one thread's histogram; bucket
@@ -495,6 +589,8 @@ unsafe impl Record for SchedIntervalEvent {}
 // SAFETY: repr(C), integer fields only.
 unsafe impl Record for ThreadExitEvent {}
 // SAFETY: repr(C), integer fields only.
+unsafe impl Record for ThreadState {}
+// SAFETY: repr(C), integer fields only.
 unsafe impl Record for TcpRetransmitEvent {}
 // SAFETY: repr(C), integer fields (and a SockStats) only.
 unsafe impl Record for TcpCloseEvent {}
@@ -539,12 +635,12 @@ mod layout {
                 offset_of!(SchedSwitchEvent, next_tid),
             ),
             (
-                "rw_sched_switch_event.prev_state",
-                offset_of!(SchedSwitchEvent, prev_state),
+                "rw_sched_switch_event.on_cpu_start_ns",
+                offset_of!(SchedSwitchEvent, on_cpu_start_ns),
             ),
             (
-                "rw_sched_switch_event.preempt",
-                offset_of!(SchedSwitchEvent, preempt),
+                "rw_sched_switch_event.run_queue_start_ns",
+                offset_of!(SchedSwitchEvent, run_queue_start_ns),
             ),
             (
                 "rw_sched_switch_event.prev_watched",
@@ -553,6 +649,22 @@ mod layout {
             (
                 "rw_sched_switch_event.next_watched",
                 offset_of!(SchedSwitchEvent, next_watched),
+            ),
+            (
+                "rw_sched_switch_event.has_on_cpu",
+                offset_of!(SchedSwitchEvent, has_on_cpu),
+            ),
+            (
+                "rw_sched_switch_event.has_run_queue",
+                offset_of!(SchedSwitchEvent, has_run_queue),
+            ),
+            (
+                "rw_sched_switch_event.on_cpu_cause",
+                offset_of!(SchedSwitchEvent, on_cpu_cause),
+            ),
+            (
+                "rw_sched_switch_event.run_queue_cause",
+                offset_of!(SchedSwitchEvent, run_queue_cause),
             ),
             ("rw_sched_interval_event", size_of::<SchedIntervalEvent>()),
             (
@@ -590,6 +702,48 @@ mod layout {
                 offset_of!(ThreadExitEvent, tgid),
             ),
             ("rw_thread_exit_event.tid", offset_of!(ThreadExitEvent, tid)),
+            (
+                "rw_thread_exit_event.switched_out",
+                offset_of!(ThreadExitEvent, switched_out),
+            ),
+            (
+                "rw_thread_exit_event.switched_in",
+                offset_of!(ThreadExitEvent, switched_in),
+            ),
+            (
+                "rw_thread_exit_event.preempted",
+                offset_of!(ThreadExitEvent, preempted),
+            ),
+            ("rw_thread_state", size_of::<ThreadState>()),
+            ("rw_thread_state.on_ts", offset_of!(ThreadState, on_ts)),
+            ("rw_thread_state.off_ts", offset_of!(ThreadState, off_ts)),
+            ("rw_thread_state.runq_ts", offset_of!(ThreadState, runq_ts)),
+            (
+                "rw_thread_state.rate_window_ns",
+                offset_of!(ThreadState, rate_window_ns),
+            ),
+            (
+                "rw_thread_state.switched_out",
+                offset_of!(ThreadState, switched_out),
+            ),
+            (
+                "rw_thread_state.switched_in",
+                offset_of!(ThreadState, switched_in),
+            ),
+            (
+                "rw_thread_state.preempted",
+                offset_of!(ThreadState, preempted),
+            ),
+            (
+                "rw_thread_state.rate_count",
+                offset_of!(ThreadState, rate_count),
+            ),
+            ("rw_thread_state.tgid", offset_of!(ThreadState, tgid)),
+            ("rw_thread_state.on_cpu", offset_of!(ThreadState, on_cpu)),
+            (
+                "rw_thread_state.runq_cause",
+                offset_of!(ThreadState, runq_cause),
+            ),
             ("rw_hist_key", size_of::<HistKey>()),
             ("rw_hist_key.tid", offset_of!(HistKey, tid)),
             ("rw_hist_key.kind", offset_of!(HistKey, kind)),
@@ -736,7 +890,7 @@ mod layout {
     #[test]
     fn short_records_are_refused() {
         assert!(read_record::<SchedSwitchEvent>(&[0u8; 8]).is_none());
-        let bytes = [1u8; 40];
+        let bytes = [1u8; std::mem::size_of::<SchedSwitchEvent>()];
         let event = read_record::<SchedSwitchEvent>(&bytes).unwrap();
         assert_eq!(event.prev_tgid, 0x0101_0101);
     }
