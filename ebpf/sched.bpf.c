@@ -30,14 +30,26 @@ struct {
 	__type(value, struct rw_thread_state); /* include/ringwatch.h */
 } thread_state SEC(".maps");
 
-/* Log2 histograms per thread; the agent deletes a thread's buckets when it
- * forgets the thread. */
+/* Log2 histograms, one entry per thread; the agent deletes a thread's entry
+ * when it forgets the thread. One entry per thread (not one per bucket) so
+ * that an add looks up a key that the thread's own events keep hot in the
+ * cache: a key per bucket spread the adds over a 4 MiB bucket array and
+ * cost more than the rest of sched_switch. 16 MiB preallocated, as before. */
 struct {
 	__uint(type, BPF_MAP_TYPE_HASH);
-	__uint(max_entries, 262144);
-	__type(key, struct rw_hist_key);
-	__type(value, __u64);
+	__uint(max_entries, 16384);
+	__type(key, __u32); /* tid */
+	__type(value, struct rw_thread_hist);
 } sched_hist SEC(".maps");
+
+/* Never written: the zeros a new sched_hist entry starts from (an entry is
+ * larger than the BPF stack). */
+struct {
+	__uint(type, BPF_MAP_TYPE_ARRAY);
+	__uint(max_entries, 1);
+	__type(key, __u32);
+	__type(value, struct rw_thread_hist);
+} sched_hist_zero SEC(".maps");
 
 static __always_inline __u32 rw_log2(__u64 v)
 {
@@ -51,20 +63,30 @@ static __always_inline __u32 rw_log2(__u64 v)
 	return r;
 }
 
-static __always_inline void rw_hist_add(__u32 tid, __u16 kind, __u64 duration_ns)
+static __always_inline struct rw_thread_hist *rw_hist_of(__u32 tid)
 {
-	struct rw_hist_key key = { .tid = tid, .kind = kind, .slot = rw_log2(duration_ns) };
-	__u64 *count = bpf_map_lookup_elem(&sched_hist, &key);
-	if (!count) {
-		__u64 zero = 0;
-		bpf_map_update_elem(&sched_hist, &key, &zero, BPF_NOEXIST);
-		count = bpf_map_lookup_elem(&sched_hist, &key);
-		if (!count) {
-			rw_count(RW_COUNTER_MAP_FULL);
-			return;
-		}
-	}
-	__sync_fetch_and_add(count, 1);
+	struct rw_thread_hist *hist = bpf_map_lookup_elem(&sched_hist, &tid);
+	if (hist)
+		return hist;
+	__u32 zero_key = 0;
+	struct rw_thread_hist *zero = bpf_map_lookup_elem(&sched_hist_zero, &zero_key);
+	if (!zero)
+		return 0;
+	bpf_map_update_elem(&sched_hist, &tid, zero, BPF_NOEXIST);
+	hist = bpf_map_lookup_elem(&sched_hist, &tid);
+	if (!hist)
+		rw_count(RW_COUNTER_MAP_FULL);
+	return hist;
+}
+
+/* Counts one run-queue wait (run_queue true) or off-CPU interval. */
+static __always_inline void rw_hist_add(__u32 tid, bool run_queue, __u64 duration_ns)
+{
+	struct rw_thread_hist *hist = rw_hist_of(tid);
+	if (!hist)
+		return;
+	__u32 slot = rw_log2(duration_ns) & (RW_HIST_SLOTS - 1);
+	__sync_fetch_and_add(run_queue ? &hist->run_queue[slot] : &hist->off_cpu[slot], 1);
 }
 
 /* Whether an interval of `duration_ns` ending at `end_ns` leaves the kernel:
@@ -207,7 +229,7 @@ int BPF_PROG(rw_sched_switch, bool preempt, struct task_struct *prev,
 			state->switched_in++;
 			if (state->runq_ts) {
 				__u64 wait = now - state->runq_ts;
-				rw_hist_add(next_tid, RW_HIST_RUN_QUEUE, wait);
+				rw_hist_add(next_tid, true, wait);
 				if (rw_interval_sent(state, wait, now)) {
 					has_run_queue = true;
 					run_queue_start = state->runq_ts;
@@ -270,7 +292,7 @@ static __always_inline void rw_woken(struct task_struct *p, bool new_thread)
 	} else {
 		if (!state->off_ts)
 			return; /* first seen now: we do not know when it blocked */
-		rw_hist_add(tid, RW_HIST_OFF_CPU, now - state->off_ts);
+		rw_hist_add(tid, false, now - state->off_ts);
 		rw_send_interval(state, tgid, tid, RW_INTERVAL_OFF_CPU, RW_CAUSE_BLOCKED,
 				 state->off_ts, now);
 		state->runq_cause = RW_CAUSE_WOKEN;

@@ -11,12 +11,12 @@ use anyhow::{Context, Result, bail};
 use aya::maps::{Array, HashMap as BpfHashMap, MapData, PerCpuArray, RingBuf};
 use aya::programs::{BtfTracePoint, UProbe};
 use aya::{Btf, Ebpf, EbpfLoader, Pod};
-use ebpf::{Counter, HistKey, HistKind, SockStats, ThreadKey, ThreadNet, ThreadState, names};
+use ebpf::{Counter, SockStats, ThreadHist, ThreadKey, ThreadNet, ThreadState, names};
 
 /// Plain-old-data wrappers so aya can read the kernel's map keys/values.
 #[repr(transparent)]
 #[derive(Clone, Copy)]
-struct PodHistKey(HistKey);
+struct PodThreadHist(ThreadHist);
 #[repr(transparent)]
 #[derive(Clone, Copy)]
 struct PodThreadKey(ThreadKey);
@@ -31,7 +31,7 @@ struct PodSockStats(SockStats);
 struct PodThreadState(ThreadState);
 // SAFETY: each wraps a #[repr(C)] struct of integers (ebpf crate, layout
 // checked against the C header), valid for every bit pattern.
-unsafe impl Pod for PodHistKey {}
+unsafe impl Pod for PodThreadHist {}
 // SAFETY: as above.
 unsafe impl Pod for PodThreadKey {}
 // SAFETY: as above.
@@ -87,7 +87,7 @@ pub struct Probes {
     ebpf: Ebpf,
     watched: Array<MapData, u64>,
     counters: PerCpuArray<MapData, u64>,
-    hist: BpfHashMap<MapData, PodHistKey, u64>,
+    hist: BpfHashMap<MapData, u32, PodThreadHist>,
     thread_state: BpfHashMap<MapData, u32, PodThreadState>,
     thread_net: BpfHashMap<MapData, PodThreadKey, PodThreadNet>,
     sock_stats: BpfHashMap<MapData, u64, PodSockStats>,
@@ -280,26 +280,30 @@ impl Probes {
 
     /// The histograms of the given threads, as the kernel holds them now.
     pub fn histograms(&self, tids: &BTreeSet<u32>) -> BTreeMap<u32, ThreadHistograms> {
-        let mut out: BTreeMap<u32, ThreadHistograms> = BTreeMap::new();
-        for entry in self.hist.iter() {
-            let Ok((PodHistKey(key), count)) = entry else {
-                continue; // an entry deleted while iterating
-            };
-            if !tids.contains(&key.tid) {
-                continue;
-            }
-            let h = out.entry(key.tid).or_default();
-            let bucket = if key.kind == HistKind::RunQueue as u16 {
-                &mut h.run_queue
-            } else {
-                &mut h.off_cpu
-            };
-            *bucket.buckets.entry(key.slot).or_default() += count;
-        }
-        out
+        let buckets = |counts: &[u64]| Log2Histogram {
+            buckets: (0u16..)
+                .zip(counts)
+                .filter(|(_, count)| **count > 0)
+                .map(|(slot, count)| (slot, *count))
+                .collect(),
+        };
+        tids.iter()
+            .filter_map(|&tid| {
+                // Absent: the thread never waited nor blocked (or it was
+                // forgotten, or the map was full).
+                let PodThreadHist(hist) = self.hist.get(&tid, 0).ok()?;
+                Some((
+                    tid,
+                    ThreadHistograms {
+                        run_queue: buckets(&hist.run_queue),
+                        off_cpu: buckets(&hist.off_cpu),
+                    },
+                ))
+            })
+            .collect()
     }
 
-    /// Deletes the histogram buckets, traffic counters and scheduling
+    /// Deletes the histograms, traffic counters and scheduling
     /// state of threads the model forgot, so the kernel maps stay bounded
     /// on a long run. (The kernel deletes an exiting thread's state itself;
     /// a live thread of a watched process is never forgotten, as its state
@@ -310,6 +314,7 @@ impl Probes {
         }
         for tid in tids {
             let _ = self.thread_state.remove(tid);
+            let _ = self.hist.remove(tid);
         }
         let doomed_net: Vec<PodThreadKey> = self
             .thread_net
@@ -319,15 +324,6 @@ impl Probes {
             .collect();
         for key in doomed_net {
             let _ = self.thread_net.remove(&key);
-        }
-        let doomed: Vec<PodHistKey> = self
-            .hist
-            .keys()
-            .flatten()
-            .filter(|k| tids.contains(&k.0.tid))
-            .collect();
-        for key in doomed {
-            let _ = self.hist.remove(&key);
         }
     }
 

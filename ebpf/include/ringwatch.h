@@ -52,12 +52,6 @@ enum rw_interval_cause {
 	RW_CAUSE_NEW = 3,       /* RUN_QUEUE: a new thread's first wait */
 };
 
-/* Histogram kinds (rw_hist_key.kind). */
-enum rw_hist_kind {
-	RW_HIST_RUN_QUEUE = 1,
-	RW_HIST_OFF_CPU = 2,
-};
-
 /* NCCL entry points (rw_nccl_call_event.func). */
 enum rw_nccl_func {
 	RW_NCCL_ALL_REDUCE = 1,
@@ -141,13 +135,14 @@ struct rw_thread_state {
 	__u8 _pad[6];
 };
 
-/* Key of the `sched_hist` map: one log2 bucket of one thread's histogram.
- * Bucket `slot` counts durations d with 2^slot <= d < 2^(slot+1) ns
- * (slot 0 also holds d = 0). */
-struct rw_hist_key {
-	__u32 tid;
-	__u16 kind; /* enum rw_hist_kind */
-	__u16 slot;
+/* Log2 buckets of a histogram of durations (ns): bucket `slot` counts
+ * durations d with 2^slot <= d < 2^(slot+1) (slot 0 also holds d = 0). */
+#define RW_HIST_SLOTS 64
+
+/* Value of the `sched_hist` map (key: tid): one thread's histograms. */
+struct rw_thread_hist {
+	__u64 run_queue[RW_HIST_SLOTS]; /* run-queue waits */
+	__u64 off_cpu[RW_HIST_SLOTS];   /* off-CPU (blocked) intervals */
 };
 
 /* Key of the `thread_net` map. */

@@ -58,7 +58,7 @@ pub mod names {
         ("rw_nccl_group_start", "ncclGroupStart"),
         ("rw_nccl_group_end", "ncclGroupEnd"),
     ];
-    /// `HASH` of per-thread log2 histograms ([`crate::HistKey`] → `u64`).
+    /// `HASH` of per-thread log2 histograms (tid → [`crate::ThreadHist`]).
     pub const MAP_SCHED_HIST: &str = "sched_hist";
     /// `HASH` of per-thread scheduling state and switch counts (tid →
     /// [`crate::ThreadState`]).
@@ -184,16 +184,6 @@ impl IntervalCause {
             _ => None,
         }
     }
-}
-
-/// `enum rw_hist_kind`: which histogram a [`HistKey`] belongs to.
-#[repr(u16)]
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum HistKind {
-    /// Run-queue waits.
-    RunQueue = 1,
-    /// Off-CPU (blocked) time.
-    OffCpu = 2,
 }
 
 /// `enum rw_nccl_func`: which NCCL entry point a call was.
@@ -413,17 +403,19 @@ pub struct ThreadState {
     pub _pad: [u8; 6],
 }
 
-/// `struct rw_hist_key`: one log2 bucket of one thread's histogram; bucket
-/// `slot` counts durations in `[2^slot, 2^(slot+1))` ns (slot 0 also 0 ns).
+/// Buckets per histogram (`RW_HIST_SLOTS`): bucket `slot` counts durations
+/// in `[2^slot, 2^(slot+1))` ns (slot 0 also 0 ns).
+pub const HIST_SLOTS: usize = 64;
+
+/// `struct rw_thread_hist`: value of the `sched_hist` map (key: tid), one
+/// thread's log2 histograms.
 #[repr(C)]
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct HistKey {
-    /// Thread.
-    pub tid: u32,
-    /// A [`HistKind`] value.
-    pub kind: u16,
-    /// log2 of the duration in ns.
-    pub slot: u16,
+pub struct ThreadHist {
+    /// Run-queue waits per log2 bucket.
+    pub run_queue: [u64; HIST_SLOTS],
+    /// Off-CPU (blocked) intervals per log2 bucket.
+    pub off_cpu: [u64; HIST_SLOTS],
 }
 
 /// `struct rw_thread_key`: key of the `thread_net` map.
@@ -744,10 +736,12 @@ mod layout {
                 "rw_thread_state.runq_cause",
                 offset_of!(ThreadState, runq_cause),
             ),
-            ("rw_hist_key", size_of::<HistKey>()),
-            ("rw_hist_key.tid", offset_of!(HistKey, tid)),
-            ("rw_hist_key.kind", offset_of!(HistKey, kind)),
-            ("rw_hist_key.slot", offset_of!(HistKey, slot)),
+            ("rw_thread_hist", size_of::<ThreadHist>()),
+            (
+                "rw_thread_hist.run_queue",
+                offset_of!(ThreadHist, run_queue),
+            ),
+            ("rw_thread_hist.off_cpu", offset_of!(ThreadHist, off_cpu)),
             ("rw_thread_key", size_of::<ThreadKey>()),
             ("rw_thread_key.tgid", offset_of!(ThreadKey, tgid)),
             ("rw_thread_key.tid", offset_of!(ThreadKey, tid)),
@@ -861,8 +855,6 @@ mod layout {
             ("RW_CAUSE_PREEMPTED", IntervalCause::Preempted as u32),
             ("RW_CAUSE_WOKEN", IntervalCause::Woken as u32),
             ("RW_CAUSE_NEW", IntervalCause::New as u32),
-            ("RW_HIST_RUN_QUEUE", HistKind::RunQueue as u32),
-            ("RW_HIST_OFF_CPU", HistKind::OffCpu as u32),
             ("RW_NCCL_ALL_REDUCE", NcclFunc::AllReduce as u32),
             ("RW_NCCL_ALL_GATHER", NcclFunc::AllGather as u32),
             ("RW_NCCL_REDUCE_SCATTER", NcclFunc::ReduceScatter as u32),
@@ -873,6 +865,7 @@ mod layout {
                 "RW_COUNTER_INTERVALS_RATE_LIMITED",
                 Counter::IntervalsRateLimited as u32,
             ),
+            ("RW_HIST_SLOTS", HIST_SLOTS as u32),
             ("RW_COUNTER_MAX", COUNTER_SLOTS),
         ];
         assert_eq!(rust, C_CONSTANTS.to_vec());

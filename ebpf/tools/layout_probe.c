@@ -60,10 +60,9 @@ int main(void)
 	FIELD(rw_thread_state, tgid);
 	FIELD(rw_thread_state, on_cpu);
 	FIELD(rw_thread_state, runq_cause);
-	SIZE(rw_hist_key);
-	FIELD(rw_hist_key, tid);
-	FIELD(rw_hist_key, kind);
-	FIELD(rw_hist_key, slot);
+	SIZE(rw_thread_hist);
+	FIELD(rw_thread_hist, run_queue);
+	FIELD(rw_thread_hist, off_cpu);
 	SIZE(rw_thread_key);
 	FIELD(rw_thread_key, tgid);
 	FIELD(rw_thread_key, tid);
@@ -133,8 +132,6 @@ int main(void)
 	printf("    (\"RW_CAUSE_PREEMPTED\", %u),\n", RW_CAUSE_PREEMPTED);
 	printf("    (\"RW_CAUSE_WOKEN\", %u),\n", RW_CAUSE_WOKEN);
 	printf("    (\"RW_CAUSE_NEW\", %u),\n", RW_CAUSE_NEW);
-	printf("    (\"RW_HIST_RUN_QUEUE\", %u),\n", RW_HIST_RUN_QUEUE);
-	printf("    (\"RW_HIST_OFF_CPU\", %u),\n", RW_HIST_OFF_CPU);
 	printf("    (\"RW_NCCL_ALL_REDUCE\", %u),\n", RW_NCCL_ALL_REDUCE);
 	printf("    (\"RW_NCCL_ALL_GATHER\", %u),\n", RW_NCCL_ALL_GATHER);
 	printf("    (\"RW_NCCL_REDUCE_SCATTER\", %u),\n", RW_NCCL_REDUCE_SCATTER);
@@ -142,6 +139,7 @@ int main(void)
 	printf("    (\"RW_NCCL_GROUP_START\", %u),\n", RW_NCCL_GROUP_START);
 	printf("    (\"RW_NCCL_GROUP_END\", %u),\n", RW_NCCL_GROUP_END);
 	printf("    (\"RW_COUNTER_INTERVALS_RATE_LIMITED\", %u),\n", RW_COUNTER_INTERVALS_RATE_LIMITED);
+	printf("    (\"RW_HIST_SLOTS\", %u),\n", RW_HIST_SLOTS);
 	printf("    (\"RW_COUNTER_MAX\", %u),\n", RW_COUNTER_MAX);
 	printf("];\n");
 	return 0;
