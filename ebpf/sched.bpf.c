@@ -10,9 +10,10 @@
  * are only counted (never silently lost) and are still in the histograms.
  *
  * This runs on every context switch of the watched job, so it sends at most
- * one record per switch (both intervals a switch ends travel together) and
- * none when there is nothing to send: every ring-buffer record costs a
- * reservation, a cache line and the agent's time to read it.
+ * one record per switch (the intervals a switch ends travel together, the
+ * off-CPU interval a wakeup ends with the switch in after it) and none when
+ * there is nothing to send: every ring-buffer record costs a reservation, a
+ * cache line and the agent's time to read it.
  */
 
 /* Set by the agent at load time (aya's set_global); 0 sends every interval. */
@@ -113,28 +114,6 @@ static __always_inline bool rw_interval_sent(struct rw_thread_state *state,
 	return true;
 }
 
-static __always_inline void rw_send_interval(struct rw_thread_state *state, __u32 tgid,
-					     __u32 tid, __u32 interval, __u32 cause,
-					     __u64 start_ns, __u64 end_ns)
-{
-	if (!rw_interval_sent(state, end_ns - start_ns, end_ns))
-		return;
-	struct rw_sched_interval_event *event =
-		bpf_ringbuf_reserve(&events, sizeof(*event), 0);
-	if (!event) {
-		rw_count(RW_COUNTER_RINGBUF_DROPS);
-		return;
-	}
-	rw_fill_header(&event->hdr, RW_EVENT_SCHED_INTERVAL, end_ns);
-	event->tgid = tgid;
-	event->tid = tid;
-	event->start_ns = start_ns;
-	event->duration_ns = end_ns - start_ns;
-	event->interval = interval;
-	event->cause = cause;
-	rw_submit(event);
-}
-
 static __always_inline struct rw_thread_state *rw_thread(__u32 tid, __u32 tgid)
 {
 	struct rw_thread_state *state = bpf_map_lookup_elem(&thread_state, &tid);
@@ -186,9 +165,9 @@ int BPF_PROG(rw_sched_switch, bool preempt, struct task_struct *prev,
 	__u32 prev_tid = prev->pid;
 	__u32 next_tid = next->pid;
 	/* The intervals this switch ends, for one record. */
-	__u64 on_cpu_start = 0, run_queue_start = 0;
+	__u64 on_cpu_start = 0, off_cpu_start = 0, runnable = 0;
 	__u8 on_cpu_cause = 0, run_queue_cause = 0;
-	bool has_on_cpu = false, has_run_queue = false;
+	bool has_on_cpu = false, has_off_cpu = false, has_run_queue = false;
 	/* The dying thread's final counts (its state is deleted below). */
 	bool prev_dead = false;
 	__u64 dead_out = 1, dead_in = 0, dead_preempted = 0;
@@ -202,7 +181,7 @@ int BPF_PROG(rw_sched_switch, bool preempt, struct task_struct *prev,
 		if (state) {
 			/* Preempted (or still runnable): it waits on the run
 			 * queue from now on; otherwise it blocked until woken. */
-			bool runnable = preempt || prev_state == 0;
+			bool still_runnable = preempt || prev_state == 0;
 			state->switched_out++;
 			/* __state 0 (TASK_RUNNING) when leaving: preempted
 			 * rather than blocked. */
@@ -212,12 +191,14 @@ int BPF_PROG(rw_sched_switch, bool preempt, struct task_struct *prev,
 			    rw_interval_sent(state, now - state->on_ts, now)) {
 				has_on_cpu = true;
 				on_cpu_start = state->on_ts;
-				on_cpu_cause = runnable ? RW_CAUSE_PREEMPTED : RW_CAUSE_BLOCKED;
+				on_cpu_cause = still_runnable ? RW_CAUSE_PREEMPTED
+							      : RW_CAUSE_BLOCKED;
 			}
 			state->on_cpu = 0;
 			state->off_ts = now;
-			state->runq_ts = runnable ? now : 0;
+			state->runq_ts = still_runnable ? now : 0;
 			state->runq_cause = RW_CAUSE_PREEMPTED;
+			state->off_cpu_pending = 0;
 			dead_out = state->switched_out;
 			dead_in = state->switched_in;
 			dead_preempted = state->preempted;
@@ -230,19 +211,22 @@ int BPF_PROG(rw_sched_switch, bool preempt, struct task_struct *prev,
 			if (state->runq_ts) {
 				__u64 wait = now - state->runq_ts;
 				rw_hist_add(next_tid, true, wait);
-				if (rw_interval_sent(state, wait, now)) {
-					has_run_queue = true;
-					run_queue_start = state->runq_ts;
-					run_queue_cause = state->runq_cause;
-				}
+				has_run_queue = rw_interval_sent(state, wait, now);
+				runnable = state->runq_ts;
+				run_queue_cause = state->runq_cause;
+				/* The off-CPU interval its wakeup ended, when
+				 * rw_woken decided to send it. */
+				has_off_cpu = state->off_cpu_pending;
+				off_cpu_start = state->off_ts;
 			}
+			state->off_cpu_pending = 0;
 			state->runq_ts = 0;
 			state->on_ts = now;
 			state->on_cpu = 1;
 		}
 	}
 
-	if (has_on_cpu || has_run_queue) {
+	if (has_on_cpu || has_off_cpu || has_run_queue) {
 		struct rw_sched_switch_event *event =
 			bpf_ringbuf_reserve(&events, sizeof(*event), 0);
 		if (event) {
@@ -252,15 +236,16 @@ int BPF_PROG(rw_sched_switch, bool preempt, struct task_struct *prev,
 			event->next_tgid = next_tgid;
 			event->next_tid = next_tid;
 			event->on_cpu_start_ns = on_cpu_start;
-			event->run_queue_start_ns = run_queue_start;
+			event->off_cpu_start_ns = off_cpu_start;
+			event->runnable_ns = runnable;
 			event->prev_watched = prev_watched;
 			event->next_watched = next_watched;
 			event->has_on_cpu = has_on_cpu;
+			event->has_off_cpu = has_off_cpu;
 			event->has_run_queue = has_run_queue;
 			event->on_cpu_cause = on_cpu_cause;
 			event->run_queue_cause = run_queue_cause;
-			event->_pad[0] = 0;
-			event->_pad[1] = 0;
+			event->_pad = 0;
 			rw_submit(event);
 		} else {
 			rw_count(RW_COUNTER_RINGBUF_DROPS);
@@ -272,7 +257,8 @@ int BPF_PROG(rw_sched_switch, bool preempt, struct task_struct *prev,
 }
 
 /* A blocked watched thread became runnable: its off-CPU interval ends and
- * its run-queue wait begins. */
+ * its run-queue wait begins. The interval goes out with the thread's next
+ * switch in (rw_sched_switch), in the record that carries that wait. */
 static __always_inline void rw_woken(struct task_struct *p, bool new_thread)
 {
 	__u32 tgid = p->tgid;
@@ -292,9 +278,11 @@ static __always_inline void rw_woken(struct task_struct *p, bool new_thread)
 	} else {
 		if (!state->off_ts)
 			return; /* first seen now: we do not know when it blocked */
-		rw_hist_add(tid, false, now - state->off_ts);
-		rw_send_interval(state, tgid, tid, RW_INTERVAL_OFF_CPU, RW_CAUSE_BLOCKED,
-				 state->off_ts, now);
+		__u64 off_cpu = now - state->off_ts;
+		rw_hist_add(tid, false, off_cpu);
+		/* Decided now, so the rate limit sees the intervals in the
+		 * order they end. */
+		state->off_cpu_pending = rw_interval_sent(state, off_cpu, now);
 		state->runq_cause = RW_CAUSE_WOKEN;
 	}
 	state->runq_ts = now;

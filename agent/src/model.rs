@@ -11,7 +11,7 @@
 use std::collections::{BTreeMap, BTreeSet, VecDeque};
 
 use ebpf::{
-    IntervalCause, IntervalKind, NcclFunc, SchedIntervalEvent, SockStats, ThreadKey, ThreadNet,
+    IntervalCause, IntervalKind, NcclFunc, SockStats, SwitchInterval, ThreadKey, ThreadNet,
     ThreadState,
 };
 use serde::Serialize;
@@ -377,37 +377,36 @@ impl Model {
         }
     }
 
-    fn record_interval(&mut self, e: &SchedIntervalEvent) {
-        let (Some(kind), Some(cause)) = (
-            IntervalKind::from_raw(e.interval),
-            IntervalCause::from_raw(e.cause),
-        ) else {
-            tracing::warn!(interval = e.interval, cause = e.cause, "unknown interval");
+    fn record_interval(&mut self, e: &SwitchInterval) {
+        let Some(cause) = IntervalCause::from_raw(u32::from(e.cause)) else {
+            tracing::warn!(kind = ?e.kind, cause = e.cause, "unknown interval cause");
             return;
         };
+        let kind = e.kind;
+        let duration_ns = e.end_ns.saturating_sub(e.start_ns);
         let cap = self.max_intervals_per_thread;
-        let t = self.thread(e.tgid, e.tid, e.hdr.ts_ns);
+        let t = self.thread(e.tgid, e.tid, e.end_ns);
         let totals = &mut t.totals;
         match kind {
             IntervalKind::OnCpu => {
-                totals.on_cpu_ns += e.duration_ns;
+                totals.on_cpu_ns += duration_ns;
                 totals.on_cpu_intervals += 1;
             }
             IntervalKind::RunQueue => {
-                totals.run_queue_ns += e.duration_ns;
+                totals.run_queue_ns += duration_ns;
                 totals.run_queue_waits += 1;
                 if cause == IntervalCause::Preempted {
                     totals.run_queue_waits_after_preemption += 1;
                 }
             }
             IntervalKind::OffCpu => {
-                totals.off_cpu_ns += e.duration_ns;
+                totals.off_cpu_ns += duration_ns;
                 totals.off_cpu_intervals += 1;
             }
         }
         t.intervals.push_back(Interval {
             start_ns: e.start_ns,
-            duration_ns: e.duration_ns,
+            duration_ns,
             kind,
             cause,
         });
@@ -432,7 +431,6 @@ impl Model {
                     self.switched(e.next_tgid, e.next_tid, now, true);
                 }
             }
-            Event::SchedInterval(e) => self.record_interval(e),
             Event::ThreadExit(e) => {
                 self.switches.update(
                     e.tgid,
@@ -864,25 +862,28 @@ mod tests {
             next_tgid: next.0,
             next_tid: next.1,
             on_cpu_start_ns: 0,
-            run_queue_start_ns: 0,
+            off_cpu_start_ns: 0,
+            runnable_ns: 0,
             prev_watched: u8::from(prev.2),
             next_watched: u8::from(next.2),
             has_on_cpu: 0,
+            has_off_cpu: 0,
             has_run_queue: 0,
             on_cpu_cause: 0,
             run_queue_cause: 0,
-            _pad: [0; 2],
+            _pad: 0,
         }
     }
 
     #[test]
-    fn a_switch_record_carries_both_intervals_it_ended() {
+    fn a_switch_record_carries_every_interval_it_ended() {
         let mut model = Model::new(10_000 * MS, 1000);
         // 10/11 leaves the CPU preempted after 4 ms on it; 10/12 takes it
-        // after waiting 1 ms since its wakeup.
+        // after waiting 1 ms since its wakeup, which ended 7 ms blocked.
         let mut e = switch((10, 11, true), (10, 12, true), 10 * MS);
         (e.has_on_cpu, e.on_cpu_start_ns, e.on_cpu_cause) = (1, 6 * MS, 1);
-        (e.has_run_queue, e.run_queue_start_ns, e.run_queue_cause) = (1, 9 * MS, 2);
+        (e.has_run_queue, e.runnable_ns, e.run_queue_cause) = (1, 9 * MS, 2);
+        (e.has_off_cpu, e.off_cpu_start_ns) = (1, 2 * MS);
         model.record(&Event::SchedSwitch(e));
         let on = model.intervals(11, 0, u64::MAX);
         assert_eq!(
@@ -894,16 +895,26 @@ mod tests {
                 cause: IntervalCause::Preempted
             }]
         );
-        let waits = model.intervals(12, 0, u64::MAX);
+        let incoming = model.intervals(12, 0, u64::MAX);
         assert_eq!(
-            waits,
-            [Interval {
-                start_ns: 9 * MS,
-                duration_ns: MS,
-                kind: IntervalKind::RunQueue,
-                cause: IntervalCause::Woken
-            }]
+            incoming,
+            [
+                Interval {
+                    start_ns: 2 * MS,
+                    duration_ns: 7 * MS,
+                    kind: IntervalKind::OffCpu,
+                    cause: IntervalCause::Blocked
+                },
+                Interval {
+                    start_ns: 9 * MS,
+                    duration_ns: MS,
+                    kind: IntervalKind::RunQueue,
+                    cause: IntervalCause::Woken
+                }
+            ]
         );
+        let totals = model.thread_totals(12).unwrap();
+        assert_eq!((totals.off_cpu_ns, totals.run_queue_ns), (7 * MS, MS));
         // 12 has been on the CPU since the switch, 11 is off it.
         let snap = model.thread_snapshot(12, 10 * MS, 20 * MS).unwrap();
         assert!((snap.cpu_pct - 100.0).abs() < 1e-9, "{snap:?}");
@@ -940,20 +951,21 @@ mod tests {
         assert!(snap.cpu_pct.abs() < 1e-9, "{snap:?}");
     }
 
-    fn interval(tgid: u32, tid: u32, kind: u32, cause: u32, start: u64, dur: u64) -> Event {
-        Event::SchedInterval(ebpf::SchedIntervalEvent {
-            hdr: EventHeader {
-                ts_ns: start + dur,
-                kind: 2,
-                cpu: 0,
-            },
+    /// One interval, as a switch record carries it; `kind` 1: on CPU, 2:
+    /// run queue, 3: off CPU.
+    fn interval(tgid: u32, tid: u32, kind: u32, cause: u8, start: u64, dur: u64) -> SwitchInterval {
+        SwitchInterval {
             tgid,
             tid,
-            start_ns: start,
-            duration_ns: dur,
-            interval: kind,
+            kind: match kind {
+                1 => IntervalKind::OnCpu,
+                2 => IntervalKind::RunQueue,
+                _ => IntervalKind::OffCpu,
+            },
             cause,
-        })
+            start_ns: start,
+            end_ns: start + dur,
+        }
     }
 
     const MS: u64 = 1_000_000;
@@ -962,11 +974,11 @@ mod tests {
     fn totals_snapshots_and_time_ranges() {
         let mut model = Model::new(10_000 * MS, 1000);
         // thread 11: on CPU 0..100ms, blocked 100..600ms, waits 1ms, on 601..700.
-        model.record(&interval(10, 11, 1, 0, 0, 100 * MS));
-        model.record(&interval(10, 11, 3, 0, 100 * MS, 500 * MS));
-        model.record(&interval(10, 11, 2, 2, 600 * MS, MS));
-        model.record(&interval(10, 11, 1, 1, 601 * MS, 99 * MS));
-        model.record(&interval(10, 11, 2, 1, 700 * MS, 3 * MS));
+        model.record_interval(&interval(10, 11, 1, 0, 0, 100 * MS));
+        model.record_interval(&interval(10, 11, 3, 0, 100 * MS, 500 * MS));
+        model.record_interval(&interval(10, 11, 2, 2, 600 * MS, MS));
+        model.record_interval(&interval(10, 11, 1, 1, 601 * MS, 99 * MS));
+        model.record_interval(&interval(10, 11, 2, 1, 700 * MS, 3 * MS));
         let t = model.thread_totals(11).unwrap();
         assert_eq!(t.on_cpu_ns, 199 * MS);
         assert_eq!(t.off_cpu_ns, 500 * MS);
@@ -1048,7 +1060,7 @@ mod tests {
     fn memory_is_bounded_by_cap_and_retention() {
         let mut model = Model::new(1000 * MS, 10);
         for i in 0..100 {
-            model.record(&interval(1, 2, 1, 0, i * MS, MS));
+            model.record_interval(&interval(1, 2, 1, 0, i * MS, MS));
         }
         assert_eq!(model.stats().intervals, 10);
         assert_eq!(model.stats().intervals_dropped_for_memory, 90);

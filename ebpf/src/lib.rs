@@ -79,8 +79,6 @@ pub mod names {
 pub enum EventKind {
     /// [`SchedSwitchEvent`].
     SchedSwitch = 1,
-    /// [`SchedIntervalEvent`].
-    SchedInterval = 2,
     /// [`ThreadExitEvent`].
     ThreadExit = 3,
     /// [`TcpRetransmitEvent`].
@@ -96,7 +94,6 @@ impl EventKind {
     pub fn from_raw(raw: u32) -> Option<Self> {
         match raw {
             1 => Some(Self::SchedSwitch),
-            2 => Some(Self::SchedInterval),
             3 => Some(Self::ThreadExit),
             4 => Some(Self::TcpRetransmit),
             5 => Some(Self::TcpClose),
@@ -135,28 +132,15 @@ impl Counter {
     ];
 }
 
-/// `enum rw_interval_kind`: what a [`SchedIntervalEvent`] measured.
-#[repr(u32)]
+/// What an interval of a thread measured (the parts of a [`SchedSwitchEvent`]).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub enum IntervalKind {
     /// Switched in → switched out.
-    OnCpu = 1,
+    OnCpu,
     /// Runnable (woken, preempted or new) → switched in.
-    RunQueue = 2,
+    RunQueue,
     /// Switched out blocked → woken.
-    OffCpu = 3,
-}
-
-impl IntervalKind {
-    /// The kind for a raw value, if known.
-    pub fn from_raw(raw: u32) -> Option<Self> {
-        match raw {
-            1 => Some(Self::OnCpu),
-            2 => Some(Self::RunQueue),
-            3 => Some(Self::OffCpu),
-            _ => None,
-        }
-    }
+    OffCpu,
 }
 
 /// `enum rw_interval_cause`.
@@ -250,10 +234,12 @@ pub struct EventHeader {
 }
 
 /// `struct rw_sched_switch_event`: the intervals one context switch ended
-/// for the watched threads in it: the outgoing thread's on-CPU interval and
-/// the incoming thread's run-queue wait, both ending at `hdr.ts_ns`. Sent
-/// only when at least one of them is there (switch counts are in
-/// [`ThreadState`], not in records).
+/// for the watched threads in it, all ending at or before `hdr.ts_ns`: the
+/// outgoing thread's on-CPU interval; the incoming thread's run-queue wait
+/// and, when it had blocked, the off-CPU interval its wakeup ended. Sent
+/// only when at least one part is there (switch counts are in
+/// [`ThreadState`], not in records); [`SchedSwitchEvent::intervals`] lists
+/// them.
 #[repr(C)]
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct SchedSwitchEvent {
@@ -269,14 +255,20 @@ pub struct SchedSwitchEvent {
     pub next_tid: u32,
     /// Start of the outgoing thread's on-CPU interval (if `has_on_cpu`).
     pub on_cpu_start_ns: u64,
-    /// Start of the incoming thread's run-queue wait (if `has_run_queue`).
-    pub run_queue_start_ns: u64,
+    /// Start of the incoming thread's off-CPU interval (if `has_off_cpu`);
+    /// it ended at `runnable_ns`.
+    pub off_cpu_start_ns: u64,
+    /// When the incoming thread became runnable: start of its run-queue
+    /// wait, end of its off-CPU interval.
+    pub runnable_ns: u64,
     /// 1 when `prev_tgid` is watched.
     pub prev_watched: u8,
     /// 1 when `next_tgid` is watched.
     pub next_watched: u8,
     /// 1 when the record carries the outgoing thread's on-CPU interval.
     pub has_on_cpu: u8,
+    /// 1 when the record carries the incoming thread's off-CPU interval.
+    pub has_off_cpu: u8,
     /// 1 when the record carries the incoming thread's run-queue wait.
     pub has_run_queue: u8,
     /// An [`IntervalCause`] value: how the on-CPU interval ended.
@@ -284,72 +276,57 @@ pub struct SchedSwitchEvent {
     /// An [`IntervalCause`] value: why the thread was runnable.
     pub run_queue_cause: u8,
     /// Padding, zero.
-    pub _pad: [u8; 2],
+    pub _pad: u8,
 }
 
-impl SchedSwitchEvent {
-    /// The intervals the record carries, each as the one-interval record
-    /// the kernel would have sent for it: the outgoing thread's on-CPU
-    /// interval first, then the incoming thread's run-queue wait.
-    pub fn intervals(&self) -> impl Iterator<Item = SchedIntervalEvent> + use<> {
-        let end = self.hdr.ts_ns;
-        let interval =
-            |tgid, tid, start_ns: u64, kind: IntervalKind, cause: u8| SchedIntervalEvent {
-                hdr: EventHeader {
-                    ts_ns: end,
-                    kind: EventKind::SchedInterval as u32,
-                    cpu: self.hdr.cpu,
-                },
-                tgid,
-                tid,
-                start_ns,
-                duration_ns: end.saturating_sub(start_ns),
-                interval: kind as u32,
-                cause: u32::from(cause),
-            };
-        let on_cpu = (self.has_on_cpu != 0).then(|| {
-            interval(
-                self.prev_tgid,
-                self.prev_tid,
-                self.on_cpu_start_ns,
-                IntervalKind::OnCpu,
-                self.on_cpu_cause,
-            )
-        });
-        let run_queue = (self.has_run_queue != 0).then(|| {
-            interval(
-                self.next_tgid,
-                self.next_tid,
-                self.run_queue_start_ns,
-                IntervalKind::RunQueue,
-                self.run_queue_cause,
-            )
-        });
-        on_cpu.into_iter().chain(run_queue)
-    }
-}
-
-/// `struct rw_sched_interval_event`: one finished interval of a watched
-/// thread. The kernel sends off-CPU intervals so (the on-CPU and run-queue
-/// ones travel in [`SchedSwitchEvent`]); the agent's model takes every
-/// interval in this form.
-#[repr(C)]
+/// One interval a [`SchedSwitchEvent`] carries.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct SchedIntervalEvent {
-    /// Common header; `ts_ns` is the interval's end.
-    pub hdr: EventHeader,
+pub struct SwitchInterval {
     /// Process.
     pub tgid: u32,
     /// Thread.
     pub tid: u32,
+    /// What it measured.
+    pub kind: IntervalKind,
+    /// An [`IntervalCause`] value, as the kernel wrote it.
+    pub cause: u8,
     /// Start, `CLOCK_MONOTONIC` ns.
     pub start_ns: u64,
-    /// Length, ns.
-    pub duration_ns: u64,
-    /// An [`IntervalKind`] value.
-    pub interval: u32,
-    /// An [`IntervalCause`] value.
-    pub cause: u32,
+    /// End, ns.
+    pub end_ns: u64,
+}
+
+impl SchedSwitchEvent {
+    /// The intervals the record carries, in the order they ended: the
+    /// outgoing thread's on-CPU interval, then the incoming thread's
+    /// off-CPU interval and its run-queue wait.
+    pub fn intervals(&self) -> impl Iterator<Item = SwitchInterval> + use<> {
+        let on_cpu = (self.has_on_cpu != 0).then_some(SwitchInterval {
+            tgid: self.prev_tgid,
+            tid: self.prev_tid,
+            kind: IntervalKind::OnCpu,
+            cause: self.on_cpu_cause,
+            start_ns: self.on_cpu_start_ns,
+            end_ns: self.hdr.ts_ns,
+        });
+        let off_cpu = (self.has_off_cpu != 0).then_some(SwitchInterval {
+            tgid: self.next_tgid,
+            tid: self.next_tid,
+            kind: IntervalKind::OffCpu,
+            cause: IntervalCause::Blocked as u8,
+            start_ns: self.off_cpu_start_ns,
+            end_ns: self.runnable_ns,
+        });
+        let run_queue = (self.has_run_queue != 0).then_some(SwitchInterval {
+            tgid: self.next_tgid,
+            tid: self.next_tid,
+            kind: IntervalKind::RunQueue,
+            cause: self.run_queue_cause,
+            start_ns: self.runnable_ns,
+            end_ns: self.hdr.ts_ns,
+        });
+        on_cpu.into_iter().chain(off_cpu).chain(run_queue)
+    }
 }
 
 /// `struct rw_thread_exit_event`: a watched thread exited (sent at its last
@@ -399,8 +376,10 @@ pub struct ThreadState {
     pub on_cpu: u8,
     /// An [`IntervalCause`] value: why it is runnable.
     pub runq_cause: u8,
+    /// 1 when woken and its off-CPU interval goes with its next switch in.
+    pub off_cpu_pending: u8,
     /// Padding.
-    pub _pad: [u8; 6],
+    pub _pad: [u8; 5],
 }
 
 /// Buckets per histogram (`RW_HIST_SLOTS`): bucket `slot` counts durations
@@ -577,8 +556,6 @@ unsafe impl Record for EventHeader {}
 // SAFETY: repr(C), integer fields only.
 unsafe impl Record for SchedSwitchEvent {}
 // SAFETY: repr(C), integer fields only.
-unsafe impl Record for SchedIntervalEvent {}
-// SAFETY: repr(C), integer fields only.
 unsafe impl Record for ThreadExitEvent {}
 // SAFETY: repr(C), integer fields only.
 unsafe impl Record for ThreadState {}
@@ -631,8 +608,12 @@ mod layout {
                 offset_of!(SchedSwitchEvent, on_cpu_start_ns),
             ),
             (
-                "rw_sched_switch_event.run_queue_start_ns",
-                offset_of!(SchedSwitchEvent, run_queue_start_ns),
+                "rw_sched_switch_event.off_cpu_start_ns",
+                offset_of!(SchedSwitchEvent, off_cpu_start_ns),
+            ),
+            (
+                "rw_sched_switch_event.runnable_ns",
+                offset_of!(SchedSwitchEvent, runnable_ns),
             ),
             (
                 "rw_sched_switch_event.prev_watched",
@@ -647,6 +628,10 @@ mod layout {
                 offset_of!(SchedSwitchEvent, has_on_cpu),
             ),
             (
+                "rw_sched_switch_event.has_off_cpu",
+                offset_of!(SchedSwitchEvent, has_off_cpu),
+            ),
+            (
                 "rw_sched_switch_event.has_run_queue",
                 offset_of!(SchedSwitchEvent, has_run_queue),
             ),
@@ -657,35 +642,6 @@ mod layout {
             (
                 "rw_sched_switch_event.run_queue_cause",
                 offset_of!(SchedSwitchEvent, run_queue_cause),
-            ),
-            ("rw_sched_interval_event", size_of::<SchedIntervalEvent>()),
-            (
-                "rw_sched_interval_event.hdr",
-                offset_of!(SchedIntervalEvent, hdr),
-            ),
-            (
-                "rw_sched_interval_event.tgid",
-                offset_of!(SchedIntervalEvent, tgid),
-            ),
-            (
-                "rw_sched_interval_event.tid",
-                offset_of!(SchedIntervalEvent, tid),
-            ),
-            (
-                "rw_sched_interval_event.start_ns",
-                offset_of!(SchedIntervalEvent, start_ns),
-            ),
-            (
-                "rw_sched_interval_event.duration_ns",
-                offset_of!(SchedIntervalEvent, duration_ns),
-            ),
-            (
-                "rw_sched_interval_event.interval",
-                offset_of!(SchedIntervalEvent, interval),
-            ),
-            (
-                "rw_sched_interval_event.cause",
-                offset_of!(SchedIntervalEvent, cause),
             ),
             ("rw_thread_exit_event", size_of::<ThreadExitEvent>()),
             ("rw_thread_exit_event.hdr", offset_of!(ThreadExitEvent, hdr)),
@@ -735,6 +691,10 @@ mod layout {
             (
                 "rw_thread_state.runq_cause",
                 offset_of!(ThreadState, runq_cause),
+            ),
+            (
+                "rw_thread_state.off_cpu_pending",
+                offset_of!(ThreadState, off_cpu_pending),
             ),
             ("rw_thread_hist", size_of::<ThreadHist>()),
             (
@@ -838,7 +798,6 @@ mod layout {
                 "RW_COUNTER_SCHED_SWITCH_SEEN",
                 Counter::SchedSwitchSeen as u32,
             ),
-            ("RW_EVENT_SCHED_INTERVAL", EventKind::SchedInterval as u32),
             ("RW_EVENT_THREAD_EXIT", EventKind::ThreadExit as u32),
             ("RW_EVENT_TCP_RETRANSMIT", EventKind::TcpRetransmit as u32),
             ("RW_EVENT_TCP_CLOSE", EventKind::TcpClose as u32),
@@ -848,9 +807,6 @@ mod layout {
                 Counter::IntervalsSkipped as u32,
             ),
             ("RW_COUNTER_MAP_FULL", Counter::MapFull as u32),
-            ("RW_INTERVAL_ON_CPU", IntervalKind::OnCpu as u32),
-            ("RW_INTERVAL_RUN_QUEUE", IntervalKind::RunQueue as u32),
-            ("RW_INTERVAL_OFF_CPU", IntervalKind::OffCpu as u32),
             ("RW_CAUSE_BLOCKED", IntervalCause::Blocked as u32),
             ("RW_CAUSE_PREEMPTED", IntervalCause::Preempted as u32),
             ("RW_CAUSE_WOKEN", IntervalCause::Woken as u32),
