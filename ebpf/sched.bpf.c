@@ -80,10 +80,11 @@ static __always_inline struct rw_thread_hist *rw_hist_of(__u32 tid)
 	return hist;
 }
 
-/* Counts one run-queue wait (run_queue true) or off-CPU interval. */
-static __always_inline void rw_hist_add(__u32 tid, bool run_queue, __u64 duration_ns)
+/* Counts one run-queue wait (run_queue true) or off-CPU interval in a
+ * thread's histograms (none: the map was full, already counted). */
+static __always_inline void rw_hist_count(struct rw_thread_hist *hist, bool run_queue,
+					  __u64 duration_ns)
 {
-	struct rw_thread_hist *hist = rw_hist_of(tid);
 	if (!hist)
 		return;
 	__u32 slot = rw_log2(duration_ns) & (RW_HIST_SLOTS - 1);
@@ -209,15 +210,23 @@ int BPF_PROG(rw_sched_switch, bool preempt, struct task_struct *prev,
 		if (state) {
 			state->switched_in++;
 			if (state->runq_ts) {
-				__u64 wait = now - state->runq_ts;
-				rw_hist_add(next_tid, true, wait);
-				has_run_queue = rw_interval_sent(state, wait, now);
 				runnable = state->runq_ts;
 				run_queue_cause = state->runq_cause;
-				/* The off-CPU interval its wakeup ended, when
-				 * rw_woken decided to send it. */
-				has_off_cpu = state->off_cpu_pending;
-				off_cpu_start = state->off_ts;
+				struct rw_thread_hist *hist = rw_hist_of(next_tid);
+				/* The off-CPU interval its wakeup ended, accounted
+				 * here with the run-queue wait after it: one
+				 * histogram lookup for both, and the wakeup stays
+				 * cheap. In the order they ended, for the rate
+				 * limit. */
+				if (state->off_cpu_pending) {
+					__u64 off_cpu = runnable - state->off_ts;
+					rw_hist_count(hist, false, off_cpu);
+					has_off_cpu = rw_interval_sent(state, off_cpu, runnable);
+					off_cpu_start = state->off_ts;
+				}
+				__u64 wait = now - runnable;
+				rw_hist_count(hist, true, wait);
+				has_run_queue = rw_interval_sent(state, wait, now);
 			}
 			state->off_cpu_pending = 0;
 			state->runq_ts = 0;
@@ -257,8 +266,9 @@ int BPF_PROG(rw_sched_switch, bool preempt, struct task_struct *prev,
 }
 
 /* A blocked watched thread became runnable: its off-CPU interval ends and
- * its run-queue wait begins. The interval goes out with the thread's next
- * switch in (rw_sched_switch), in the record that carries that wait. */
+ * its run-queue wait begins. Both are accounted (histograms, limits, the
+ * record) at the thread's next switch in, by rw_sched_switch: this runs for
+ * every wakeup of the job and only notes the time. */
 static __always_inline void rw_woken(struct task_struct *p, bool new_thread)
 {
 	__u32 tgid = p->tgid;
@@ -278,11 +288,7 @@ static __always_inline void rw_woken(struct task_struct *p, bool new_thread)
 	} else {
 		if (!state->off_ts)
 			return; /* first seen now: we do not know when it blocked */
-		__u64 off_cpu = now - state->off_ts;
-		rw_hist_add(tid, false, off_cpu);
-		/* Decided now, so the rate limit sees the intervals in the
-		 * order they end. */
-		state->off_cpu_pending = rw_interval_sent(state, off_cpu, now);
+		state->off_cpu_pending = 1;
 		state->runq_cause = RW_CAUSE_WOKEN;
 	}
 	state->runq_ts = now;

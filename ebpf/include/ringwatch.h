@@ -117,7 +117,7 @@ struct rw_thread_state {
 	__u32 tgid;
 	__u8 on_cpu;
 	__u8 runq_cause;      /* enum rw_interval_cause */
-	__u8 off_cpu_pending; /* woken: its off-CPU interval goes with its switch in */
+	__u8 off_cpu_pending; /* woken: [off_ts, runq_ts) is accounted at its switch in */
 	__u8 _pad[5];
 };
 

@@ -376,7 +376,8 @@ pub struct ThreadState {
     pub on_cpu: u8,
     /// An [`IntervalCause`] value: why it is runnable.
     pub runq_cause: u8,
-    /// 1 when woken and its off-CPU interval goes with its next switch in.
+    /// 1 when woken: its off-CPU interval `[off_ts, runq_ts)` is accounted
+    /// (histogram, record) at its next switch in.
     pub off_cpu_pending: u8,
     /// Padding.
     pub _pad: [u8; 5],
