@@ -60,7 +60,7 @@ pub struct ProbeConfig {
     /// Intervals shorter than this are only counted (and in the histograms),
     /// not sent as records: bounds the event rate.
     pub min_interval_ns: u64,
-    /// At most this many interval records per thread per second (0: no
+    /// At most this many intervals per thread per second (0: no
     /// limit); the rest are counted and in the histograms only.
     pub max_intervals_per_s: u32,
 }

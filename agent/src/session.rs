@@ -85,7 +85,7 @@ pub struct TargetArgs {
     #[arg(long, default_value = "0s", value_parser = humantime::parse_duration, env = "RINGWATCH_MIN_INTERVAL")]
     pub min_interval: Duration,
 
-    /// At most this many interval records per thread per second leave the
+    /// At most this many intervals per thread per second leave the
     /// kernel (0: no limit); the rest are counted and in the histograms.
     #[arg(long, default_value_t = 0, env = "RINGWATCH_MAX_INTERVAL_RATE")]
     pub max_interval_rate: u32,
