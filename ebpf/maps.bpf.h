@@ -59,9 +59,12 @@ static __always_inline bool rw_is_watched(__u32 tgid)
 	return tgid != 0 && bits && (*bits >> (tgid & 63)) & 1;
 }
 
-static __always_inline void rw_fill_header(struct rw_event_header *hdr, __u32 kind)
+/* The caller passes the time it already read: a second bpf_ktime_get_ns()
+ * per record is a helper call for nothing. */
+static __always_inline void rw_fill_header(struct rw_event_header *hdr, __u32 kind,
+					   __u64 ts_ns)
 {
-	hdr->ts_ns = bpf_ktime_get_ns();
+	hdr->ts_ns = ts_ns;
 	hdr->kind = kind;
 	hdr->cpu = bpf_get_smp_processor_id();
 }

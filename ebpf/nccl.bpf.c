@@ -59,7 +59,7 @@ int rw_nccl_return(struct pt_regs *ctx)
 	struct rw_nccl_call_event *event =
 		bpf_ringbuf_reserve(&events, sizeof(*event), 0);
 	if (event) {
-		rw_fill_header(&event->hdr, RW_EVENT_NCCL_CALL);
+		rw_fill_header(&event->hdr, RW_EVENT_NCCL_CALL, bpf_ktime_get_ns());
 		event->tgid = pid_tgid >> 32;
 		event->tid = tid;
 		event->func = pending->func;

@@ -2,11 +2,18 @@
  *
  * Part of the ringwatch.bpf.c translation unit. Reports only switches in
  * which a watched process takes part; everything else returns after one
- * hash lookup per side. Per watched thread it keeps where the thread is
- * (on CPU, runnable, blocked) since when, fills log2 histograms of run-queue
+ * bitmap test per side. Per watched thread it keeps where the thread is
+ * (on CPU, runnable, blocked) since when and counts its switches (in
+ * `thread_state`, which the agent reads), fills log2 histograms of run-queue
  * waits and off-CPU (blocked) time, and sends finished intervals of at least
  * rw_min_interval_ns, at most rw_max_intervals_per_s per thread; the others
  * are only counted (never silently lost) and are still in the histograms.
+ *
+ * This runs on every context switch of the watched job, so it sends at most
+ * one record per switch (the intervals a switch ends travel together, the
+ * off-CPU interval a wakeup ends with the switch in after it) and none when
+ * there is nothing to send: every ring-buffer record costs a reservation, a
+ * cache line and the agent's time to read it.
  */
 
 /* Set by the agent at load time (aya's set_global); 0 sends every interval. */
@@ -17,34 +24,33 @@ const volatile __u32 rw_max_intervals_per_s = 0;
 /* __state of a task making its last switch (include/linux/sched.h). */
 #define RW_TASK_DEAD 0x80
 
-/* Where a watched thread is, and since when. */
-struct rw_thread_state {
-	__u64 on_ts;     /* switched in at (valid while on_cpu) */
-	__u64 off_ts;    /* switched out at */
-	__u64 runq_ts;   /* became runnable at; 0 when not waiting */
-	__u64 rate_window_ns; /* start of the current one-second rate window */
-	__u32 rate_count;     /* records sent in it */
-	__u32 tgid;
-	__u8 on_cpu;
-	__u8 runq_cause; /* enum rw_interval_cause */
-	__u8 _pad[6];
-};
-
 struct {
 	__uint(type, BPF_MAP_TYPE_HASH);
 	__uint(max_entries, 65536);
 	__type(key, __u32); /* tid */
-	__type(value, struct rw_thread_state);
+	__type(value, struct rw_thread_state); /* include/ringwatch.h */
 } thread_state SEC(".maps");
 
-/* Log2 histograms per thread; the agent deletes a thread's buckets when it
- * forgets the thread. */
+/* Log2 histograms, one entry per thread; the agent deletes a thread's entry
+ * when it forgets the thread. One entry per thread (not one per bucket) so
+ * that an add looks up a key that the thread's own events keep hot in the
+ * cache: a key per bucket spread the adds over a 4 MiB bucket array and
+ * cost more than the rest of sched_switch. 16 MiB preallocated, as before. */
 struct {
 	__uint(type, BPF_MAP_TYPE_HASH);
-	__uint(max_entries, 262144);
-	__type(key, struct rw_hist_key);
-	__type(value, __u64);
+	__uint(max_entries, 16384);
+	__type(key, __u32); /* tid */
+	__type(value, struct rw_thread_hist);
 } sched_hist SEC(".maps");
+
+/* Never written: the zeros a new sched_hist entry starts from (an entry is
+ * larger than the BPF stack). */
+struct {
+	__uint(type, BPF_MAP_TYPE_ARRAY);
+	__uint(max_entries, 1);
+	__type(key, __u32);
+	__type(value, struct rw_thread_hist);
+} sched_hist_zero SEC(".maps");
 
 static __always_inline __u32 rw_log2(__u64 v)
 {
@@ -58,30 +64,42 @@ static __always_inline __u32 rw_log2(__u64 v)
 	return r;
 }
 
-static __always_inline void rw_hist_add(__u32 tid, __u16 kind, __u64 duration_ns)
+static __always_inline struct rw_thread_hist *rw_hist_of(__u32 tid)
 {
-	struct rw_hist_key key = { .tid = tid, .kind = kind, .slot = rw_log2(duration_ns) };
-	__u64 *count = bpf_map_lookup_elem(&sched_hist, &key);
-	if (!count) {
-		__u64 zero = 0;
-		bpf_map_update_elem(&sched_hist, &key, &zero, BPF_NOEXIST);
-		count = bpf_map_lookup_elem(&sched_hist, &key);
-		if (!count) {
-			rw_count(RW_COUNTER_MAP_FULL);
-			return;
-		}
-	}
-	__sync_fetch_and_add(count, 1);
+	struct rw_thread_hist *hist = bpf_map_lookup_elem(&sched_hist, &tid);
+	if (hist)
+		return hist;
+	__u32 zero_key = 0;
+	struct rw_thread_hist *zero = bpf_map_lookup_elem(&sched_hist_zero, &zero_key);
+	if (!zero)
+		return 0;
+	bpf_map_update_elem(&sched_hist, &tid, zero, BPF_NOEXIST);
+	hist = bpf_map_lookup_elem(&sched_hist, &tid);
+	if (!hist)
+		rw_count(RW_COUNTER_MAP_FULL);
+	return hist;
 }
 
-static __always_inline void rw_send_interval(struct rw_thread_state *state, __u32 tgid,
-					     __u32 tid, __u32 interval, __u32 cause,
-					     __u64 start_ns, __u64 end_ns)
+/* Counts one run-queue wait (run_queue true) or off-CPU interval in a
+ * thread's histograms (none: the map was full, already counted). */
+static __always_inline void rw_hist_count(struct rw_thread_hist *hist, bool run_queue,
+					  __u64 duration_ns)
 {
-	__u64 duration = end_ns - start_ns;
-	if (duration < rw_min_interval_ns) {
-		rw_count(RW_COUNTER_INTERVALS_SKIPPED);
+	if (!hist)
 		return;
+	__u32 slot = rw_log2(duration_ns) & (RW_HIST_SLOTS - 1);
+	__sync_fetch_and_add(run_queue ? &hist->run_queue[slot] : &hist->off_cpu[slot], 1);
+}
+
+/* Whether an interval of `duration_ns` ending at `end_ns` leaves the kernel:
+ * long enough, and within its thread's rate limit (which it then uses up).
+ * What is held back is counted. */
+static __always_inline bool rw_interval_sent(struct rw_thread_state *state,
+					     __u64 duration_ns, __u64 end_ns)
+{
+	if (duration_ns < rw_min_interval_ns) {
+		rw_count(RW_COUNTER_INTERVALS_SKIPPED);
+		return false;
 	}
 	if (rw_max_intervals_per_s) {
 		if (end_ns - state->rate_window_ns >= 1000000000ULL) {
@@ -90,25 +108,11 @@ static __always_inline void rw_send_interval(struct rw_thread_state *state, __u3
 		}
 		if (state->rate_count >= rw_max_intervals_per_s) {
 			rw_count(RW_COUNTER_INTERVALS_RATE_LIMITED);
-			return;
+			return false;
 		}
 		state->rate_count++;
 	}
-	struct rw_sched_interval_event *event =
-		bpf_ringbuf_reserve(&events, sizeof(*event), 0);
-	if (!event) {
-		rw_count(RW_COUNTER_RINGBUF_DROPS);
-		return;
-	}
-	rw_fill_header(&event->hdr, RW_EVENT_SCHED_INTERVAL);
-	event->hdr.ts_ns = end_ns;
-	event->tgid = tgid;
-	event->tid = tid;
-	event->start_ns = start_ns;
-	event->duration_ns = duration;
-	event->interval = interval;
-	event->cause = cause;
-	rw_submit(event);
+	return true;
 }
 
 static __always_inline struct rw_thread_state *rw_thread(__u32 tid, __u32 tgid)
@@ -124,6 +128,28 @@ static __always_inline struct rw_thread_state *rw_thread(__u32 tid, __u32 tgid)
 	return state;
 }
 
+/* A watched thread's last switch out: its final counts leave with the
+ * exit record, and its state goes (the kernel may reuse the tid). */
+static __always_inline void rw_thread_exited(__u32 tgid, __u32 tid, __u64 now,
+					     __u64 switched_out, __u64 switched_in,
+					     __u64 preempted)
+{
+	bpf_map_delete_elem(&thread_state, &tid);
+	struct rw_thread_exit_event *event =
+		bpf_ringbuf_reserve(&events, sizeof(*event), 0);
+	if (!event) {
+		rw_count(RW_COUNTER_RINGBUF_DROPS);
+		return;
+	}
+	rw_fill_header(&event->hdr, RW_EVENT_THREAD_EXIT, now);
+	event->tgid = tgid;
+	event->tid = tid;
+	event->switched_out = switched_out;
+	event->switched_in = switched_in;
+	event->preempted = preempted;
+	rw_submit(event);
+}
+
 SEC("tp_btf/sched_switch")
 int BPF_PROG(rw_sched_switch, bool preempt, struct task_struct *prev,
 	     struct task_struct *next, unsigned int prev_state)
@@ -137,67 +163,112 @@ int BPF_PROG(rw_sched_switch, bool preempt, struct task_struct *prev,
 		return 0;
 	rw_count(RW_COUNTER_SCHED_SWITCH_SEEN);
 	__u64 now = bpf_ktime_get_ns();
+	__u32 prev_tid = prev->pid;
+	__u32 next_tid = next->pid;
+	/* The intervals this switch ends, for one record. */
+	__u64 on_cpu_start = 0, off_cpu_start = 0, runnable = 0;
+	__u8 on_cpu_cause = 0, run_queue_cause = 0;
+	bool has_on_cpu = false, has_off_cpu = false, has_run_queue = false;
+	/* The dying thread's final counts (its state is deleted below). */
+	bool prev_dead = false;
+	__u64 dead_out = 1, dead_in = 0, dead_preempted = 0;
 
 	if (prev_watched) {
-		__u32 tid = prev->pid;
-		/* Lookup only: an exiting thread's last switch must not bring
-		 * back the state that sched_process_exit deleted. */
-		struct rw_thread_state *state = bpf_map_lookup_elem(&thread_state, &tid);
-		if (!state && !(prev_state & RW_TASK_DEAD))
-			state = rw_thread(tid, prev_tgid);
+		prev_dead = prev_state & RW_TASK_DEAD;
+		/* A dying thread's state is not created just to be deleted. */
+		struct rw_thread_state *state =
+			prev_dead ? bpf_map_lookup_elem(&thread_state, &prev_tid)
+				  : rw_thread(prev_tid, prev_tgid);
 		if (state) {
 			/* Preempted (or still runnable): it waits on the run
 			 * queue from now on; otherwise it blocked until woken. */
-			bool runnable = preempt || prev_state == 0;
-			if (state->on_cpu)
-				rw_send_interval(state, prev_tgid, tid, RW_INTERVAL_ON_CPU,
-						 runnable ? RW_CAUSE_PREEMPTED : RW_CAUSE_BLOCKED,
-						 state->on_ts, now);
+			bool still_runnable = preempt || prev_state == 0;
+			state->switched_out++;
+			/* __state 0 (TASK_RUNNING) when leaving: preempted
+			 * rather than blocked. */
+			if (prev_state == 0)
+				state->preempted++;
+			if (state->on_cpu &&
+			    rw_interval_sent(state, now - state->on_ts, now)) {
+				has_on_cpu = true;
+				on_cpu_start = state->on_ts;
+				on_cpu_cause = still_runnable ? RW_CAUSE_PREEMPTED
+							      : RW_CAUSE_BLOCKED;
+			}
 			state->on_cpu = 0;
 			state->off_ts = now;
-			state->runq_ts = runnable ? now : 0;
+			state->runq_ts = still_runnable ? now : 0;
 			state->runq_cause = RW_CAUSE_PREEMPTED;
+			state->off_cpu_pending = 0;
+			dead_out = state->switched_out;
+			dead_in = state->switched_in;
+			dead_preempted = state->preempted;
 		}
 	}
 	if (next_watched) {
-		__u32 tid = next->pid;
-		struct rw_thread_state *state = rw_thread(tid, next_tgid);
+		struct rw_thread_state *state = rw_thread(next_tid, next_tgid);
 		if (state) {
+			state->switched_in++;
 			if (state->runq_ts) {
-				__u64 wait = now - state->runq_ts;
-				rw_hist_add(tid, RW_HIST_RUN_QUEUE, wait);
-				rw_send_interval(state, next_tgid, tid, RW_INTERVAL_RUN_QUEUE,
-						 state->runq_cause, state->runq_ts, now);
+				runnable = state->runq_ts;
+				run_queue_cause = state->runq_cause;
+				struct rw_thread_hist *hist = rw_hist_of(next_tid);
+				/* The off-CPU interval its wakeup ended, accounted
+				 * here with the run-queue wait after it: one
+				 * histogram lookup for both, and the wakeup stays
+				 * cheap. In the order they ended, for the rate
+				 * limit. */
+				if (state->off_cpu_pending) {
+					__u64 off_cpu = runnable - state->off_ts;
+					rw_hist_count(hist, false, off_cpu);
+					has_off_cpu = rw_interval_sent(state, off_cpu, runnable);
+					off_cpu_start = state->off_ts;
+				}
+				__u64 wait = now - runnable;
+				rw_hist_count(hist, true, wait);
+				has_run_queue = rw_interval_sent(state, wait, now);
 			}
+			state->off_cpu_pending = 0;
 			state->runq_ts = 0;
-			state->on_cpu = 1;
 			state->on_ts = now;
+			state->on_cpu = 1;
 		}
 	}
 
-	struct rw_sched_switch_event *event =
-		bpf_ringbuf_reserve(&events, sizeof(*event), 0);
-	if (!event) {
-		rw_count(RW_COUNTER_RINGBUF_DROPS);
-		return 0;
+	if (has_on_cpu || has_off_cpu || has_run_queue) {
+		struct rw_sched_switch_event *event =
+			bpf_ringbuf_reserve(&events, sizeof(*event), 0);
+		if (event) {
+			rw_fill_header(&event->hdr, RW_EVENT_SCHED_SWITCH, now);
+			event->prev_tgid = prev_tgid;
+			event->prev_tid = prev_tid;
+			event->next_tgid = next_tgid;
+			event->next_tid = next_tid;
+			event->on_cpu_start_ns = on_cpu_start;
+			event->off_cpu_start_ns = off_cpu_start;
+			event->runnable_ns = runnable;
+			event->prev_watched = prev_watched;
+			event->next_watched = next_watched;
+			event->has_on_cpu = has_on_cpu;
+			event->has_off_cpu = has_off_cpu;
+			event->has_run_queue = has_run_queue;
+			event->on_cpu_cause = on_cpu_cause;
+			event->run_queue_cause = run_queue_cause;
+			event->_pad = 0;
+			rw_submit(event);
+		} else {
+			rw_count(RW_COUNTER_RINGBUF_DROPS);
+		}
 	}
-	rw_fill_header(&event->hdr, RW_EVENT_SCHED_SWITCH);
-	event->hdr.ts_ns = now;
-	event->prev_tgid = prev_tgid;
-	event->prev_tid = prev->pid;
-	event->next_tgid = next_tgid;
-	event->next_tid = next->pid;
-	event->prev_state = prev_state;
-	event->preempt = preempt;
-	event->prev_watched = prev_watched;
-	event->next_watched = next_watched;
-	event->_pad = 0;
-	rw_submit(event);
+	if (prev_dead)
+		rw_thread_exited(prev_tgid, prev_tid, now, dead_out, dead_in, dead_preempted);
 	return 0;
 }
 
 /* A blocked watched thread became runnable: its off-CPU interval ends and
- * its run-queue wait begins. */
+ * its run-queue wait begins. Both are accounted (histograms, limits, the
+ * record) at the thread's next switch in, by rw_sched_switch: this runs for
+ * every wakeup of the job and only notes the time. */
 static __always_inline void rw_woken(struct task_struct *p, bool new_thread)
 {
 	__u32 tgid = p->tgid;
@@ -217,9 +288,7 @@ static __always_inline void rw_woken(struct task_struct *p, bool new_thread)
 	} else {
 		if (!state->off_ts)
 			return; /* first seen now: we do not know when it blocked */
-		rw_hist_add(tid, RW_HIST_OFF_CPU, now - state->off_ts);
-		rw_send_interval(state, tgid, tid, RW_INTERVAL_OFF_CPU, RW_CAUSE_BLOCKED,
-				 state->off_ts, now);
+		state->off_cpu_pending = 1;
 		state->runq_cause = RW_CAUSE_WOKEN;
 	}
 	state->runq_ts = now;
@@ -236,26 +305,5 @@ SEC("tp_btf/sched_wakeup_new")
 int BPF_PROG(rw_sched_wakeup_new, struct task_struct *p)
 {
 	rw_woken(p, true);
-	return 0;
-}
-
-SEC("tp_btf/sched_process_exit")
-int BPF_PROG(rw_sched_process_exit, struct task_struct *p)
-{
-	__u32 tgid = p->tgid;
-	if (!rw_is_watched(tgid))
-		return 0;
-	__u32 tid = p->pid;
-	bpf_map_delete_elem(&thread_state, &tid);
-	struct rw_thread_exit_event *event =
-		bpf_ringbuf_reserve(&events, sizeof(*event), 0);
-	if (!event) {
-		rw_count(RW_COUNTER_RINGBUF_DROPS);
-		return 0;
-	}
-	rw_fill_header(&event->hdr, RW_EVENT_THREAD_EXIT);
-	event->tgid = tgid;
-	event->tid = tid;
-	rw_submit(event);
 	return 0;
 }

@@ -141,7 +141,7 @@ int BPF_PROG(rw_tcp_retransmit_skb, struct sock *sk)
 		rw_count(RW_COUNTER_RINGBUF_DROPS);
 		return 0;
 	}
-	rw_fill_header(&event->hdr, RW_EVENT_TCP_RETRANSMIT);
+	rw_fill_header(&event->hdr, RW_EVENT_TCP_RETRANSMIT, bpf_ktime_get_ns());
 	event->sock = key;
 	event->tgid = stats->tgid;
 	event->_pad = 0;
@@ -185,7 +185,7 @@ int BPF_PROG(rw_inet_sock_set_state, struct sock *sk, int oldstate, int newstate
 	struct rw_tcp_close_event *event =
 		bpf_ringbuf_reserve(&events, sizeof(*event), 0);
 	if (event) {
-		rw_fill_header(&event->hdr, RW_EVENT_TCP_CLOSE);
+		rw_fill_header(&event->hdr, RW_EVENT_TCP_CLOSE, bpf_ktime_get_ns());
 		event->sock = key;
 		__builtin_memcpy(&event->stats, stats, sizeof(event->stats));
 		rw_submit(event);

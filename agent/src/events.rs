@@ -4,17 +4,16 @@
 //! such, never guessed at.
 
 use ebpf::{
-    EventHeader, EventKind, NcclCallEvent, SchedIntervalEvent, SchedSwitchEvent, TcpCloseEvent,
-    TcpRetransmitEvent, ThreadExitEvent, read_record,
+    EventHeader, EventKind, NcclCallEvent, SchedSwitchEvent, TcpCloseEvent, TcpRetransmitEvent,
+    ThreadExitEvent, read_record,
 };
 
 /// A decoded kernel record.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Event {
-    /// A context switch involving a watched process.
+    /// The on-CPU, off-CPU and run-queue intervals a context switch of a
+    /// watched process ended.
     SchedSwitch(SchedSwitchEvent),
-    /// A finished on-CPU, run-queue or off-CPU interval.
-    SchedInterval(SchedIntervalEvent),
     /// A watched thread exited.
     ThreadExit(ThreadExitEvent),
     /// A segment of a watched connection was retransmitted.
@@ -55,9 +54,6 @@ pub fn decode(bytes: &[u8]) -> Result<Event, DecodeError> {
         Some(EventKind::SchedSwitch) => {
             read_record(bytes).map(Event::SchedSwitch).ok_or_else(short)
         }
-        Some(EventKind::SchedInterval) => read_record(bytes)
-            .map(Event::SchedInterval)
-            .ok_or_else(short),
         Some(EventKind::ThreadExit) => read_record(bytes).map(Event::ThreadExit).ok_or_else(short),
         Some(EventKind::TcpRetransmit) => read_record(bytes)
             .map(Event::TcpRetransmit)
@@ -70,6 +66,8 @@ pub fn decode(bytes: &[u8]) -> Result<Event, DecodeError> {
 
 #[cfg(test)]
 mod tests {
+    use ebpf::IntervalKind;
+
     use super::*;
 
     fn switch_bytes() -> Vec<u8> {
@@ -77,15 +75,21 @@ mod tests {
         bytes.extend_from_slice(&123u64.to_ne_bytes()); // ts_ns
         bytes.extend_from_slice(&1u32.to_ne_bytes()); // kind
         bytes.extend_from_slice(&3u32.to_ne_bytes()); // cpu
-        for v in [10u32, 11, 20, 21, 1] {
+        for v in [10u32, 11, 20, 21] {
             bytes.extend_from_slice(&v.to_ne_bytes());
         }
-        bytes.extend_from_slice(&[0, 1, 0, 0]);
+        // on-CPU start, off-CPU start, runnable
+        for v in [100u64, 40, 110] {
+            bytes.extend_from_slice(&v.to_ne_bytes());
+        }
+        // watched prev and next; on-CPU, off-CPU and run-queue parts;
+        // preempted, woken; padding
+        bytes.extend_from_slice(&[1, 1, 1, 1, 1, 1, 2, 0]);
         bytes
     }
 
     #[test]
-    fn decodes_a_sched_switch() {
+    fn decodes_a_sched_switch_and_its_intervals() {
         let Event::SchedSwitch(e) = decode(&switch_bytes()).unwrap() else {
             panic!("not a switch")
         };
@@ -94,10 +98,27 @@ mod tests {
             (e.prev_tgid, e.prev_tid, e.next_tgid, e.next_tid),
             (10, 11, 20, 21)
         );
+        assert_eq!((e.prev_watched, e.next_watched), (1, 1));
+        let parts: Vec<_> = e
+            .intervals()
+            .map(|i| (i.tid, i.kind, i.cause, i.start_ns, i.end_ns))
+            .collect();
         assert_eq!(
-            (e.prev_state, e.preempt, e.prev_watched, e.next_watched),
-            (1, 0, 1, 0)
+            parts,
+            [
+                (11, IntervalKind::OnCpu, 1, 100, 123),
+                (21, IntervalKind::OffCpu, 0, 40, 110),
+                (21, IntervalKind::RunQueue, 2, 110, 123),
+            ]
         );
+        // Only the parts the kernel marked are there.
+        let mut bytes = switch_bytes();
+        bytes[58..61].copy_from_slice(&[0, 0, 1]);
+        let Event::SchedSwitch(e) = decode(&bytes).unwrap() else {
+            panic!("not a switch")
+        };
+        let kinds: Vec<_> = e.intervals().map(|i| i.kind).collect();
+        assert_eq!(kinds, [IntervalKind::RunQueue]);
     }
 
     #[test]
@@ -117,34 +138,5 @@ mod tests {
         let mut unknown = bytes.clone();
         unknown[8..12].copy_from_slice(&99u32.to_ne_bytes());
         assert_eq!(decode(&unknown), Err(DecodeError::UnknownKind(99)));
-    }
-
-    #[test]
-    fn decodes_an_interval() {
-        let mut bytes = Vec::new();
-        bytes.extend_from_slice(&500u64.to_ne_bytes());
-        bytes.extend_from_slice(&2u32.to_ne_bytes());
-        bytes.extend_from_slice(&0u32.to_ne_bytes());
-        for v in [7u32, 8] {
-            bytes.extend_from_slice(&v.to_ne_bytes());
-        }
-        for v in [100u64, 400] {
-            bytes.extend_from_slice(&v.to_ne_bytes());
-        }
-        for v in [3u32, 0] {
-            bytes.extend_from_slice(&v.to_ne_bytes());
-        }
-        let Event::SchedInterval(e) = decode(&bytes).unwrap() else {
-            panic!("not an interval")
-        };
-        assert_eq!((e.tgid, e.tid, e.start_ns, e.duration_ns), (7, 8, 100, 400));
-        assert_eq!((e.interval, e.cause), (3, 0));
-        assert!(matches!(
-            decode(&bytes[..30]),
-            Err(DecodeError::Short {
-                len: 30,
-                kind: Some(2)
-            })
-        ));
     }
 }

@@ -119,7 +119,9 @@ pub struct ThreadStates {
 
 impl ThreadStates {
     /// Intervals ending this close to "now" wait for the next build: their
-    /// records may not have been read yet.
+    /// records may not have been read yet. (An off-CPU interval leaves the
+    /// kernel with its thread's next switch in, after the run-queue wait
+    /// that follows it: one longer than this misses its build.)
     pub const LAG_NS: u64 = 250_000_000;
 
     /// Adds the intervals of `pids`' threads that ended in

@@ -10,7 +10,10 @@
 
 use std::collections::{BTreeMap, BTreeSet, VecDeque};
 
-use ebpf::{IntervalCause, IntervalKind, NcclFunc, SockStats, ThreadKey, ThreadNet};
+use ebpf::{
+    IntervalCause, IntervalKind, NcclFunc, SockStats, SwitchInterval, ThreadKey, ThreadNet,
+    ThreadState,
+};
 use serde::Serialize;
 
 use crate::events::Event;
@@ -26,42 +29,29 @@ pub struct ThreadSwitches {
     pub preempted: u64,
 }
 
-/// Context switches of the watched processes, per process and thread.
+/// Context switches of the watched processes, per process and thread, as
+/// the kernel counts them (read from its `thread_state` map, and from the
+/// exit record of a thread that ended).
 #[derive(Debug, Default)]
 pub struct SwitchCounts {
     /// tgid → tid → counts.
     pub processes: BTreeMap<u32, BTreeMap<u32, ThreadSwitches>>,
-    /// Events seen in total.
-    pub events: u64,
 }
 
 impl SwitchCounts {
-    /// Accounts one event.
-    pub fn record(&mut self, event: &Event) {
-        let Event::SchedSwitch(e) = event else {
-            return;
-        };
-        self.events += 1;
-        if e.prev_watched != 0 {
-            let thread = self.thread(e.prev_tgid, e.prev_tid);
-            thread.switched_out += 1;
-            // __state 0 (TASK_RUNNING) when leaving the CPU means it was
-            // preempted rather than blocked.
-            if e.prev_state == 0 {
-                thread.preempted += 1;
-            }
-        }
-        if e.next_watched != 0 {
-            self.thread(e.next_tgid, e.next_tid).switched_in += 1;
-        }
-    }
-
-    fn thread(&mut self, tgid: u32, tid: u32) -> &mut ThreadSwitches {
-        self.processes
+    /// Takes a reading of one thread's cumulative counts. Readings can
+    /// arrive out of order (a map read and a record drained around the same
+    /// switch), so each count only grows.
+    pub fn update(&mut self, tgid: u32, tid: u32, counts: ThreadSwitches) {
+        let thread = self
+            .processes
             .entry(tgid)
             .or_default()
             .entry(tid)
-            .or_default()
+            .or_default();
+        thread.switched_out = thread.switched_out.max(counts.switched_out);
+        thread.switched_in = thread.switched_in.max(counts.switched_in);
+        thread.preempted = thread.preempted.max(counts.preempted);
     }
 
     /// Sum over the threads of process `tgid`.
@@ -191,7 +181,11 @@ struct ThreadSeries {
     nccl: VecDeque<NcclCall>,
     /// (time, cumulative counters) samples of the kernel's thread_net map.
     net: VecDeque<(u64, ThreadNet)>,
+    /// On a CPU since then (`None`: off CPU, or not known yet).
     on_cpu_since: Option<u64>,
+    /// Time of the newest switch `on_cpu_since` was set from: records and
+    /// map readings arrive out of order, an older one must not undo it.
+    last_switch_ns: u64,
     exited_ns: Option<u64>,
     last_ns: u64,
 }
@@ -205,6 +199,7 @@ impl ThreadSeries {
             nccl: VecDeque::new(),
             net: VecDeque::new(),
             on_cpu_since: None,
+            last_switch_ns: 0,
             exited_ns: None,
             last_ns: now,
         }
@@ -372,62 +367,84 @@ impl Model {
         t
     }
 
+    /// The thread switched in (`on_cpu`) or out at `ts`, unless something
+    /// newer is already known.
+    fn switched(&mut self, tgid: u32, tid: u32, ts: u64, on_cpu: bool) {
+        let t = self.thread(tgid, tid, ts);
+        if ts >= t.last_switch_ns {
+            t.last_switch_ns = ts;
+            t.on_cpu_since = on_cpu.then_some(ts);
+        }
+    }
+
+    fn record_interval(&mut self, e: &SwitchInterval) {
+        let Some(cause) = IntervalCause::from_raw(u32::from(e.cause)) else {
+            tracing::warn!(kind = ?e.kind, cause = e.cause, "unknown interval cause");
+            return;
+        };
+        let kind = e.kind;
+        let duration_ns = e.end_ns.saturating_sub(e.start_ns);
+        let cap = self.max_intervals_per_thread;
+        let t = self.thread(e.tgid, e.tid, e.end_ns);
+        let totals = &mut t.totals;
+        match kind {
+            IntervalKind::OnCpu => {
+                totals.on_cpu_ns += duration_ns;
+                totals.on_cpu_intervals += 1;
+            }
+            IntervalKind::RunQueue => {
+                totals.run_queue_ns += duration_ns;
+                totals.run_queue_waits += 1;
+                if cause == IntervalCause::Preempted {
+                    totals.run_queue_waits_after_preemption += 1;
+                }
+            }
+            IntervalKind::OffCpu => {
+                totals.off_cpu_ns += duration_ns;
+                totals.off_cpu_intervals += 1;
+            }
+        }
+        t.intervals.push_back(Interval {
+            start_ns: e.start_ns,
+            duration_ns,
+            kind,
+            cause,
+        });
+        if t.intervals.len() > cap {
+            t.intervals.pop_front();
+            self.intervals_dropped += 1;
+        }
+    }
+
     /// Accounts one kernel record.
     pub fn record(&mut self, event: &Event) {
         match event {
             Event::SchedSwitch(e) => {
-                self.switches.record(event);
+                for interval in e.intervals() {
+                    self.record_interval(&interval);
+                }
                 let now = e.hdr.ts_ns;
                 if e.prev_watched != 0 {
-                    self.thread(e.prev_tgid, e.prev_tid, now).on_cpu_since = None;
+                    self.switched(e.prev_tgid, e.prev_tid, now, false);
                 }
                 if e.next_watched != 0 {
-                    self.thread(e.next_tgid, e.next_tid, now).on_cpu_since = Some(now);
-                }
-            }
-            Event::SchedInterval(e) => {
-                let (Some(kind), Some(cause)) = (
-                    IntervalKind::from_raw(e.interval),
-                    IntervalCause::from_raw(e.cause),
-                ) else {
-                    tracing::warn!(interval = e.interval, cause = e.cause, "unknown interval");
-                    return;
-                };
-                let cap = self.max_intervals_per_thread;
-                let t = self.thread(e.tgid, e.tid, e.hdr.ts_ns);
-                let totals = &mut t.totals;
-                match kind {
-                    IntervalKind::OnCpu => {
-                        totals.on_cpu_ns += e.duration_ns;
-                        totals.on_cpu_intervals += 1;
-                    }
-                    IntervalKind::RunQueue => {
-                        totals.run_queue_ns += e.duration_ns;
-                        totals.run_queue_waits += 1;
-                        if cause == IntervalCause::Preempted {
-                            totals.run_queue_waits_after_preemption += 1;
-                        }
-                    }
-                    IntervalKind::OffCpu => {
-                        totals.off_cpu_ns += e.duration_ns;
-                        totals.off_cpu_intervals += 1;
-                    }
-                }
-                t.intervals.push_back(Interval {
-                    start_ns: e.start_ns,
-                    duration_ns: e.duration_ns,
-                    kind,
-                    cause,
-                });
-                if t.intervals.len() > cap {
-                    t.intervals.pop_front();
-                    self.intervals_dropped += 1;
+                    self.switched(e.next_tgid, e.next_tid, now, true);
                 }
             }
             Event::ThreadExit(e) => {
+                self.switches.update(
+                    e.tgid,
+                    e.tid,
+                    ThreadSwitches {
+                        switched_out: e.switched_out,
+                        switched_in: e.switched_in,
+                        preempted: e.preempted,
+                    },
+                );
                 let t = self.thread(e.tgid, e.tid, e.hdr.ts_ns);
                 t.exited_ns = Some(e.hdr.ts_ns);
                 t.on_cpu_since = None;
+                t.last_switch_ns = t.last_switch_ns.max(e.hdr.ts_ns);
             }
             Event::TcpRetransmit(e) => self.retransmits.push_back((e.hdr.ts_ns, e.tgid)),
             Event::TcpClose(e) => {
@@ -456,6 +473,33 @@ impl Model {
                 if t.nccl.len() > cap {
                     t.nccl.pop_front();
                 }
+            }
+        }
+    }
+
+    /// Takes a reading of the kernel's per-thread scheduling state (tid →
+    /// state): switch counts, and whether each thread is on a CPU since
+    /// when (its records may still be on their way; the newest wins).
+    pub fn update_thread_states(&mut self, now: u64, entries: &[(u32, ThreadState)]) {
+        for (tid, state) in entries {
+            self.switches.update(
+                state.tgid,
+                *tid,
+                ThreadSwitches {
+                    switched_out: state.switched_out,
+                    switched_in: state.switched_in,
+                    preempted: state.preempted,
+                },
+            );
+            self.thread(state.tgid, *tid, now);
+            let (ts, on_cpu) = if state.on_cpu != 0 {
+                (state.on_ts, true)
+            } else {
+                (state.off_ts, false)
+            };
+            // 0: woken but never switched yet, nothing to learn.
+            if ts != 0 {
+                self.switched(state.tgid, *tid, ts, on_cpu);
             }
         }
     }
@@ -754,10 +798,62 @@ mod tests {
     use super::*;
     use ebpf::{EventHeader, SchedSwitchEvent};
 
-    fn switch(prev: (u32, u32, bool, u32), next: (u32, u32, bool)) -> Event {
-        Event::SchedSwitch(SchedSwitchEvent {
+    fn state(tgid: u32, on_cpu_since: Option<u64>, off_ts: u64, counts: [u64; 3]) -> ThreadState {
+        ThreadState {
+            on_ts: on_cpu_since.unwrap_or(0),
+            off_ts,
+            tgid,
+            on_cpu: u8::from(on_cpu_since.is_some()),
+            switched_out: counts[0],
+            switched_in: counts[1],
+            preempted: counts[2],
+            ..ThreadState::default()
+        }
+    }
+
+    #[test]
+    fn switch_counts_come_from_the_kernel_readings_and_the_exit_record() {
+        let mut model = Model::new(10_000 * MS, 1000);
+        model.update_thread_states(
+            5 * MS,
+            &[
+                (11, state(10, Some(4 * MS), 3 * MS, [2, 1, 1])),
+                (12, state(10, None, 2 * MS, [1, 1, 0])),
+            ],
+        );
+        assert_eq!(
+            model.switches.processes[&10][&11],
+            ThreadSwitches {
+                switched_out: 2,
+                switched_in: 1,
+                preempted: 1
+            }
+        );
+        // A reading older than what is known never lowers a count.
+        model.update_thread_states(6 * MS, &[(11, state(10, None, 3 * MS, [1, 1, 0]))]);
+        assert_eq!(model.switches.processes[&10][&11].switched_out, 2);
+        // The exit record carries the final counts, the last switch included.
+        model.record(&Event::ThreadExit(ebpf::ThreadExitEvent {
             hdr: EventHeader {
-                ts_ns: 0,
+                ts_ns: 7 * MS,
+                kind: 3,
+                cpu: 0,
+            },
+            tgid: 10,
+            tid: 12,
+            switched_out: 3,
+            switched_in: 2,
+            preempted: 1,
+        }));
+        assert_eq!(model.switches.process_total(10).switched_out, 5);
+        assert_eq!(model.switches.process_total(10).switched_in, 3);
+        assert_eq!(model.switches.process_total(10).preempted, 2);
+    }
+
+    fn switch(prev: (u32, u32, bool), next: (u32, u32, bool), ts: u64) -> SchedSwitchEvent {
+        SchedSwitchEvent {
+            hdr: EventHeader {
+                ts_ns: ts,
                 kind: 1,
                 cpu: 0,
             },
@@ -765,50 +861,111 @@ mod tests {
             prev_tid: prev.1,
             next_tgid: next.0,
             next_tid: next.1,
-            prev_state: prev.3,
-            preempt: u8::from(prev.3 == 0),
+            on_cpu_start_ns: 0,
+            off_cpu_start_ns: 0,
+            runnable_ns: 0,
             prev_watched: u8::from(prev.2),
             next_watched: u8::from(next.2),
+            has_on_cpu: 0,
+            has_off_cpu: 0,
+            has_run_queue: 0,
+            on_cpu_cause: 0,
+            run_queue_cause: 0,
             _pad: 0,
-        })
+        }
     }
 
     #[test]
-    fn counts_only_the_watched_side() {
-        let mut counts = SwitchCounts::default();
-        // watched 10/11 blocks, unwatched 20/20 runs; then it comes back, preempted later.
-        counts.record(&switch((10, 11, true, 1), (20, 20, false)));
-        counts.record(&switch((20, 20, false, 1), (10, 11, true)));
-        counts.record(&switch((10, 11, true, 0), (10, 12, true)));
+    fn a_switch_record_carries_every_interval_it_ended() {
+        let mut model = Model::new(10_000 * MS, 1000);
+        // 10/11 leaves the CPU preempted after 4 ms on it; 10/12 takes it
+        // after waiting 1 ms since its wakeup, which ended 7 ms blocked.
+        let mut e = switch((10, 11, true), (10, 12, true), 10 * MS);
+        (e.has_on_cpu, e.on_cpu_start_ns, e.on_cpu_cause) = (1, 6 * MS, 1);
+        (e.has_run_queue, e.runnable_ns, e.run_queue_cause) = (1, 9 * MS, 2);
+        (e.has_off_cpu, e.off_cpu_start_ns) = (1, 2 * MS);
+        model.record(&Event::SchedSwitch(e));
+        let on = model.intervals(11, 0, u64::MAX);
         assert_eq!(
-            counts.processes[&10][&11],
-            ThreadSwitches {
-                switched_out: 2,
-                switched_in: 1,
-                preempted: 1
-            }
+            on,
+            [Interval {
+                start_ns: 6 * MS,
+                duration_ns: 4 * MS,
+                kind: IntervalKind::OnCpu,
+                cause: IntervalCause::Preempted
+            }]
         );
-        assert_eq!(counts.processes[&10][&12].switched_in, 1);
-        assert!(!counts.processes.contains_key(&20));
-        assert_eq!(counts.process_total(10).switched_out, 2);
-        assert_eq!(counts.process_total(10).switched_in, 2);
-        assert_eq!(counts.events, 3);
+        let incoming = model.intervals(12, 0, u64::MAX);
+        assert_eq!(
+            incoming,
+            [
+                Interval {
+                    start_ns: 2 * MS,
+                    duration_ns: 7 * MS,
+                    kind: IntervalKind::OffCpu,
+                    cause: IntervalCause::Blocked
+                },
+                Interval {
+                    start_ns: 9 * MS,
+                    duration_ns: MS,
+                    kind: IntervalKind::RunQueue,
+                    cause: IntervalCause::Woken
+                }
+            ]
+        );
+        let totals = model.thread_totals(12).unwrap();
+        assert_eq!((totals.off_cpu_ns, totals.run_queue_ns), (7 * MS, MS));
+        // 12 has been on the CPU since the switch, 11 is off it.
+        let snap = model.thread_snapshot(12, 10 * MS, 20 * MS).unwrap();
+        assert!((snap.cpu_pct - 100.0).abs() < 1e-9, "{snap:?}");
+        let snap = model.thread_snapshot(11, 10 * MS, 20 * MS).unwrap();
+        assert!(snap.cpu_pct.abs() < 1e-9, "{snap:?}");
     }
 
-    fn interval(tgid: u32, tid: u32, kind: u32, cause: u32, start: u64, dur: u64) -> Event {
-        Event::SchedInterval(ebpf::SchedIntervalEvent {
-            hdr: EventHeader {
-                ts_ns: start + dur,
-                kind: 2,
-                cpu: 0,
-            },
+    #[test]
+    fn on_cpu_since_follows_the_newest_of_records_and_readings() {
+        let mut model = Model::new(10_000 * MS, 1000);
+        // A switch in below --min-interval sends no record: the reading says
+        // the thread is on the CPU since 10 ms.
+        model.update_thread_states(
+            15 * MS,
+            &[(11, state(10, Some(10 * MS), 5 * MS, [1, 1, 0]))],
+        );
+        let snap = model.thread_snapshot(11, 10 * MS, 20 * MS).unwrap();
+        assert!((snap.cpu_pct - 100.0).abs() < 1e-9, "{snap:?}");
+        // A record of an older switch, read after it, changes nothing.
+        model.record(&Event::SchedSwitch(switch(
+            (10, 11, true),
+            (0, 0, false),
+            8 * MS,
+        )));
+        let snap = model.thread_snapshot(11, 10 * MS, 20 * MS).unwrap();
+        assert!((snap.cpu_pct - 100.0).abs() < 1e-9, "{snap:?}");
+        // A newer one does: off the CPU since 16 ms.
+        model.record(&Event::SchedSwitch(switch(
+            (10, 11, true),
+            (0, 0, false),
+            16 * MS,
+        )));
+        let snap = model.thread_snapshot(11, 10 * MS, 20 * MS).unwrap();
+        assert!(snap.cpu_pct.abs() < 1e-9, "{snap:?}");
+    }
+
+    /// One interval, as a switch record carries it; `kind` 1: on CPU, 2:
+    /// run queue, 3: off CPU.
+    fn interval(tgid: u32, tid: u32, kind: u32, cause: u8, start: u64, dur: u64) -> SwitchInterval {
+        SwitchInterval {
             tgid,
             tid,
-            start_ns: start,
-            duration_ns: dur,
-            interval: kind,
+            kind: match kind {
+                1 => IntervalKind::OnCpu,
+                2 => IntervalKind::RunQueue,
+                _ => IntervalKind::OffCpu,
+            },
             cause,
-        })
+            start_ns: start,
+            end_ns: start + dur,
+        }
     }
 
     const MS: u64 = 1_000_000;
@@ -817,11 +974,11 @@ mod tests {
     fn totals_snapshots_and_time_ranges() {
         let mut model = Model::new(10_000 * MS, 1000);
         // thread 11: on CPU 0..100ms, blocked 100..600ms, waits 1ms, on 601..700.
-        model.record(&interval(10, 11, 1, 0, 0, 100 * MS));
-        model.record(&interval(10, 11, 3, 0, 100 * MS, 500 * MS));
-        model.record(&interval(10, 11, 2, 2, 600 * MS, MS));
-        model.record(&interval(10, 11, 1, 1, 601 * MS, 99 * MS));
-        model.record(&interval(10, 11, 2, 1, 700 * MS, 3 * MS));
+        model.record_interval(&interval(10, 11, 1, 0, 0, 100 * MS));
+        model.record_interval(&interval(10, 11, 3, 0, 100 * MS, 500 * MS));
+        model.record_interval(&interval(10, 11, 2, 2, 600 * MS, MS));
+        model.record_interval(&interval(10, 11, 1, 1, 601 * MS, 99 * MS));
+        model.record_interval(&interval(10, 11, 2, 1, 700 * MS, 3 * MS));
         let t = model.thread_totals(11).unwrap();
         assert_eq!(t.on_cpu_ns, 199 * MS);
         assert_eq!(t.off_cpu_ns, 500 * MS);
@@ -903,7 +1060,7 @@ mod tests {
     fn memory_is_bounded_by_cap_and_retention() {
         let mut model = Model::new(1000 * MS, 10);
         for i in 0..100 {
-            model.record(&interval(1, 2, 1, 0, i * MS, MS));
+            model.record_interval(&interval(1, 2, 1, 0, i * MS, MS));
         }
         assert_eq!(model.stats().intervals, 10);
         assert_eq!(model.stats().intervals_dropped_for_memory, 90);
@@ -915,6 +1072,9 @@ mod tests {
             },
             tgid: 1,
             tid: 2,
+            switched_out: 0,
+            switched_in: 0,
+            preempted: 0,
         }));
         assert!(model.prune(500 * MS).is_empty());
         assert_eq!(model.prune(2000 * MS), vec![2]);

@@ -11,12 +11,12 @@ use anyhow::{Context, Result, bail};
 use aya::maps::{Array, HashMap as BpfHashMap, MapData, PerCpuArray, RingBuf};
 use aya::programs::{BtfTracePoint, UProbe};
 use aya::{Btf, Ebpf, EbpfLoader, Pod};
-use ebpf::{Counter, HistKey, HistKind, SockStats, ThreadKey, ThreadNet, names};
+use ebpf::{Counter, SockStats, ThreadHist, ThreadKey, ThreadNet, ThreadState, names};
 
 /// Plain-old-data wrappers so aya can read the kernel's map keys/values.
 #[repr(transparent)]
 #[derive(Clone, Copy)]
-struct PodHistKey(HistKey);
+struct PodThreadHist(ThreadHist);
 #[repr(transparent)]
 #[derive(Clone, Copy)]
 struct PodThreadKey(ThreadKey);
@@ -26,20 +26,25 @@ struct PodThreadNet(ThreadNet);
 #[repr(transparent)]
 #[derive(Clone, Copy)]
 struct PodSockStats(SockStats);
+#[repr(transparent)]
+#[derive(Clone, Copy)]
+struct PodThreadState(ThreadState);
 // SAFETY: each wraps a #[repr(C)] struct of integers (ebpf crate, layout
 // checked against the C header), valid for every bit pattern.
-unsafe impl Pod for PodHistKey {}
+unsafe impl Pod for PodThreadHist {}
 // SAFETY: as above.
 unsafe impl Pod for PodThreadKey {}
 // SAFETY: as above.
 unsafe impl Pod for PodThreadNet {}
 // SAFETY: as above.
 unsafe impl Pod for PodSockStats {}
+// SAFETY: as above.
+unsafe impl Pod for PodThreadState {}
 
 /// Groups of probes that can be switched on and off.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
 pub enum ProbeSet {
-    /// sched_switch, sched_wakeup(_new), sched_process_exit.
+    /// sched_switch, sched_wakeup(_new).
     Sched,
     /// sock_send/recv_length, tcp_retransmit_skb, tcp_probe, inet_sock_set_state.
     Tcp,
@@ -55,7 +60,7 @@ pub struct ProbeConfig {
     /// Intervals shorter than this are only counted (and in the histograms),
     /// not sent as records: bounds the event rate.
     pub min_interval_ns: u64,
-    /// At most this many interval records per thread per second (0: no
+    /// At most this many intervals per thread per second (0: no
     /// limit); the rest are counted and in the histograms only.
     pub max_intervals_per_s: u32,
 }
@@ -82,7 +87,8 @@ pub struct Probes {
     ebpf: Ebpf,
     watched: Array<MapData, u64>,
     counters: PerCpuArray<MapData, u64>,
-    hist: BpfHashMap<MapData, PodHistKey, u64>,
+    hist: BpfHashMap<MapData, u32, PodThreadHist>,
+    thread_state: BpfHashMap<MapData, u32, PodThreadState>,
     thread_net: BpfHashMap<MapData, PodThreadKey, PodThreadNet>,
     sock_stats: BpfHashMap<MapData, u64, PodSockStats>,
     nccl_attached: BTreeSet<u32>,
@@ -114,11 +120,6 @@ impl Probes {
                 ProbeSet::Sched,
                 names::PROG_SCHED_WAKEUP_NEW,
                 "sched_wakeup_new",
-            ),
-            (
-                ProbeSet::Sched,
-                names::PROG_SCHED_PROCESS_EXIT,
-                "sched_process_exit",
             ),
             (
                 ProbeSet::Tcp,
@@ -166,6 +167,8 @@ impl Probes {
             .context("map counters has an unexpected type")?;
         let hist = BpfHashMap::try_from(take_map(&mut ebpf, names::MAP_SCHED_HIST)?)
             .context("map sched_hist has an unexpected type")?;
+        let thread_state = BpfHashMap::try_from(take_map(&mut ebpf, names::MAP_THREAD_STATE)?)
+            .context("map thread_state has an unexpected type")?;
         let thread_net = BpfHashMap::try_from(take_map(&mut ebpf, names::MAP_THREAD_NET)?)
             .context("map thread_net has an unexpected type")?;
         let sock_stats = BpfHashMap::try_from(take_map(&mut ebpf, names::MAP_SOCK_STATS)?)
@@ -175,6 +178,7 @@ impl Probes {
             watched,
             counters,
             hist,
+            thread_state,
             thread_net,
             sock_stats,
             nccl_attached: BTreeSet::new(),
@@ -276,30 +280,41 @@ impl Probes {
 
     /// The histograms of the given threads, as the kernel holds them now.
     pub fn histograms(&self, tids: &BTreeSet<u32>) -> BTreeMap<u32, ThreadHistograms> {
-        let mut out: BTreeMap<u32, ThreadHistograms> = BTreeMap::new();
-        for entry in self.hist.iter() {
-            let Ok((PodHistKey(key), count)) = entry else {
-                continue; // an entry deleted while iterating
-            };
-            if !tids.contains(&key.tid) {
-                continue;
-            }
-            let h = out.entry(key.tid).or_default();
-            let bucket = if key.kind == HistKind::RunQueue as u16 {
-                &mut h.run_queue
-            } else {
-                &mut h.off_cpu
-            };
-            *bucket.buckets.entry(key.slot).or_default() += count;
-        }
-        out
+        let buckets = |counts: &[u64]| Log2Histogram {
+            buckets: (0u16..)
+                .zip(counts)
+                .filter(|(_, count)| **count > 0)
+                .map(|(slot, count)| (slot, *count))
+                .collect(),
+        };
+        tids.iter()
+            .filter_map(|&tid| {
+                // Absent: the thread never waited nor blocked (or it was
+                // forgotten, or the map was full).
+                let PodThreadHist(hist) = self.hist.get(&tid, 0).ok()?;
+                Some((
+                    tid,
+                    ThreadHistograms {
+                        run_queue: buckets(&hist.run_queue),
+                        off_cpu: buckets(&hist.off_cpu),
+                    },
+                ))
+            })
+            .collect()
     }
 
-    /// Deletes the histogram buckets and traffic counters of threads the
-    /// model forgot, so the kernel maps stay bounded on a long run.
+    /// Deletes the histograms, traffic counters and scheduling
+    /// state of threads the model forgot, so the kernel maps stay bounded
+    /// on a long run. (The kernel deletes an exiting thread's state itself;
+    /// a live thread of a watched process is never forgotten, as its state
+    /// is read every refresh.)
     pub fn forget_threads(&mut self, tids: &[u32]) {
         if tids.is_empty() {
             return;
+        }
+        for tid in tids {
+            let _ = self.thread_state.remove(tid);
+            let _ = self.hist.remove(tid);
         }
         let doomed_net: Vec<PodThreadKey> = self
             .thread_net
@@ -310,15 +325,15 @@ impl Probes {
         for key in doomed_net {
             let _ = self.thread_net.remove(&key);
         }
-        let doomed: Vec<PodHistKey> = self
-            .hist
-            .keys()
+    }
+
+    /// Scheduling state and context-switch counts per thread (tid → state).
+    pub fn thread_states(&self) -> Vec<(u32, ThreadState)> {
+        self.thread_state
+            .iter()
             .flatten()
-            .filter(|k| tids.contains(&k.0.tid))
-            .collect();
-        for key in doomed {
-            let _ = self.hist.remove(&key);
-        }
+            .map(|(tid, state)| (tid, state.0))
+            .collect()
     }
 
     /// TCP bytes and calls per thread (cumulative, exact).

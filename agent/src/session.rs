@@ -85,7 +85,7 @@ pub struct TargetArgs {
     #[arg(long, default_value = "0s", value_parser = humantime::parse_duration, env = "RINGWATCH_MIN_INTERVAL")]
     pub min_interval: Duration,
 
-    /// At most this many interval records per thread per second leave the
+    /// At most this many intervals per thread per second leave the
     /// kernel (0: no limit); the rest are counted and in the histograms.
     #[arg(long, default_value_t = 0, env = "RINGWATCH_MAX_INTERVAL_RATE")]
     pub max_interval_rate: u32,
@@ -329,9 +329,15 @@ impl Session {
         Ok(())
     }
 
-    /// Reads the kernel's aggregate maps into the model.
+    /// Reads the kernel's aggregate maps into the model: per-thread
+    /// scheduling state and switch counts (of watched processes only: a
+    /// process no longer watched keeps its last figures), TCP traffic,
+    /// connections.
     pub fn poll_maps(&mut self) {
         let now = monotonic_ns();
+        let mut states = self.probes.thread_states();
+        states.retain(|(_, state)| self.watched.contains(&state.tgid));
+        self.model.update_thread_states(now, &states);
         let net = self.probes.thread_net();
         self.model.update_thread_net(now, &net);
         let socks = self.probes.sockets();

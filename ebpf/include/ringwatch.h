@@ -12,7 +12,7 @@
 /* Kinds of ring-buffer records; every record starts with rw_event_header. */
 enum rw_event_kind {
 	RW_EVENT_SCHED_SWITCH = 1,
-	RW_EVENT_SCHED_INTERVAL = 2,
+	/* 2 was one interval per record: they travel in rw_sched_switch_event */
 	RW_EVENT_THREAD_EXIT = 3,
 	RW_EVENT_TCP_RETRANSMIT = 4,
 	RW_EVENT_TCP_CLOSE = 5,
@@ -25,37 +25,25 @@ enum rw_counter {
 	RW_COUNTER_RINGBUF_DROPS = 0,
 	/* sched_switch events involving a watched process */
 	RW_COUNTER_SCHED_SWITCH_SEEN = 1,
-	/* interval records not sent because shorter than rw_min_interval_ns
+	/* intervals not sent because shorter than rw_min_interval_ns
 	 * (they are still in the histograms) */
 	RW_COUNTER_INTERVALS_SKIPPED = 2,
 	/* a map (thread state, histogram, socket, thread traffic, NCCL
 	 * pending call) was full: that thread/socket/call is not accounted */
 	RW_COUNTER_MAP_FULL = 3,
-	/* interval records not sent because their thread reached
+	/* intervals not sent because their thread reached
 	 * rw_max_intervals_per_s (they are still in the histograms) */
 	RW_COUNTER_INTERVALS_RATE_LIMITED = 4,
 	RW_COUNTER_MAX = 16,
 };
 
-/* What an rw_sched_interval_event measured. */
-enum rw_interval_kind {
-	RW_INTERVAL_ON_CPU = 1,   /* switched in → switched out */
-	RW_INTERVAL_RUN_QUEUE = 2, /* runnable (woken or preempted) → switched in */
-	RW_INTERVAL_OFF_CPU = 3,  /* switched out blocked → woken */
-};
-
-/* Why a thread was runnable (RUN_QUEUE) or how it left the CPU (ON_CPU). */
+/* Why a thread was runnable (its run-queue wait) or how it left the CPU (its
+ * on-CPU interval). */
 enum rw_interval_cause {
-	RW_CAUSE_BLOCKED = 0,   /* ON_CPU / OFF_CPU: it blocked (slept, waited on I/O) */
-	RW_CAUSE_PREEMPTED = 1, /* ON_CPU: ended by preemption; RUN_QUEUE: after one */
-	RW_CAUSE_WOKEN = 2,     /* RUN_QUEUE: after a wakeup */
-	RW_CAUSE_NEW = 3,       /* RUN_QUEUE: a new thread's first wait */
-};
-
-/* Histogram kinds (rw_hist_key.kind). */
-enum rw_hist_kind {
-	RW_HIST_RUN_QUEUE = 1,
-	RW_HIST_OFF_CPU = 2,
+	RW_CAUSE_BLOCKED = 0,   /* on-CPU (and off-CPU): it blocked (slept, waited on I/O) */
+	RW_CAUSE_PREEMPTED = 1, /* on-CPU: ended by preemption; run-queue: after one */
+	RW_CAUSE_WOKEN = 2,     /* run-queue: after a wakeup */
+	RW_CAUSE_NEW = 3,       /* run-queue: a new thread's first wait */
 };
 
 /* NCCL entry points (rw_nccl_call_event.func). */
@@ -74,46 +62,73 @@ struct rw_event_header {
 	__u32 cpu;
 };
 
-/* One context switch on a CPU where the outgoing or incoming thread belongs
- * to a watched process. */
+/* The intervals one context switch ended, for the watched threads in it:
+ * the outgoing thread's on-CPU interval [on_cpu_start_ns, ts_ns); for the
+ * incoming thread its run-queue wait [runnable_ns, ts_ns) and, when it had
+ * blocked, the off-CPU interval before it [off_cpu_start_ns, runnable_ns)
+ * (sent here rather than at the wakeup that ended it: one record instead of
+ * two). One record per switch, not one per interval: each record costs a
+ * ring-buffer reservation on the hottest path in the kernel. Each part is
+ * there only when it passed rw_min_interval_ns and the rate limit; a switch
+ * with no part sends no record (switch counts live in rw_thread_state). */
 struct rw_sched_switch_event {
-	struct rw_event_header hdr;
+	struct rw_event_header hdr; /* ts_ns: the switch */
 	__u32 prev_tgid;
 	__u32 prev_tid;
 	__u32 next_tgid;
 	__u32 next_tid;
-	__u32 prev_state;  /* the outgoing task's __state: 0 = runnable (preempted) */
-	__u8 preempt;      /* the switch was a preemption */
-	__u8 prev_watched; /* prev_tgid is in watched_tgids */
-	__u8 next_watched; /* next_tgid is in watched_tgids */
+	__u64 on_cpu_start_ns;  /* if has_on_cpu */
+	__u64 off_cpu_start_ns; /* if has_off_cpu */
+	__u64 runnable_ns;      /* if has_run_queue or has_off_cpu */
+	__u8 prev_watched;      /* prev_tgid is in watched_tgids */
+	__u8 next_watched;      /* next_tgid is in watched_tgids */
+	__u8 has_on_cpu;
+	__u8 has_off_cpu;
+	__u8 has_run_queue;
+	__u8 on_cpu_cause;      /* enum rw_interval_cause: preempted or blocked */
+	__u8 run_queue_cause;   /* enum rw_interval_cause: preempted, woken or new */
 	__u8 _pad;
 };
 
-/* One finished interval of a watched thread (at least rw_min_interval_ns). */
-struct rw_sched_interval_event {
-	struct rw_event_header hdr;
-	__u32 tgid;
-	__u32 tid;
-	__u64 start_ns;    /* CLOCK_MONOTONIC */
-	__u64 duration_ns;
-	__u32 interval;    /* enum rw_interval_kind */
-	__u32 cause;       /* enum rw_interval_cause */
-};
-
-/* A watched thread exited (its kernel-side state is gone). */
+/* A watched thread exited (sent at its last switch out; its kernel-side
+ * state is gone), with its final context-switch counts. */
 struct rw_thread_exit_event {
 	struct rw_event_header hdr;
 	__u32 tgid;
 	__u32 tid;
+	__u64 switched_out; /* that last switch included */
+	__u64 switched_in;
+	__u64 preempted;
 };
 
-/* Key of the `sched_hist` map: one log2 bucket of one thread's histogram.
- * Bucket `slot` counts durations d with 2^slot <= d < 2^(slot+1) ns
- * (slot 0 also holds d = 0). */
-struct rw_hist_key {
-	__u32 tid;
-	__u16 kind; /* enum rw_hist_kind */
-	__u16 slot;
+/* Value of the `thread_state` map (key: tid): where a watched thread is and
+ * since when, and its context switches since the agent loaded the programs.
+ * The agent reads the map for the counts and for "on CPU since"; the
+ * counts of an exited thread come in its rw_thread_exit_event. */
+struct rw_thread_state {
+	__u64 on_ts;          /* switched in at (valid while on_cpu) */
+	__u64 off_ts;         /* switched out at */
+	__u64 runq_ts;        /* became runnable at; 0 when not waiting */
+	__u64 rate_window_ns; /* start of the current one-second rate window */
+	__u64 switched_out;   /* times it left a CPU */
+	__u64 switched_in;    /* times it got a CPU */
+	__u64 preempted;      /* of switched_out, still runnable (__state 0) */
+	__u32 rate_count;     /* intervals sent in the rate window */
+	__u32 tgid;
+	__u8 on_cpu;
+	__u8 runq_cause;      /* enum rw_interval_cause */
+	__u8 off_cpu_pending; /* woken: [off_ts, runq_ts) is accounted at its switch in */
+	__u8 _pad[5];
+};
+
+/* Log2 buckets of a histogram of durations (ns): bucket `slot` counts
+ * durations d with 2^slot <= d < 2^(slot+1) (slot 0 also holds d = 0). */
+#define RW_HIST_SLOTS 64
+
+/* Value of the `sched_hist` map (key: tid): one thread's histograms. */
+struct rw_thread_hist {
+	__u64 run_queue[RW_HIST_SLOTS]; /* run-queue waits */
+	__u64 off_cpu[RW_HIST_SLOTS];   /* off-CPU (blocked) intervals */
 };
 
 /* Key of the `thread_net` map. */

@@ -37,8 +37,6 @@ pub mod names {
     pub const PROG_SCHED_WAKEUP: &str = "rw_sched_wakeup";
     /// BTF tracepoint program on `sched_wakeup_new`.
     pub const PROG_SCHED_WAKEUP_NEW: &str = "rw_sched_wakeup_new";
-    /// BTF tracepoint program on `sched_process_exit`.
-    pub const PROG_SCHED_PROCESS_EXIT: &str = "rw_sched_process_exit";
     /// BTF tracepoint program on `sock_send_length`.
     pub const PROG_SOCK_SEND_LENGTH: &str = "rw_sock_send_length";
     /// BTF tracepoint program on `sock_recv_length`.
@@ -60,9 +58,10 @@ pub mod names {
         ("rw_nccl_group_start", "ncclGroupStart"),
         ("rw_nccl_group_end", "ncclGroupEnd"),
     ];
-    /// `HASH` of per-thread log2 histograms ([`crate::HistKey`] → `u64`).
+    /// `HASH` of per-thread log2 histograms (tid → [`crate::ThreadHist`]).
     pub const MAP_SCHED_HIST: &str = "sched_hist";
-    /// `HASH` of per-thread scheduling state (tid → private struct).
+    /// `HASH` of per-thread scheduling state and switch counts (tid →
+    /// [`crate::ThreadState`]).
     pub const MAP_THREAD_STATE: &str = "thread_state";
     /// `HASH` [`crate::ThreadKey`] → [`crate::ThreadNet`].
     pub const MAP_THREAD_NET: &str = "thread_net";
@@ -80,8 +79,6 @@ pub mod names {
 pub enum EventKind {
     /// [`SchedSwitchEvent`].
     SchedSwitch = 1,
-    /// [`SchedIntervalEvent`].
-    SchedInterval = 2,
     /// [`ThreadExitEvent`].
     ThreadExit = 3,
     /// [`TcpRetransmitEvent`].
@@ -97,7 +94,6 @@ impl EventKind {
     pub fn from_raw(raw: u32) -> Option<Self> {
         match raw {
             1 => Some(Self::SchedSwitch),
-            2 => Some(Self::SchedInterval),
             3 => Some(Self::ThreadExit),
             4 => Some(Self::TcpRetransmit),
             5 => Some(Self::TcpClose),
@@ -136,28 +132,15 @@ impl Counter {
     ];
 }
 
-/// `enum rw_interval_kind`: what a [`SchedIntervalEvent`] measured.
-#[repr(u32)]
+/// What an interval of a thread measured (the parts of a [`SchedSwitchEvent`]).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub enum IntervalKind {
     /// Switched in → switched out.
-    OnCpu = 1,
+    OnCpu,
     /// Runnable (woken, preempted or new) → switched in.
-    RunQueue = 2,
+    RunQueue,
     /// Switched out blocked → woken.
-    OffCpu = 3,
-}
-
-impl IntervalKind {
-    /// The kind for a raw value, if known.
-    pub fn from_raw(raw: u32) -> Option<Self> {
-        match raw {
-            1 => Some(Self::OnCpu),
-            2 => Some(Self::RunQueue),
-            3 => Some(Self::OffCpu),
-            _ => None,
-        }
-    }
+    OffCpu,
 }
 
 /// `enum rw_interval_cause`.
@@ -185,16 +168,6 @@ impl IntervalCause {
             _ => None,
         }
     }
-}
-
-/// `enum rw_hist_kind`: which histogram a [`HistKey`] belongs to.
-#[repr(u16)]
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum HistKind {
-    /// Run-queue waits.
-    RunQueue = 1,
-    /// Off-CPU (blocked) time.
-    OffCpu = 2,
 }
 
 /// `enum rw_nccl_func`: which NCCL entry point a call was.
@@ -260,12 +233,17 @@ pub struct EventHeader {
     pub cpu: u32,
 }
 
-/// `struct rw_sched_switch_event`: a context switch in which a watched
-/// process's thread went off or came on a CPU.
+/// `struct rw_sched_switch_event`: the intervals one context switch ended
+/// for the watched threads in it, all ending at or before `hdr.ts_ns`: the
+/// outgoing thread's on-CPU interval; the incoming thread's run-queue wait
+/// and, when it had blocked, the off-CPU interval its wakeup ended. Sent
+/// only when at least one part is there (switch counts are in
+/// [`ThreadState`], not in records); [`SchedSwitchEvent::intervals`] lists
+/// them.
 #[repr(C)]
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct SchedSwitchEvent {
-    /// Common header; `kind` is [`EventKind::SchedSwitch`].
+    /// Common header; `kind` is [`EventKind::SchedSwitch`], `ts_ns` the switch.
     pub hdr: EventHeader,
     /// Process of the thread leaving the CPU.
     pub prev_tgid: u32,
@@ -275,39 +253,84 @@ pub struct SchedSwitchEvent {
     pub next_tgid: u32,
     /// Thread taking the CPU.
     pub next_tid: u32,
-    /// The outgoing thread's `__state` (0: still runnable).
-    pub prev_state: u32,
-    /// 1 when the switch was a preemption.
-    pub preempt: u8,
+    /// Start of the outgoing thread's on-CPU interval (if `has_on_cpu`).
+    pub on_cpu_start_ns: u64,
+    /// Start of the incoming thread's off-CPU interval (if `has_off_cpu`);
+    /// it ended at `runnable_ns`.
+    pub off_cpu_start_ns: u64,
+    /// When the incoming thread became runnable: start of its run-queue
+    /// wait, end of its off-CPU interval.
+    pub runnable_ns: u64,
     /// 1 when `prev_tgid` is watched.
     pub prev_watched: u8,
     /// 1 when `next_tgid` is watched.
     pub next_watched: u8,
+    /// 1 when the record carries the outgoing thread's on-CPU interval.
+    pub has_on_cpu: u8,
+    /// 1 when the record carries the incoming thread's off-CPU interval.
+    pub has_off_cpu: u8,
+    /// 1 when the record carries the incoming thread's run-queue wait.
+    pub has_run_queue: u8,
+    /// An [`IntervalCause`] value: how the on-CPU interval ended.
+    pub on_cpu_cause: u8,
+    /// An [`IntervalCause`] value: why the thread was runnable.
+    pub run_queue_cause: u8,
     /// Padding, zero.
     pub _pad: u8,
 }
 
-/// `struct rw_sched_interval_event`: one finished interval of a watched thread.
-#[repr(C)]
+/// One interval a [`SchedSwitchEvent`] carries.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct SchedIntervalEvent {
-    /// Common header; `ts_ns` is the interval's end.
-    pub hdr: EventHeader,
+pub struct SwitchInterval {
     /// Process.
     pub tgid: u32,
     /// Thread.
     pub tid: u32,
+    /// What it measured.
+    pub kind: IntervalKind,
+    /// An [`IntervalCause`] value, as the kernel wrote it.
+    pub cause: u8,
     /// Start, `CLOCK_MONOTONIC` ns.
     pub start_ns: u64,
-    /// Length, ns.
-    pub duration_ns: u64,
-    /// An [`IntervalKind`] value.
-    pub interval: u32,
-    /// An [`IntervalCause`] value.
-    pub cause: u32,
+    /// End, ns.
+    pub end_ns: u64,
 }
 
-/// `struct rw_thread_exit_event`: a watched thread exited.
+impl SchedSwitchEvent {
+    /// The intervals the record carries, in the order they ended: the
+    /// outgoing thread's on-CPU interval, then the incoming thread's
+    /// off-CPU interval and its run-queue wait.
+    pub fn intervals(&self) -> impl Iterator<Item = SwitchInterval> + use<> {
+        let on_cpu = (self.has_on_cpu != 0).then_some(SwitchInterval {
+            tgid: self.prev_tgid,
+            tid: self.prev_tid,
+            kind: IntervalKind::OnCpu,
+            cause: self.on_cpu_cause,
+            start_ns: self.on_cpu_start_ns,
+            end_ns: self.hdr.ts_ns,
+        });
+        let off_cpu = (self.has_off_cpu != 0).then_some(SwitchInterval {
+            tgid: self.next_tgid,
+            tid: self.next_tid,
+            kind: IntervalKind::OffCpu,
+            cause: IntervalCause::Blocked as u8,
+            start_ns: self.off_cpu_start_ns,
+            end_ns: self.runnable_ns,
+        });
+        let run_queue = (self.has_run_queue != 0).then_some(SwitchInterval {
+            tgid: self.next_tgid,
+            tid: self.next_tid,
+            kind: IntervalKind::RunQueue,
+            cause: self.run_queue_cause,
+            start_ns: self.runnable_ns,
+            end_ns: self.hdr.ts_ns,
+        });
+        on_cpu.into_iter().chain(off_cpu).chain(run_queue)
+    }
+}
+
+/// `struct rw_thread_exit_event`: a watched thread exited (sent at its last
+/// switch out), with its final context-switch counts.
 #[repr(C)]
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct ThreadExitEvent {
@@ -317,19 +340,62 @@ pub struct ThreadExitEvent {
     pub tgid: u32,
     /// Thread.
     pub tid: u32,
+    /// Times it left a CPU, its last switch included.
+    pub switched_out: u64,
+    /// Times it got a CPU.
+    pub switched_in: u64,
+    /// Of `switched_out`, how many left it runnable (preemptions).
+    pub preempted: u64,
 }
 
-/// `struct rw_hist_key`: one log2 bucket of one thread's histogram; bucket
-/// `slot` counts durations in `[2^slot, 2^(slot+1))` ns (slot 0 also 0 ns).
+/// `struct rw_thread_state`: value of the `thread_state` map (key: tid):
+/// where a watched thread is, since when, and its context-switch counts
+/// since the programs were loaded.
+#[repr(C)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct ThreadState {
+    /// Switched in at (valid while `on_cpu` is 1), ns.
+    pub on_ts: u64,
+    /// Switched out at, ns.
+    pub off_ts: u64,
+    /// Became runnable at, ns; 0 when not waiting.
+    pub runq_ts: u64,
+    /// Start of the current one-second rate window, ns.
+    pub rate_window_ns: u64,
+    /// Times it left a CPU.
+    pub switched_out: u64,
+    /// Times it got a CPU.
+    pub switched_in: u64,
+    /// Of `switched_out`, how many left it runnable (`__state` 0).
+    pub preempted: u64,
+    /// Interval records sent in the rate window.
+    pub rate_count: u32,
+    /// Process.
+    pub tgid: u32,
+    /// 1 while on a CPU.
+    pub on_cpu: u8,
+    /// An [`IntervalCause`] value: why it is runnable.
+    pub runq_cause: u8,
+    /// 1 when woken: its off-CPU interval `[off_ts, runq_ts)` is accounted
+    /// (histogram, record) at its next switch in.
+    pub off_cpu_pending: u8,
+    /// Padding.
+    pub _pad: [u8; 5],
+}
+
+/// Buckets per histogram (`RW_HIST_SLOTS`): bucket `slot` counts durations
+/// in `[2^slot, 2^(slot+1))` ns (slot 0 also 0 ns).
+pub const HIST_SLOTS: usize = 64;
+
+/// `struct rw_thread_hist`: value of the `sched_hist` map (key: tid), one
+/// thread's log2 histograms.
 #[repr(C)]
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct HistKey {
-    /// Thread.
-    pub tid: u32,
-    /// A [`HistKind`] value.
-    pub kind: u16,
-    /// log2 of the duration in ns.
-    pub slot: u16,
+pub struct ThreadHist {
+    /// Run-queue waits per log2 bucket.
+    pub run_queue: [u64; HIST_SLOTS],
+    /// Off-CPU (blocked) intervals per log2 bucket.
+    pub off_cpu: [u64; HIST_SLOTS],
 }
 
 /// `struct rw_thread_key`: key of the `thread_net` map.
@@ -491,9 +557,9 @@ unsafe impl Record for EventHeader {}
 // SAFETY: repr(C), integer fields only.
 unsafe impl Record for SchedSwitchEvent {}
 // SAFETY: repr(C), integer fields only.
-unsafe impl Record for SchedIntervalEvent {}
-// SAFETY: repr(C), integer fields only.
 unsafe impl Record for ThreadExitEvent {}
+// SAFETY: repr(C), integer fields only.
+unsafe impl Record for ThreadState {}
 // SAFETY: repr(C), integer fields only.
 unsafe impl Record for TcpRetransmitEvent {}
 // SAFETY: repr(C), integer fields (and a SockStats) only.
@@ -539,12 +605,16 @@ mod layout {
                 offset_of!(SchedSwitchEvent, next_tid),
             ),
             (
-                "rw_sched_switch_event.prev_state",
-                offset_of!(SchedSwitchEvent, prev_state),
+                "rw_sched_switch_event.on_cpu_start_ns",
+                offset_of!(SchedSwitchEvent, on_cpu_start_ns),
             ),
             (
-                "rw_sched_switch_event.preempt",
-                offset_of!(SchedSwitchEvent, preempt),
+                "rw_sched_switch_event.off_cpu_start_ns",
+                offset_of!(SchedSwitchEvent, off_cpu_start_ns),
+            ),
+            (
+                "rw_sched_switch_event.runnable_ns",
+                offset_of!(SchedSwitchEvent, runnable_ns),
             ),
             (
                 "rw_sched_switch_event.prev_watched",
@@ -554,34 +624,25 @@ mod layout {
                 "rw_sched_switch_event.next_watched",
                 offset_of!(SchedSwitchEvent, next_watched),
             ),
-            ("rw_sched_interval_event", size_of::<SchedIntervalEvent>()),
             (
-                "rw_sched_interval_event.hdr",
-                offset_of!(SchedIntervalEvent, hdr),
+                "rw_sched_switch_event.has_on_cpu",
+                offset_of!(SchedSwitchEvent, has_on_cpu),
             ),
             (
-                "rw_sched_interval_event.tgid",
-                offset_of!(SchedIntervalEvent, tgid),
+                "rw_sched_switch_event.has_off_cpu",
+                offset_of!(SchedSwitchEvent, has_off_cpu),
             ),
             (
-                "rw_sched_interval_event.tid",
-                offset_of!(SchedIntervalEvent, tid),
+                "rw_sched_switch_event.has_run_queue",
+                offset_of!(SchedSwitchEvent, has_run_queue),
             ),
             (
-                "rw_sched_interval_event.start_ns",
-                offset_of!(SchedIntervalEvent, start_ns),
+                "rw_sched_switch_event.on_cpu_cause",
+                offset_of!(SchedSwitchEvent, on_cpu_cause),
             ),
             (
-                "rw_sched_interval_event.duration_ns",
-                offset_of!(SchedIntervalEvent, duration_ns),
-            ),
-            (
-                "rw_sched_interval_event.interval",
-                offset_of!(SchedIntervalEvent, interval),
-            ),
-            (
-                "rw_sched_interval_event.cause",
-                offset_of!(SchedIntervalEvent, cause),
+                "rw_sched_switch_event.run_queue_cause",
+                offset_of!(SchedSwitchEvent, run_queue_cause),
             ),
             ("rw_thread_exit_event", size_of::<ThreadExitEvent>()),
             ("rw_thread_exit_event.hdr", offset_of!(ThreadExitEvent, hdr)),
@@ -590,10 +651,58 @@ mod layout {
                 offset_of!(ThreadExitEvent, tgid),
             ),
             ("rw_thread_exit_event.tid", offset_of!(ThreadExitEvent, tid)),
-            ("rw_hist_key", size_of::<HistKey>()),
-            ("rw_hist_key.tid", offset_of!(HistKey, tid)),
-            ("rw_hist_key.kind", offset_of!(HistKey, kind)),
-            ("rw_hist_key.slot", offset_of!(HistKey, slot)),
+            (
+                "rw_thread_exit_event.switched_out",
+                offset_of!(ThreadExitEvent, switched_out),
+            ),
+            (
+                "rw_thread_exit_event.switched_in",
+                offset_of!(ThreadExitEvent, switched_in),
+            ),
+            (
+                "rw_thread_exit_event.preempted",
+                offset_of!(ThreadExitEvent, preempted),
+            ),
+            ("rw_thread_state", size_of::<ThreadState>()),
+            ("rw_thread_state.on_ts", offset_of!(ThreadState, on_ts)),
+            ("rw_thread_state.off_ts", offset_of!(ThreadState, off_ts)),
+            ("rw_thread_state.runq_ts", offset_of!(ThreadState, runq_ts)),
+            (
+                "rw_thread_state.rate_window_ns",
+                offset_of!(ThreadState, rate_window_ns),
+            ),
+            (
+                "rw_thread_state.switched_out",
+                offset_of!(ThreadState, switched_out),
+            ),
+            (
+                "rw_thread_state.switched_in",
+                offset_of!(ThreadState, switched_in),
+            ),
+            (
+                "rw_thread_state.preempted",
+                offset_of!(ThreadState, preempted),
+            ),
+            (
+                "rw_thread_state.rate_count",
+                offset_of!(ThreadState, rate_count),
+            ),
+            ("rw_thread_state.tgid", offset_of!(ThreadState, tgid)),
+            ("rw_thread_state.on_cpu", offset_of!(ThreadState, on_cpu)),
+            (
+                "rw_thread_state.runq_cause",
+                offset_of!(ThreadState, runq_cause),
+            ),
+            (
+                "rw_thread_state.off_cpu_pending",
+                offset_of!(ThreadState, off_cpu_pending),
+            ),
+            ("rw_thread_hist", size_of::<ThreadHist>()),
+            (
+                "rw_thread_hist.run_queue",
+                offset_of!(ThreadHist, run_queue),
+            ),
+            ("rw_thread_hist.off_cpu", offset_of!(ThreadHist, off_cpu)),
             ("rw_thread_key", size_of::<ThreadKey>()),
             ("rw_thread_key.tgid", offset_of!(ThreadKey, tgid)),
             ("rw_thread_key.tid", offset_of!(ThreadKey, tid)),
@@ -690,7 +799,6 @@ mod layout {
                 "RW_COUNTER_SCHED_SWITCH_SEEN",
                 Counter::SchedSwitchSeen as u32,
             ),
-            ("RW_EVENT_SCHED_INTERVAL", EventKind::SchedInterval as u32),
             ("RW_EVENT_THREAD_EXIT", EventKind::ThreadExit as u32),
             ("RW_EVENT_TCP_RETRANSMIT", EventKind::TcpRetransmit as u32),
             ("RW_EVENT_TCP_CLOSE", EventKind::TcpClose as u32),
@@ -700,15 +808,10 @@ mod layout {
                 Counter::IntervalsSkipped as u32,
             ),
             ("RW_COUNTER_MAP_FULL", Counter::MapFull as u32),
-            ("RW_INTERVAL_ON_CPU", IntervalKind::OnCpu as u32),
-            ("RW_INTERVAL_RUN_QUEUE", IntervalKind::RunQueue as u32),
-            ("RW_INTERVAL_OFF_CPU", IntervalKind::OffCpu as u32),
             ("RW_CAUSE_BLOCKED", IntervalCause::Blocked as u32),
             ("RW_CAUSE_PREEMPTED", IntervalCause::Preempted as u32),
             ("RW_CAUSE_WOKEN", IntervalCause::Woken as u32),
             ("RW_CAUSE_NEW", IntervalCause::New as u32),
-            ("RW_HIST_RUN_QUEUE", HistKind::RunQueue as u32),
-            ("RW_HIST_OFF_CPU", HistKind::OffCpu as u32),
             ("RW_NCCL_ALL_REDUCE", NcclFunc::AllReduce as u32),
             ("RW_NCCL_ALL_GATHER", NcclFunc::AllGather as u32),
             ("RW_NCCL_REDUCE_SCATTER", NcclFunc::ReduceScatter as u32),
@@ -719,6 +822,7 @@ mod layout {
                 "RW_COUNTER_INTERVALS_RATE_LIMITED",
                 Counter::IntervalsRateLimited as u32,
             ),
+            ("RW_HIST_SLOTS", HIST_SLOTS as u32),
             ("RW_COUNTER_MAX", COUNTER_SLOTS),
         ];
         assert_eq!(rust, C_CONSTANTS.to_vec());
@@ -736,7 +840,7 @@ mod layout {
     #[test]
     fn short_records_are_refused() {
         assert!(read_record::<SchedSwitchEvent>(&[0u8; 8]).is_none());
-        let bytes = [1u8; 40];
+        let bytes = [1u8; std::mem::size_of::<SchedSwitchEvent>()];
         let event = read_record::<SchedSwitchEvent>(&bytes).unwrap();
         assert_eq!(event.prev_tgid, 0x0101_0101);
     }
