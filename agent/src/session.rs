@@ -295,6 +295,28 @@ impl Session {
     /// libnccl.so appeared, reads the kernel's traffic tables into the
     /// model, and prunes it.
     pub fn refresh(&mut self) -> Result<()> {
+        self.rescan()?;
+        for &pid in &self.watched {
+            if let Some(library) = discovery::nccl_library(pid)
+                && let Err(error) = self.probes.attach_nccl(pid, &library)
+            {
+                tracing::warn!(
+                    pid,
+                    error = format!("{error:#}"),
+                    "NCCL uprobes not attached"
+                );
+            }
+        }
+        self.poll_maps();
+        let forgotten = self.model.prune(monotonic_ns());
+        self.probes.forget_threads(&forgotten);
+        Ok(())
+    }
+
+    /// Only the first step of [`Session::refresh`]: starts watching new targets, stops
+    /// watching those that exited, and learns new threads' names. Cheaper (no kernel map walks, no reading of every
+    /// watched process's maps), for callers that want new processes picked up quickly.
+    pub fn rescan(&mut self) -> Result<()> {
         let wanted = self.discovery.scan();
         for &pid in wanted.difference(&self.watched.clone()) {
             self.probes.watch(pid)?;
@@ -311,20 +333,8 @@ impl Session {
             self.probes.unwatch(pid)?;
             self.watched.remove(&pid);
         }
-        for &pid in &self.watched {
-            if let Some(library) = discovery::nccl_library(pid)
-                && let Err(error) = self.probes.attach_nccl(pid, &library)
-            {
-                tracing::warn!(
-                    pid,
-                    error = format!("{error:#}"),
-                    "NCCL uprobes not attached"
-                );
-            }
-        }
-        self.poll_maps();
-        let forgotten = self.model.prune(monotonic_ns());
-        self.probes.forget_threads(&forgotten);
+        // Names of threads first seen since: read now, while they still exist (a
+        // short-lived thread is gone by the next full refresh).
         self.learn_names();
         Ok(())
     }
