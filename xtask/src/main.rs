@@ -337,7 +337,12 @@ fn bench(
             // The worst case (every hop an event), then what the agent
             // watches in practice: a collective job.
             run(bench, &[])?;
-            run(bench, &["--workload", "collbench", "--pairs", "5"])
+            // Jobs of 60 steps (~5 s): with 20, the spread between runs was as large as
+            // the overhead being measured.
+            run(
+                bench,
+                &["--workload", "collbench", "--pairs", "7", "--steps", "60"],
+            )
         }
         Bench::TuningGrid => {
             if !is_root() {
