@@ -10,7 +10,9 @@ mod common;
 use std::process::Command;
 use std::time::Duration;
 
-use common::{AGENT, Agent, TESTLOAD, Testload, skip_unless_privileged, unique_lock_file};
+use common::{
+    AGENT, Agent, TESTLOAD, Testload, one_agent_at_a_time, skip_unless_privileged, unique_lock_file,
+};
 use serde_json::Value;
 
 fn process(summary: &Value, pid: u32) -> &Value {
@@ -473,6 +475,7 @@ fn top_prints_bounded_json_frames_for_busy_threads() {
     if skip_unless_privileged() {
         return;
     }
+    let _turn = one_agent_at_a_time();
     let mut load = Testload::start(&["busy", "--threads", "2", "--duration", "3s"]);
     let pid = load.pid();
     let mut top = Command::new(AGENT)

@@ -116,6 +116,17 @@ impl Drop for Testload {
 /// A running `ringwatch-agent …` whose stdout is the result.
 pub struct Agent {
     child: Child,
+    _turn: std::sync::MutexGuard<'static, ()>,
+}
+
+/// Agents of one test process run one at a time. While another agent attaches or
+/// detaches its programs on the same tracepoints, an agent's programs were seen to miss
+/// an event now and then (a wakeup or a switch in, on 6.18, with several agents starting
+/// and stopping at once), which breaks the tests that count exactly. A node runs one
+/// agent (its lock file says so): the tests should see what a node sees.
+pub fn one_agent_at_a_time() -> std::sync::MutexGuard<'static, ()> {
+    static TURN: std::sync::Mutex<()> = std::sync::Mutex::new(());
+    TURN.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
 }
 
 impl Agent {
@@ -128,6 +139,7 @@ impl Agent {
 
     /// Starts the agent with the given lock file.
     pub fn start_with_lock(args: &[&str], lock_file: &str) -> Self {
+        let turn = one_agent_at_a_time();
         let mut child = Command::new(AGENT)
             .args(args)
             .env("RINGWATCH_LOCK_FILE", lock_file)
@@ -152,7 +164,7 @@ impl Agent {
             let _ = child.kill();
             panic!("the agent did not start watching within 60 s (see its log above)");
         }
-        Self { child }
+        Self { child, _turn: turn }
     }
 
     /// Waits for the agent to exit and parses its JSON output.
