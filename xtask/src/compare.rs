@@ -910,22 +910,11 @@ pub fn run(root: &Path, args: &Args) -> Result<()> {
         rows,
         wall_seconds: started.elapsed().as_secs_f64(),
     };
-    let out = if args.compare_out.is_absolute() {
-        args.compare_out.clone()
-    } else {
-        root.join(&args.compare_out)
-    };
-    if let Some(dir) = out.parent() {
-        std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
-    }
-    let json = serde_json::to_string_pretty(&report).context("encoding the results")?;
-    std::fs::write(&out, json).with_context(|| format!("writing {}", out.display()))?;
-    println!(
-        "# wrote {} ({:.0} s)",
-        out.display(),
-        started.elapsed().as_secs_f64()
-    );
-    Ok(())
+    crate::write_json_report(
+        &crate::under_root(root, &args.compare_out),
+        &report,
+        started,
+    )
 }
 
 /// The table: size, then per contender time per call and busbw, and ours'

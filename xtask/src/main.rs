@@ -116,6 +116,35 @@ fn main() -> std::process::ExitCode {
 }
 
 /// The workspace root (xtask lives one level below it).
+/// `path`, or `path` under the repository root if it is relative.
+fn under_root(root: &std::path::Path, path: &std::path::Path) -> PathBuf {
+    if path.is_absolute() {
+        path.to_path_buf()
+    } else {
+        root.join(path)
+    }
+}
+
+/// Writes a bench's `report` as pretty JSON to `out` (creating its directory) and says
+/// so, with the bench's wall time since `started`.
+fn write_json_report(
+    out: &std::path::Path,
+    report: &impl serde::Serialize,
+    started: std::time::Instant,
+) -> Result<()> {
+    if let Some(dir) = out.parent() {
+        std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
+    }
+    let json = serde_json::to_string_pretty(report).context("encoding the results")?;
+    std::fs::write(out, json).with_context(|| format!("writing {}", out.display()))?;
+    println!(
+        "# wrote {} ({:.0} s)",
+        out.display(),
+        started.elapsed().as_secs_f64()
+    );
+    Ok(())
+}
+
 fn root() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR"))
         .parent()

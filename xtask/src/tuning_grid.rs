@@ -358,22 +358,7 @@ pub fn run(root: &std::path::Path, args: &Args) -> Result<()> {
         best_over_defaults,
     };
     drop(topology);
-    let out = if args.out.is_absolute() {
-        args.out.clone()
-    } else {
-        root.join(&args.out)
-    };
-    if let Some(dir) = out.parent() {
-        std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
-    }
-    let json = serde_json::to_string_pretty(&report).context("encoding the table")?;
-    std::fs::write(&out, json).with_context(|| format!("writing {}", out.display()))?;
-    println!(
-        "# wrote {} ({:.0} s)",
-        out.display(),
-        started.elapsed().as_secs_f64()
-    );
-    Ok(())
+    crate::write_json_report(&crate::under_root(root, &args.out), &report, started)
 }
 
 #[cfg(test)]

@@ -316,11 +316,7 @@ pub fn run(root: &Path, args: &Args, grid: &tuning_grid::Args) -> Result<()> {
     }
     let (best_knobs, grid_best_from) = grid_best(root, args, grid)?;
     let collbench = multinode::collbench(root)?;
-    let out = if args.session_out.is_absolute() {
-        args.session_out.clone()
-    } else {
-        root.join(&args.session_out)
-    };
+    let out = crate::under_root(root, &args.session_out);
     let dir = out
         .parent()
         .map(Path::to_path_buf)
@@ -468,14 +464,7 @@ pub fn run(root: &Path, args: &Args, grid: &tuning_grid::Args) -> Result<()> {
         sessions_meeting_goal: meeting,
         wall_seconds: started.elapsed().as_secs_f64(),
     };
-    let json = serde_json::to_string_pretty(&report).context("encoding the results")?;
-    std::fs::write(&out, json).with_context(|| format!("writing {}", out.display()))?;
-    println!(
-        "# wrote {} ({:.0} s)",
-        out.display(),
-        started.elapsed().as_secs_f64()
-    );
-    Ok(())
+    crate::write_json_report(&out, &report, started)
 }
 
 #[cfg(test)]
