@@ -275,19 +275,9 @@ fn install_signal_handler() -> Result<()> {
     static ONCE: Once = Once::new();
     let mut result = Ok(());
     ONCE.call_once(|| {
-        use signal_hook::consts::{SIGINT, SIGTERM};
-        match signal_hook::iterator::Signals::new([SIGINT, SIGTERM]) {
-            Ok(mut signals) => {
-                std::thread::spawn(move || {
-                    if let Some(signal) = signals.forever().next() {
-                        eprintln!("xtask: signal {signal}: stopping the running contender");
-                        kill_group(RUNNING_GROUP.load(Ordering::SeqCst));
-                        std::process::exit(128 + signal);
-                    }
-                });
-            }
-            Err(error) => result = Err(error).context("cannot install the SIGINT/SIGTERM handler"),
-        }
+        result = crate::exit_on_signal("stopping the running contender", || {
+            kill_group(RUNNING_GROUP.load(Ordering::SeqCst))
+        });
     });
     result
 }

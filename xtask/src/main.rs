@@ -116,6 +116,22 @@ fn main() -> std::process::ExitCode {
 }
 
 /// The workspace root (xtask lives one level below it).
+/// Spawns a thread that, on the first SIGINT or SIGTERM, says `message`, runs `cleanup`
+/// and exits with 128 + the signal (130 / 143).
+fn exit_on_signal(message: &'static str, cleanup: impl FnOnce() + Send + 'static) -> Result<()> {
+    use signal_hook::consts::{SIGINT, SIGTERM};
+    let mut signals = signal_hook::iterator::Signals::new([SIGINT, SIGTERM])
+        .context("cannot install the SIGINT/SIGTERM handler")?;
+    std::thread::spawn(move || {
+        if let Some(signal) = signals.forever().next() {
+            eprintln!("xtask: signal {signal}: {message}");
+            cleanup();
+            std::process::exit(128 + signal);
+        }
+    });
+    Ok(())
+}
+
 /// `path`, or `path` under the repository root if it is relative.
 fn under_root(root: &std::path::Path, path: &std::path::Path) -> PathBuf {
     if path.is_absolute() {

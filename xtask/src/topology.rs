@@ -63,29 +63,17 @@ pub fn install_signal_cleanup() -> Result<()> {
     static ONCE: Once = Once::new();
     let mut result = Ok(());
     ONCE.call_once(|| {
-        use signal_hook::consts::{SIGINT, SIGTERM};
-        match signal_hook::iterator::Signals::new([SIGINT, SIGTERM]) {
-            Ok(mut signals) => {
-                std::thread::spawn(move || {
-                    if let Some(signal) = signals.forever().next() {
-                        eprintln!(
-                            "xtask: signal {signal}: stopping the job, removing the pretend nodes"
-                        );
-                        let live = live();
-                        for pid in &live.children {
-                            let _ = Command::new("kill")
-                                .args(["-KILL", &pid.to_string()])
-                                .status();
-                        }
-                        for prefix in &live.prefixes {
-                            remove_namespaces(prefix);
-                        }
-                        std::process::exit(128 + signal);
-                    }
-                });
+        result = crate::exit_on_signal("stopping the job, removing the pretend nodes", || {
+            let live = live();
+            for pid in &live.children {
+                let _ = Command::new("kill")
+                    .args(["-KILL", &pid.to_string()])
+                    .status();
             }
-            Err(error) => result = Err(error).context("cannot install the SIGINT/SIGTERM handler"),
-        }
+            for prefix in &live.prefixes {
+                remove_namespaces(prefix);
+            }
+        });
     });
     result
 }
