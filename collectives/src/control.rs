@@ -450,6 +450,17 @@ pub fn socket_path(dir: &Path, job_id: &str) -> PathBuf {
     dir.join(format!("{job_id}.sock"))
 }
 
+/// The process at the other end of a Unix socket, as the kernel reports it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct PeerCredentials {
+    /// Its pid in the reader's pid namespace (0 when it is in none the reader sees).
+    pub pid: u32,
+    /// Its effective uid when it called `listen`/`connect`.
+    pub uid: u32,
+    /// Its effective gid then.
+    pub gid: u32,
+}
+
 /// A connection to a job's control socket, for the agent and for tests.
 #[derive(Debug)]
 pub struct ControlClient {
@@ -485,6 +496,38 @@ impl ControlClient {
     /// The job's `hello`.
     pub fn hello(&self) -> &Hello {
         &self.hello
+    }
+
+    /// Who serves the socket, as the kernel saw it when the server called
+    /// `listen` (`SO_PEERCRED`): its pid (in the caller's pid namespace), uid
+    /// and gid. What a job's `hello` says about itself is only as good as this.
+    pub fn peer_credentials(&self) -> std::io::Result<PeerCredentials> {
+        use std::os::fd::AsRawFd;
+        let mut cred = libc::ucred {
+            pid: 0,
+            uid: 0,
+            gid: 0,
+        };
+        let mut len = std::mem::size_of::<libc::ucred>() as libc::socklen_t;
+        // SAFETY: `cred` and `len` are valid for writes of a `ucred`, and the fd is
+        // this client's open socket.
+        let rc = unsafe {
+            libc::getsockopt(
+                self.stream.as_raw_fd(),
+                libc::SOL_SOCKET,
+                libc::SO_PEERCRED,
+                (&raw mut cred).cast(),
+                &raw mut len,
+            )
+        };
+        if rc != 0 {
+            return Err(std::io::Error::last_os_error());
+        }
+        Ok(PeerCredentials {
+            pid: u32::try_from(cred.pid).unwrap_or(0),
+            uid: cred.uid,
+            gid: cred.gid,
+        })
     }
 
     /// Asks for statistics and/or timeline events to be streamed.
