@@ -3,29 +3,41 @@
 //!
 //! Handlers only read shared state and format it; they never touch BPF or a
 //! job directly (tuning sessions run on their own threads in `tuning`).
-//! Every error is JSON with the right status; unknown query parameters are
-//! rejected, never ignored. Mutating endpoints (POST, DELETE) pass [`Auth`]
-//! first: a bearer token when one is configured, and never without one when
-//! the API listens beyond loopback.
+//! Every error is JSON with the right status, the framework's own
+//! rejections (a malformed query or path, a body over the limit) included;
+//! unknown query parameters are rejected, never ignored. Mutating endpoints
+//! (POST, DELETE) pass [`Auth`] first: a bearer token when one is
+//! configured, and never without one when the API listens beyond loopback.
+//! Timeline queries are bounded ([`TimelineLimits`]): a few build at once
+//! (more are answered 503 with `Retry-After`), each within a byte budget.
 
 use std::collections::HashMap;
+use std::convert::Infallible;
+use std::pin::Pin;
 use std::sync::{Arc, Mutex};
+use std::task::{Context, Poll};
 use std::time::Instant;
 
 use axum::Router;
-use axum::body::Bytes;
-use axum::extract::{Path, Query, State};
-use axum::http::{HeaderMap, StatusCode, header};
+use axum::body::{Body, Bytes};
+use axum::extract::{FromRequest, FromRequestParts, Path, Query, Request, State};
+use axum::http::request::Parts;
+use axum::http::{HeaderMap, HeaderValue, StatusCode, header};
 use axum::response::{IntoResponse, Response};
 use axum::routing::get;
-use serde_json::json;
+use serde_json::{Value, json};
+use tokio::sync::{OwnedSemaphorePermit, Semaphore};
+use tower_http::limit::RequestBodyLimitLayer;
 
 use crate::gpu::Gpus;
 use crate::jobs::Jobs;
 use crate::live::LiveView;
 use crate::metrics::render_metrics;
 use crate::reports::ReportFormat;
-use crate::timeline::{QueryError, RecordedTrace, TimePoint, TimelineQuery};
+use crate::timeline::{
+    AnswerLimits, QueryError, RecordedTrace, TIME_POINT_PATTERN, TimePoint, TimelineQuery,
+    TraceAnswer,
+};
 use crate::tuning::{Keep, StartError, TuningRequest, Tunings};
 
 /// What the handlers read. Cheap to clone (everything behind `Arc`).
@@ -77,11 +89,13 @@ impl Auth {
                  `Authorization: Bearer TOKEN`",
             ));
         };
+        // The scheme is case-insensitive (RFC 9110 §11.1): `bearer` is `Bearer`.
         let given = headers
             .get(header::AUTHORIZATION)
             .and_then(|v| v.to_str().ok())
-            .and_then(|v| v.strip_prefix("Bearer "))
-            .map(str::trim);
+            .and_then(|v| v.trim_start().split_once(' '))
+            .filter(|(scheme, _)| scheme.eq_ignore_ascii_case("bearer"))
+            .map(|(_, token)| token.trim());
         match given {
             Some(given) if constant_time_eq(given.as_bytes(), token.as_bytes()) => Ok(()),
             Some(_) => Err(ApiError::new(
@@ -128,21 +142,30 @@ impl ApiState {
 pub struct ApiError {
     status: StatusCode,
     message: String,
+    /// Seconds for a `Retry-After` header (503 when busy).
+    retry_after_s: Option<u32>,
 }
 
 impl ApiError {
     /// A 400 with a message saying what was wrong and what is accepted.
     pub fn bad_request(message: impl Into<String>) -> Self {
-        Self {
-            status: StatusCode::BAD_REQUEST,
-            message: message.into(),
-        }
+        Self::new(StatusCode::BAD_REQUEST, message)
     }
 
-    fn new(status: StatusCode, message: impl Into<String>) -> Self {
+    /// An answer with `status` and `message`.
+    pub(crate) fn new(status: StatusCode, message: impl Into<String>) -> Self {
         Self {
             status,
             message: message.into(),
+            retry_after_s: None,
+        }
+    }
+
+    /// A 503 that asks the client to come back in `seconds`.
+    fn busy(message: impl Into<String>, seconds: u32) -> Self {
+        Self {
+            retry_after_s: Some(seconds),
+            ..Self::new(StatusCode::SERVICE_UNAVAILABLE, message)
         }
     }
 }
@@ -150,12 +173,179 @@ impl ApiError {
 impl IntoResponse for ApiError {
     fn into_response(self) -> Response {
         let body = json!({ "error": { "status": self.status.as_u16(), "message": self.message } });
-        (self.status, axum::Json(body)).into_response()
+        let mut response = (self.status, axum::Json(body)).into_response();
+        if let Some(seconds) = self.retry_after_s {
+            response
+                .headers_mut()
+                .insert(header::RETRY_AFTER, HeaderValue::from(seconds));
+        }
+        response
     }
 }
 
-/// Query parameters, checked against what an endpoint accepts.
-type Params = Query<HashMap<String, String>>;
+/// The framework's rejections, as [`ApiError`]s: same status, its message,
+/// in the API's JSON error shape.
+fn rejection(status: StatusCode, what: &str, message: String) -> ApiError {
+    ApiError::new(status, format!("{what}: {message}"))
+}
+
+/// The query string as name → value, with a JSON error when it does not
+/// parse (axum's own `Query` rejection is plain text).
+#[derive(Debug)]
+pub struct ApiQuery(pub HashMap<String, String>);
+
+impl<S: Send + Sync> FromRequestParts<S> for ApiQuery {
+    type Rejection = ApiError;
+
+    async fn from_request_parts(parts: &mut Parts, state: &S) -> Result<Self, Self::Rejection> {
+        Query::<HashMap<String, String>>::from_request_parts(parts, state)
+            .await
+            .map(|Query(params)| Self(params))
+            .map_err(|e| rejection(e.status(), "bad query string", e.body_text()))
+    }
+}
+
+/// The one path parameter (`{id}`), with a JSON error when it does not
+/// decode.
+#[derive(Debug)]
+pub struct ApiPath(pub String);
+
+impl<S: Send + Sync> FromRequestParts<S> for ApiPath {
+    type Rejection = ApiError;
+
+    async fn from_request_parts(parts: &mut Parts, state: &S) -> Result<Self, Self::Rejection> {
+        Path::<String>::from_request_parts(parts, state)
+            .await
+            .map(|Path(id)| Self(id))
+            .map_err(|e| rejection(e.status(), "bad path", e.body_text()))
+    }
+}
+
+/// The request body, with a JSON error when it cannot be read (over
+/// [`MAX_BODY_BYTES`]: 413).
+#[derive(Debug)]
+pub struct ApiBody(pub Bytes);
+
+impl<S: Send + Sync> FromRequest<S> for ApiBody {
+    type Rejection = ApiError;
+
+    async fn from_request(request: Request, state: &S) -> Result<Self, Self::Rejection> {
+        Bytes::from_request(request, state)
+            .await
+            .map(Self)
+            .map_err(|e| rejection(e.status(), "bad request body", e.body_text()))
+    }
+}
+
+/// The largest request body (tuning requests are a few hundred bytes).
+pub const MAX_BODY_BYTES: usize = 64 * 1024;
+
+/// Turns any error answer that is not JSON (from a layer, or a rejection
+/// no extractor above saw) into the API's JSON error shape, keeping its
+/// status and headers and its text as the message.
+async fn json_errors(response: Response) -> Response {
+    let status = response.status();
+    let is_json = response
+        .headers()
+        .get(header::CONTENT_TYPE)
+        .and_then(|v| v.to_str().ok())
+        .is_some_and(|v| v.starts_with("application/json"));
+    if !(status.is_client_error() || status.is_server_error()) || is_json {
+        return response;
+    }
+    let (mut parts, body) = response.into_parts();
+    let text = axum::body::to_bytes(body, 16 * 1024)
+        .await
+        .map(|b| String::from_utf8_lossy(&b).trim().to_owned())
+        .unwrap_or_default();
+    let message = if text.is_empty() {
+        status.canonical_reason().unwrap_or("error").to_owned()
+    } else {
+        text
+    };
+    let body = json!({ "error": { "status": status.as_u16(), "message": message } });
+    parts.headers.remove(header::CONTENT_LENGTH);
+    parts.headers.insert(
+        header::CONTENT_TYPE,
+        HeaderValue::from_static("application/json"),
+    );
+    Response::from_parts(parts, Body::from(body.to_string()))
+}
+
+/// Bounds on `/api/timeline`: how many answers are built (and sent) at
+/// once, and the bytes one answer may hold.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct TimelineLimits {
+    /// Answers being built or sent at once; more are answered 503 with
+    /// `Retry-After` at once, never queued.
+    pub max_concurrent: usize,
+    /// The most bytes of events in one answer (`metadata.truncated` says
+    /// what was left out).
+    pub max_bytes: usize,
+}
+
+impl Default for TimelineLimits {
+    /// Measured on the 2-core machine: building a 100k-event answer (the
+    /// viewer's `max_events`, ~15 MB) takes about a core for a fraction of
+    /// a second, so four at once is already more than the cores; 64 MiB
+    /// holds ~400k thread-state slices.
+    fn default() -> Self {
+        Self {
+            max_concurrent: 4,
+            max_bytes: 64 * 1024 * 1024,
+        }
+    }
+}
+
+/// The slots of [`TimelineLimits::max_concurrent`]. A slot is held by the
+/// blocking task that builds the answer and then by the answer's body
+/// until it is sent, not by the request's future: a client that hangs up,
+/// or a request timeout, drops the future while the build goes on, and a
+/// slow reader keeps its answer in memory. (tower's `ConcurrencyLimit`
+/// frees its slot with the future, so it bounds neither.)
+#[derive(Debug, Clone)]
+struct TimelineSlots {
+    slots: Arc<Semaphore>,
+    limits: TimelineLimits,
+}
+
+/// An answer's body, sent in chunks, holding its [`TimelineSlots`] slot
+/// until the last chunk is taken (hyper takes the next chunk once it has
+/// written the previous ones, so the slot lasts about as long as the
+/// sending does).
+struct SlotBody {
+    rest: Bytes,
+    _slot: OwnedSemaphorePermit,
+}
+
+impl SlotBody {
+    const CHUNK_BYTES: usize = 256 * 1024;
+}
+
+impl http_body::Body for SlotBody {
+    type Data = Bytes;
+    type Error = Infallible;
+
+    fn poll_frame(
+        mut self: Pin<&mut Self>,
+        _: &mut Context<'_>,
+    ) -> Poll<Option<Result<http_body::Frame<Bytes>, Infallible>>> {
+        if self.rest.is_empty() {
+            return Poll::Ready(None);
+        }
+        let n = self.rest.len().min(Self::CHUNK_BYTES);
+        let chunk = self.rest.split_to(n);
+        Poll::Ready(Some(Ok(http_body::Frame::data(chunk))))
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.rest.is_empty()
+    }
+
+    fn size_hint(&self) -> http_body::SizeHint {
+        http_body::SizeHint::with_exact(self.rest.len() as u64)
+    }
+}
 
 fn reject_unknown(params: &HashMap<String, String>, allowed: &[&str]) -> Result<(), ApiError> {
     let mut unknown: Vec<&str> = params
@@ -178,14 +368,26 @@ fn reject_unknown(params: &HashMap<String, String>, allowed: &[&str]) -> Result<
     )))
 }
 
-/// The router: every endpoint of the API.
+/// The router: every endpoint of the API, with the default
+/// [`TimelineLimits`].
 pub fn router(state: ApiState) -> Router {
+    router_with(state, TimelineLimits::default())
+}
+
+/// The router with these timeline limits. Every answer that is an error is
+/// JSON (`json_errors` is the outermost layer, so the body limit's 413
+/// is too).
+pub fn router_with(state: ApiState, limits: TimelineLimits) -> Router {
+    let slots = TimelineSlots {
+        slots: Arc::new(Semaphore::new(limits.max_concurrent.max(1))),
+        limits,
+    };
     Router::new()
         .route("/api/health", get(health))
         .route("/api/gpus", get(gpus))
         .route("/api/jobs", get(jobs))
         .route("/api/processes", get(processes))
-        .route("/api/timeline", get(timeline))
+        .route("/api/timeline", get(timeline).layer(axum::Extension(slots)))
         .route(
             "/api/jobs/{id}/tuning",
             get(tuning_get).post(tuning_post).delete(tuning_delete),
@@ -200,12 +402,14 @@ pub fn router(state: ApiState) -> Router {
         .route("/viewer.css", get(ui_style))
         .fallback(not_found)
         .method_not_allowed_fallback(method_not_allowed)
+        .layer(RequestBodyLimitLayer::new(MAX_BODY_BYTES))
+        .layer(axum::middleware::map_response(json_errors))
         .with_state(state)
 }
 
 async fn health(
     State(state): State<ApiState>,
-    Query(params): Params,
+    ApiQuery(params): ApiQuery,
 ) -> Result<Response, ApiError> {
     reject_unknown(&params, &[])?;
     Ok(axum::Json(json!({
@@ -216,7 +420,10 @@ async fn health(
     .into_response())
 }
 
-async fn gpus(State(state): State<ApiState>, Query(params): Params) -> Result<Response, ApiError> {
+async fn gpus(
+    State(state): State<ApiState>,
+    ApiQuery(params): ApiQuery,
+) -> Result<Response, ApiError> {
     reject_unknown(&params, &[])?;
     let gpus = state.gpus.clone();
     // NVML calls block (and can take milliseconds per device).
@@ -231,7 +438,10 @@ async fn gpus(State(state): State<ApiState>, Query(params): Params) -> Result<Re
     Ok(axum::Json(snapshot).into_response())
 }
 
-async fn jobs(State(state): State<ApiState>, Query(params): Params) -> Result<Response, ApiError> {
+async fn jobs(
+    State(state): State<ApiState>,
+    ApiQuery(params): ApiQuery,
+) -> Result<Response, ApiError> {
     reject_unknown(&params, &[])?;
     if let Some(registry) = &state.jobs {
         let jobs = registry.jobs();
@@ -254,7 +464,7 @@ async fn jobs(State(state): State<ApiState>, Query(params): Params) -> Result<Re
 
 async fn processes(
     State(state): State<ApiState>,
-    Query(params): Params,
+    ApiQuery(params): ApiQuery,
 ) -> Result<Response, ApiError> {
     reject_unknown(&params, &[])?;
     if let Some(live) = state.live_view() {
@@ -277,17 +487,25 @@ enum TimelineSource {
 }
 
 impl TimelineSource {
-    fn query(&self, query: &TimelineQuery, limit: usize) -> Result<serde_json::Value, QueryError> {
+    fn query(
+        &self,
+        query: &TimelineQuery,
+        limits: AnswerLimits,
+    ) -> Result<TraceAnswer, QueryError> {
         match self {
-            Self::Recorded(trace) => trace.query(query, limit),
-            Self::Live(live) => live.query(query, limit),
+            Self::Recorded(trace) => trace.query(query, limits),
+            Self::Live(live) => live.query(query, limits),
         }
     }
 }
 
+/// `max_events`: 1 to this many (the server's own limit caps it further).
+const MAX_EVENTS_PARAM: u64 = 1_000_000_000;
+
 async fn timeline(
     State(state): State<ApiState>,
-    Query(params): Params,
+    axum::Extension(slots): axum::Extension<TimelineSlots>,
+    ApiQuery(params): ApiQuery,
 ) -> Result<Response, ApiError> {
     reject_unknown(
         &params,
@@ -318,14 +536,23 @@ async fn timeline(
         },
     };
     // A client may ask for fewer events than the server's limit (the live
-    // UI does: a screen cannot show more), never for more.
+    // UI does: a screen cannot show more), never for more. Digits only, as
+    // the document says (Rust's parser would also take `+5`).
     let limit = match params.get("max_events") {
         None => state.timeline_event_limit,
-        Some(text) => match text.parse::<usize>() {
-            Ok(n) if n > 0 => n.min(state.timeline_event_limit),
+        Some(text) => match text
+            .bytes()
+            .all(|b| b.is_ascii_digit())
+            .then(|| text.parse::<u64>().ok())
+            .flatten()
+        {
+            Some(n) if (1..=MAX_EVENTS_PARAM).contains(&n) => usize::try_from(n)
+                .map_or(state.timeline_event_limit, |n| {
+                    n.min(state.timeline_event_limit)
+                }),
             _ => {
                 return Err(ApiError::bad_request(format!(
-                    "bad max_events: {text:?} (a positive number of events)"
+                    "bad max_events: {text:?} (a number of events, 1 to {MAX_EVENTS_PARAM})"
                 )));
             }
         },
@@ -341,25 +568,53 @@ async fn timeline(
             ));
         }
     };
+    let slot = slots.slots.clone().try_acquire_owned().map_err(|_| {
+        ApiError::busy(
+            format!(
+                "{} timeline answers are being built or sent, the most this agent builds at \
+                 once: retry in a second (and ask for less: a job or pid, a narrower \
+                 from/to, or max_events)",
+                slots.limits.max_concurrent
+            ),
+            1,
+        )
+    })?;
+    let limits = AnswerLimits {
+        max_events: limit,
+        max_bytes: slots.limits.max_bytes,
+    };
     // Filtering a large trace is CPU work: keep it off the async workers.
-    let answer = tokio::task::spawn_blocking(move || source.query(&query, limit))
-        .await
-        .map_err(|e| {
-            ApiError::new(
-                StatusCode::INTERNAL_SERVER_ERROR,
-                format!("timeline query failed: {e}"),
-            )
-        })?;
+    // The slot goes with the build, then with the body (see TimelineSlots).
+    let answer = tokio::task::spawn_blocking(move || {
+        let answer = source.query(&query, limits);
+        (answer, slot)
+    })
+    .await
+    .map_err(|e| {
+        ApiError::new(
+            StatusCode::INTERNAL_SERVER_ERROR,
+            format!("timeline query failed: {e}"),
+        )
+    })?;
     match answer {
-        Ok(trace) => Ok(axum::Json(trace).into_response()),
-        Err(error @ QueryError::TooLarge { .. }) => Err(ApiError::new(
+        (Ok(trace), slot) => {
+            let body = SlotBody {
+                rest: Bytes::from(trace.json),
+                _slot: slot,
+            };
+            Ok((
+                [(header::CONTENT_TYPE, "application/json")],
+                Body::new(body),
+            )
+                .into_response())
+        }
+        (Err(error @ QueryError::TooLarge { .. }), _) => Err(ApiError::new(
             StatusCode::PAYLOAD_TOO_LARGE,
             error.to_string(),
         )),
-        Err(error @ QueryError::UnknownJob(_)) => {
+        (Err(error @ QueryError::UnknownJob(_)), _) => {
             Err(ApiError::new(StatusCode::NOT_FOUND, error.to_string()))
         }
-        Err(error @ QueryError::EmptyRange { .. }) => Err(ApiError::bad_request(error.to_string())),
     }
 }
 
@@ -375,24 +630,27 @@ fn tunings(state: &ApiState) -> Result<&Arc<Tunings>, ApiError> {
 
 async fn tuning_post(
     State(state): State<ApiState>,
-    Path(job_id): Path<String>,
-    Query(params): Params,
+    ApiPath(job_id): ApiPath,
+    ApiQuery(params): ApiQuery,
     headers: HeaderMap,
-    body: Bytes,
+    ApiBody(body): ApiBody,
 ) -> Result<Response, ApiError> {
     state.auth.check(&headers)?;
     reject_unknown(&params, &[])?;
     let request: TuningRequest = if body.iter().all(u8::is_ascii_whitespace) {
         TuningRequest::default()
     } else {
-        serde_json::from_slice(&body).map_err(|e| {
-            ApiError::bad_request(format!(
-                "bad tuning request body ({e}); expected JSON with any of budget, \
+        serde_json::from_slice::<Value>(&body)
+            .map(integral_numbers)
+            .and_then(serde_json::from_value)
+            .map_err(|e| {
+                ApiError::bad_request(format!(
+                    "bad tuning request body ({e}); expected JSON with any of budget, \
                  warmup_cycles, measured_cycles, min_window_ms, seed, bounds \
                  {{fusion_threshold_bytes: [lo, hi], cycle_time_ms: [lo, hi]}}, fixed \
                  {{fusion_threshold_bytes, cycle_time_ms, hierarchical_allreduce}}"
-            ))
-        })?
+                ))
+            })?
     };
     let tunings = tunings(&state)?.clone();
     let ready = tunings.start(&job_id, &request).map_err(start_error)?;
@@ -413,6 +671,35 @@ async fn tuning_post(
         })?
         .map_err(start_error)?;
     Ok((StatusCode::CREATED, axum::Json(answer)).into_response())
+}
+
+/// JSON numbers with no fraction (`20.0`, `2e1`) as integers: JSON Schema
+/// counts them as integers, so the document's `"type": "integer"` fields
+/// must take them, and serde's integer fields take only integer literals.
+fn integral_numbers(value: Value) -> Value {
+    match value {
+        Value::Number(n) if n.is_f64() => {
+            let x = n.as_f64().unwrap_or(f64::NAN);
+            // 2^64 and -2^63: the ends of u64 and i64, exact as f64.
+            if x.fract() != 0.0 || !x.is_finite() {
+                Value::Number(n)
+            } else if (0.0..18_446_744_073_709_551_616.0).contains(&x) {
+                Value::from(x as u64)
+            } else if (-9_223_372_036_854_775_808.0..0.0).contains(&x) {
+                Value::from(x as i64)
+            } else {
+                Value::Number(n)
+            }
+        }
+        Value::Array(items) => Value::Array(items.into_iter().map(integral_numbers).collect()),
+        Value::Object(fields) => Value::Object(
+            fields
+                .into_iter()
+                .map(|(k, v)| (k, integral_numbers(v)))
+                .collect(),
+        ),
+        other => other,
+    }
 }
 
 fn start_error(error: StartError) -> ApiError {
@@ -437,8 +724,8 @@ fn no_session(job_id: &str) -> ApiError {
 
 async fn tuning_get(
     State(state): State<ApiState>,
-    Path(job_id): Path<String>,
-    Query(params): Params,
+    ApiPath(job_id): ApiPath,
+    ApiQuery(params): ApiQuery,
 ) -> Result<Response, ApiError> {
     reject_unknown(&params, &[])?;
     let view = tunings(&state)?
@@ -449,8 +736,8 @@ async fn tuning_get(
 
 async fn tuning_delete(
     State(state): State<ApiState>,
-    Path(job_id): Path<String>,
-    Query(params): Params,
+    ApiPath(job_id): ApiPath,
+    ApiQuery(params): ApiQuery,
     headers: HeaderMap,
 ) -> Result<Response, ApiError> {
     state.auth.check(&headers)?;
@@ -472,7 +759,7 @@ async fn tuning_delete(
 
 async fn reports_list(
     State(state): State<ApiState>,
-    Query(params): Params,
+    ApiQuery(params): ApiQuery,
 ) -> Result<Response, ApiError> {
     reject_unknown(&params, &[])?;
     let tunings = tunings(&state)?.clone();
@@ -489,8 +776,8 @@ async fn reports_list(
 
 async fn report_file(
     State(state): State<ApiState>,
-    Path(id): Path<String>,
-    Query(params): Params,
+    ApiPath(id): ApiPath,
+    ApiQuery(params): ApiQuery,
 ) -> Result<Response, ApiError> {
     reject_unknown(&params, &["format"])?;
     let format = match params.get("format") {
@@ -531,7 +818,7 @@ async fn report_file(
 
 async fn metrics(
     State(state): State<ApiState>,
-    Query(params): Params,
+    ApiQuery(params): ApiQuery,
 ) -> Result<Response, ApiError> {
     reject_unknown(&params, &[])?;
     let gpus = state.gpus.clone();
@@ -564,7 +851,7 @@ async fn metrics(
         .into_response())
 }
 
-async fn openapi(Query(params): Params) -> Result<Response, ApiError> {
+async fn openapi(ApiQuery(params): ApiQuery) -> Result<Response, ApiError> {
     reject_unknown(&params, &[])?;
     Ok(axum::Json(openapi_document()).into_response())
 }
@@ -624,6 +911,8 @@ pub fn openapi_document() -> serde_json::Value {
     let forbidden = json!({ "description": "the agent listens beyond loopback and has no token configured", "content": { "application/json": { "schema": error } } });
     let knobs = json!({ "$ref": "#/components/schemas/Knobs" });
     let session = json!({ "$ref": "#/components/schemas/TuningSession" });
+    let time_point = json!({ "type": "string", "pattern": TIME_POINT_PATTERN });
+    let u64_max = u64::MAX;
     json!({
         "openapi": "3.1.0",
         "info": {
@@ -676,26 +965,38 @@ pub fn openapi_document() -> serde_json::Value {
             "/api/timeline": { "get": {
                 "summary": "The timeline of a range, in the Chrome trace event format (Perfetto and chrome://tracing open it)",
                 "parameters": [
-                    { "name": "from", "in": "query", "schema": { "type": "string" }, "description": "µs on the trace clock, or now-<duration> (now-10s)" },
-                    { "name": "to", "in": "query", "schema": { "type": "string" }, "description": "µs, or now-<duration>; default now" },
-                    { "name": "job", "in": "query", "schema": { "type": "string" }, "description": "only this job's ranks" },
-                    { "name": "pid", "in": "query", "schema": { "type": "string" }, "description": "only this process" },
-                    { "name": "max_events", "in": "query", "schema": { "type": "integer", "minimum": 1 }, "description": "at most this many events (capped by the server's --timeline-event-limit)" },
-                    { "name": "downsample", "in": "query", "schema": { "type": "boolean" }, "description": "over the event limit, keep every job activity, counter and NCCL call and the longest thread-state slices (metadata.downsampled says what was dropped) instead of answering 413" }
+                    { "name": "from", "in": "query", "schema": time_point, "description": "start: µs on the trace's clock (metadata.now is the present; the live clock is CLOCK_MONOTONIC), now, or now-<duration> (now-10s, now-1m30s); default: the beginning. A window after now, or with from after to, holds nothing: 200 with no events and metadata.empty_window saying why" },
+                    { "name": "to", "in": "query", "schema": time_point, "description": "end, as from; default now" },
+                    { "name": "job", "in": "query", "schema": { "type": "string" }, "description": "only this job's ranks (404 when the timeline has no such job)" },
+                    { "name": "pid", "in": "query", "schema": { "type": "string" }, "description": "only this process (a number, or a name like gpu0)" },
+                    { "name": "max_events", "in": "query", "schema": { "type": "string", "pattern": "^[0-9]+$", "maxLength": 10 }, "description": "at most this many events, 1 to 1000000000 in digits (capped by the server's --timeline-event-limit)" },
+                    { "name": "downsample", "in": "query", "schema": { "type": "string", "enum": ["true", "false", "1", "0"] }, "description": "over the event limit, keep every job activity, counter and NCCL call and the longest thread-state slices (metadata.downsampled says what was dropped) instead of answering 413" }
                 ],
                 "responses": {
                     "200": { "description": "a Chrome trace", "content": { "application/json": { "schema": {
                         "type": "object", "required": ["traceEvents", "metadata"],
-                        "properties": { "traceEvents": { "type": "array", "items": { "type": "object" } }, "metadata": { "type": "object" } }
+                        "properties": {
+                            "traceEvents": { "type": "array", "items": { "type": "object" } },
+                            "metadata": { "type": "object", "required": ["now", "source"], "properties": {
+                                "now": { "type": "number", "description": "the present on the trace's clock (µs)" },
+                                "source": { "type": "string" },
+                                "empty_window": { "type": "string", "description": "why a window holds nothing (after now, or from after to)" },
+                                "downsampled": { "type": "object", "description": "thread-state slices dropped to fit max_events (downsample=true)" },
+                                "truncated": { "type": "object", "description": "events left out at the answer's byte budget: narrow the window",
+                                    "required": ["reason", "max_bytes", "events_written", "events_left_out"] }
+                            } }
+                        }
                     } } } },
                     "400": bad_request,
                     "404": { "description": "unknown job", "content": { "application/json": { "schema": error } } },
-                    "413": { "description": "too many events in the range: narrow it", "content": { "application/json": { "schema": error } } },
-                    "503": { "description": "no timeline source", "content": { "application/json": { "schema": error } } }
+                    "413": { "description": "too many events in the range: narrow it, or ask for downsample=true", "content": { "application/json": { "schema": error } } },
+                    "503": { "description": "no timeline source, or as many answers as the agent builds at once are being built or sent (then Retry-After says when to come back)",
+                        "headers": { "Retry-After": { "description": "seconds, when busy", "schema": { "type": "string", "pattern": "^[0-9]+$" } } },
+                        "content": { "application/json": { "schema": error } } }
                 }
             } },
             "/api/jobs/{id}/tuning": {
-                "parameters": [ { "name": "id", "in": "path", "required": true, "schema": { "type": "string" }, "description": "the job's id" } ],
+                "parameters": [ { "name": "id", "in": "path", "required": true, "schema": { "type": "string", "minLength": 1 }, "description": "the job's id" } ],
                 "get": {
                     "summary": "The job's tuning session (running, or the last one)",
                     "responses": {
@@ -711,17 +1012,17 @@ pub fn openapi_document() -> serde_json::Value {
                     "requestBody": { "required": false, "content": { "application/json": { "schema": {
                         "type": "object", "additionalProperties": false,
                         "properties": {
-                            "budget": { "type": "integer", "minimum": 1, "default": 20, "description": "samples" },
-                            "warmup_cycles": { "type": "integer", "default": 3, "description": "cycles with work skipped after knobs are applied" },
-                            "measured_cycles": { "type": "integer", "default": 10, "description": "cycles with work per window (at least)" },
-                            "min_window_ms": { "type": "integer", "default": 1000, "description": "shortest window" },
-                            "seed": { "type": "integer", "default": 0 },
+                            "budget": { "type": "integer", "minimum": 1, "maximum": u64_max, "default": 20, "description": "samples" },
+                            "warmup_cycles": { "type": "integer", "minimum": 0, "maximum": u64_max, "default": 3, "description": "cycles with work skipped after knobs are applied" },
+                            "measured_cycles": { "type": "integer", "minimum": 0, "maximum": u64_max, "default": 10, "description": "cycles with work per window (at least)" },
+                            "min_window_ms": { "type": "integer", "minimum": 0, "maximum": u64_max, "default": 1000, "description": "shortest window" },
+                            "seed": { "type": "integer", "minimum": 0, "maximum": u64_max, "default": 0 },
                             "bounds": { "type": "object", "additionalProperties": false, "properties": {
-                                "fusion_threshold_bytes": { "type": "array", "items": { "type": "integer" }, "minItems": 2, "maxItems": 2 },
+                                "fusion_threshold_bytes": { "type": "array", "items": { "type": "integer", "minimum": 0, "maximum": u64_max }, "minItems": 2, "maxItems": 2 },
                                 "cycle_time_ms": { "type": "array", "items": { "type": "number" }, "minItems": 2, "maxItems": 2 }
                             } },
                             "fixed": { "type": "object", "additionalProperties": false, "properties": {
-                                "fusion_threshold_bytes": { "type": "integer" },
+                                "fusion_threshold_bytes": { "type": "integer", "minimum": 0, "maximum": u64_max },
                                 "cycle_time_ms": { "type": "number" },
                                 "hierarchical_allreduce": { "type": "boolean" }
                             } }
@@ -729,7 +1030,8 @@ pub fn openapi_document() -> serde_json::Value {
                     } } } },
                     "responses": {
                         "201": { "description": "started (the job's claim is held)", "content": { "application/json": { "schema": session } } },
-                        "400": { "description": "bad body or configuration", "content": { "application/json": { "schema": error } } },
+                        "400": { "description": "bad body or configuration (ranges that the tuner refuses, e.g. lo above hi)", "content": { "application/json": { "schema": error } } },
+                        "413": { "description": "a body over 64 KiB", "content": { "application/json": { "schema": error } } },
                         "401": unauthorized,
                         "403": forbidden,
                         "404": { "description": "unknown job", "content": { "application/json": { "schema": error } } },
@@ -740,7 +1042,7 @@ pub fn openapi_document() -> serde_json::Value {
                 "delete": {
                     "summary": "Stop the running session; the job is left on the best knobs found (or its starting knobs with keep=start)",
                     "security": [ { "bearer": [] } ],
-                    "parameters": [ { "name": "keep", "in": "query", "schema": { "enum": ["best", "start"], "default": "best" } } ],
+                    "parameters": [ { "name": "keep", "in": "query", "schema": { "type": "string", "enum": ["best", "start"], "default": "best" } } ],
                     "responses": {
                         "200": { "description": "the session (it ends within a moment)", "content": { "application/json": { "schema": session } } },
                         "400": bad_request,
@@ -774,8 +1076,8 @@ pub fn openapi_document() -> serde_json::Value {
             "/api/reports/{id}": { "get": {
                 "summary": "One report's file",
                 "parameters": [
-                    { "name": "id", "in": "path", "required": true, "schema": { "type": "string" } },
-                    { "name": "format", "in": "query", "schema": { "enum": ["html", "csv", "parquet", "json"], "default": "html" } }
+                    { "name": "id", "in": "path", "required": true, "schema": { "type": "string", "minLength": 1 } },
+                    { "name": "format", "in": "query", "schema": { "type": "string", "enum": ["html", "csv", "parquet", "json"], "default": "html" } }
                 ],
                 "responses": {
                     "200": { "description": "the file", "content": { "text/html": {}, "text/csv": {}, "application/vnd.apache.parquet": {}, "application/json": {} } },
@@ -895,6 +1197,172 @@ mod tests {
             assert_eq!(status(&auth, Some("Bearer wrong!")), Some(401));
             assert_eq!(status(&auth, Some("Basic s3cret")), Some(401));
             assert_eq!(status(&auth, Some("Bearer s3cret")), None);
+            // The scheme is case-insensitive; the token is not.
+            assert_eq!(status(&auth, Some("bearer s3cret")), None);
+            assert_eq!(status(&auth, Some("BEARER  s3cret ")), None);
+            assert_eq!(status(&auth, Some("bearer S3CRET")), Some(401));
+            assert_eq!(status(&auth, Some("Bearers3cret")), Some(401));
         }
+    }
+
+    use tower::ServiceExt;
+
+    /// A router over a recorded trace of `events` thread-state slices.
+    fn app(events: usize, limits: TimelineLimits) -> Router {
+        let trace: Vec<Value> = (0..events)
+            .map(|i| {
+                json!({"ph": "X", "cat": "thread_state", "name": "running",
+                "pid": 1, "tid": 1, "ts": i as f64, "dur": 0.5})
+            })
+            .collect();
+        let state = ApiState {
+            gpus: Gpus::shared(),
+            started: Instant::now(),
+            recorded: Some(Arc::new(
+                RecordedTrace::from_events(trace, None, "test").expect("a trace"),
+            )),
+            timeline_event_limit: 1_000_000,
+            live: Arc::new(Mutex::new(None)),
+            jobs: None,
+            tunings: None,
+            auth: Arc::new(Auth {
+                token: None,
+                loopback_only: true,
+            }),
+        };
+        router_with(state, limits)
+    }
+
+    async fn send(app: &Router, method: &str, uri: &str, body: Body) -> Response {
+        let request = axum::http::Request::builder()
+            .method(method)
+            .uri(uri)
+            .body(body)
+            .expect("a request");
+        app.clone().oneshot(request).await.expect("infallible")
+    }
+
+    async fn json_of(response: Response) -> Value {
+        let bytes = axum::body::to_bytes(response.into_body(), usize::MAX)
+            .await
+            .expect("a body");
+        serde_json::from_slice(&bytes).expect("JSON")
+    }
+
+    #[tokio::test]
+    async fn over_the_concurrency_limit_a_timeline_query_is_answered_503_with_retry_after() {
+        let app = app(
+            10,
+            TimelineLimits {
+                max_concurrent: 1,
+                max_bytes: 1 << 20,
+            },
+        );
+        // The first answer holds the one slot until its body is consumed.
+        let first = send(&app, "GET", "/api/timeline", Body::empty()).await;
+        assert_eq!(first.status(), StatusCode::OK);
+        let busy = send(&app, "GET", "/api/timeline", Body::empty()).await;
+        assert_eq!(busy.status(), StatusCode::SERVICE_UNAVAILABLE);
+        assert_eq!(busy.headers()[header::RETRY_AFTER], "1");
+        let error = json_of(busy).await;
+        assert_eq!(error["error"]["status"], 503);
+        assert!(
+            error["error"]["message"]
+                .as_str()
+                .unwrap()
+                .contains("retry"),
+            "{error}"
+        );
+        // Other endpoints are not limited.
+        let health = send(&app, "GET", "/api/health", Body::empty()).await;
+        assert_eq!(health.status(), StatusCode::OK);
+        // Sent (here: read), the slot is free again.
+        assert_eq!(
+            json_of(first).await["traceEvents"]
+                .as_array()
+                .unwrap()
+                .len(),
+            10
+        );
+        let again = send(&app, "GET", "/api/timeline", Body::empty()).await;
+        assert_eq!(again.status(), StatusCode::OK);
+    }
+
+    #[tokio::test]
+    async fn a_timeline_answer_stays_within_its_byte_budget_and_says_truncated() {
+        let budget = 100 * 1024;
+        let app = app(
+            50_000,
+            TimelineLimits {
+                max_concurrent: 4,
+                max_bytes: budget,
+            },
+        );
+        let response = send(&app, "GET", "/api/timeline", Body::empty()).await;
+        assert_eq!(response.status(), StatusCode::OK);
+        let bytes = axum::body::to_bytes(response.into_body(), usize::MAX)
+            .await
+            .unwrap();
+        assert!(bytes.len() <= budget + 1024, "{} bytes", bytes.len());
+        let answer: Value = serde_json::from_slice(&bytes).unwrap();
+        let written = answer["traceEvents"].as_array().unwrap().len();
+        let note = &answer["metadata"]["truncated"];
+        assert_eq!(note["events_written"], written);
+        assert_eq!(note["events_left_out"], 50_000 - written);
+    }
+
+    #[tokio::test]
+    async fn the_frameworks_rejections_are_json_errors() {
+        let app = app(1, TimelineLimits::default());
+        // A body over the limit (declared, and streamed), a query string
+        // that does not decode, a path parameter that is not UTF-8, a
+        // method not allowed, an unknown path.
+        let big = Body::from(vec![b' '; MAX_BODY_BYTES + 1]);
+        let cases = [
+            ("POST", "/api/jobs/j/tuning", big, 413),
+            ("GET", "/api/timeline?from=%FF", Body::empty(), 400),
+            ("GET", "/api/jobs/%FF/tuning", Body::empty(), 400),
+            ("PUT", "/api/health", Body::empty(), 405),
+            ("GET", "/nope", Body::empty(), 404),
+            ("GET", "/api/timeline?from=", Body::empty(), 400),
+            ("GET", "/api/timeline?max_events=%2B5", Body::empty(), 400),
+        ];
+        for (method, uri, body, status) in cases {
+            let response = send(&app, method, uri, body).await;
+            assert_eq!(response.status().as_u16(), status, "{method} {uri}");
+            let content_type = response.headers()[header::CONTENT_TYPE].clone();
+            assert_eq!(content_type, "application/json", "{method} {uri}");
+            let error = json_of(response).await;
+            assert_eq!(error["error"]["status"], status, "{method} {uri}: {error}");
+            assert!(error["error"]["message"].is_string(), "{error}");
+        }
+    }
+
+    #[tokio::test]
+    async fn a_future_window_and_an_empty_one_are_both_empty_answers() {
+        let app = app(3, TimelineLimits::default());
+        for uri in ["/api/timeline?from=1&to=0", "/api/timeline?from=9999999999"] {
+            let response = send(&app, "GET", uri, Body::empty()).await;
+            assert_eq!(response.status(), StatusCode::OK, "{uri}");
+            let answer = json_of(response).await;
+            assert!(
+                answer["traceEvents"].as_array().unwrap().is_empty(),
+                "{uri}"
+            );
+            assert!(answer["metadata"]["empty_window"].is_string(), "{answer}");
+        }
+    }
+
+    #[test]
+    fn integral_floats_are_integers_for_the_tuning_body() {
+        let body = json!({"budget": 20.0, "bounds": {"cycle_time_ms": [0.5, 2.0]}, "seed": -1.0});
+        let fixed = integral_numbers(body);
+        assert_eq!(fixed["budget"], json!(20));
+        assert!(fixed["budget"].is_u64());
+        assert_eq!(fixed["bounds"]["cycle_time_ms"][0], json!(0.5));
+        assert!(fixed["seed"].is_i64());
+        let request: TuningRequest =
+            serde_json::from_value(integral_numbers(json!({"budget": 2e1}))).unwrap();
+        assert_eq!(request.budget, Some(20));
     }
 }

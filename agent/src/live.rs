@@ -28,7 +28,10 @@ use crate::jobs::JobSnapshot;
 use crate::model::Interval;
 use crate::model::{ProcessSnapshot, cause_name};
 use crate::session::Session;
-use crate::timeline::{QueryError, RecordedTrace, TimelineQuery, downsample_note};
+use crate::timeline::{
+    AnswerLimits, QueryError, RecordedTrace, TimelineQuery, TraceAnswer, TraceWriter,
+    downsample_note,
+};
 use crate::tracks::{self, CounterHistory};
 
 /// One published view of the live pipeline.
@@ -87,15 +90,41 @@ impl StateSlice {
         self.interval.duration_ns as f64 / 1e3
     }
 
-    /// The slice as a Chrome-trace event.
-    fn to_event(self) -> Value {
-        json!({
-            "ph": "X", "cat": "thread_state", "name": state_name(self.interval.kind),
-            "pid": self.pid, "tid": self.tid,
-            "ts": self.start_us(), "dur": self.duration_us(),
-            "args": { "cause": cause_name(self.interval.cause) },
-        })
+    /// The slice as a Chrome-trace event, serialized as it is written (no
+    /// `Value` per slice).
+    fn to_event(self) -> StateEvent {
+        StateEvent {
+            ph: "X",
+            cat: "thread_state",
+            name: state_name(self.interval.kind),
+            pid: self.pid,
+            tid: self.tid,
+            ts: self.start_us(),
+            dur: self.duration_us(),
+            args: StateArgs {
+                cause: cause_name(self.interval.cause),
+            },
+        }
     }
+}
+
+/// A thread-state slice as a Chrome-trace event.
+#[derive(Debug, Serialize)]
+struct StateEvent {
+    ph: &'static str,
+    cat: &'static str,
+    name: &'static str,
+    pid: u32,
+    tid: u32,
+    ts: f64,
+    dur: f64,
+    args: StateArgs,
+}
+
+/// Its `args`.
+#[derive(Debug, Serialize)]
+struct StateArgs {
+    cause: &'static str,
 }
 
 /// Thread states that ended within one build period.
@@ -168,31 +197,30 @@ impl ThreadStates {
 impl LiveView {
     /// `GET /api/timeline` on the live view: the trace's events (NCCL calls,
     /// job activities, counters, names) and the thread states of the range,
-    /// at most `limit` events; over it, refused, or with `downsample` the
-    /// longest thread states are kept (as [`RecordedTrace::query`] does).
-    pub fn query(&self, query: &TimelineQuery, limit: usize) -> Result<Value, QueryError> {
-        let mut answer = self.timeline.query(
-            &TimelineQuery {
-                downsample: false,
-                ..query.clone()
-            },
-            usize::MAX,
-        )?;
-        let now = self.timeline.now_us();
-        let from = query.from.map_or(f64::NEG_INFINITY, |p| p.resolve(now));
-        let to = query.to.map_or(f64::INFINITY, |p| p.resolve(now));
-        let others = answer["traceEvents"]
-            .as_array()
-            .map_or(0, |events| events.iter().filter(|e| e["ph"] != "M").count());
-        let mut states: Vec<StateSlice> = self
-            .states
-            .iter()
-            .flat_map(|chunk| chunk.slices.iter())
-            .filter(|s| s.start_us() <= to && s.start_us() + s.duration_us() >= from)
-            .filter(|s| self.timeline.wanted_pid(query, &s.pid.to_string()))
-            .copied()
-            .collect();
+    /// at most `limits.max_events` events; over it, refused, or with
+    /// `downsample` the longest thread states are kept (as
+    /// [`RecordedTrace::query`] does). Written straight to JSON up to
+    /// `limits.max_bytes` (see [`TraceWriter`]).
+    pub fn query(
+        &self,
+        query: &TimelineQuery,
+        limits: AnswerLimits,
+    ) -> Result<TraceAnswer, QueryError> {
+        let mut selection = self.timeline.select(query)?;
+        let others = selection.events.len();
+        let mut states: Vec<StateSlice> = match selection.window {
+            None => Vec::new(),
+            Some((from, to)) => self
+                .states
+                .iter()
+                .flat_map(|chunk| chunk.slices.iter())
+                .filter(|s| s.start_us() <= to && s.start_us() + s.duration_us() >= from)
+                .filter(|s| self.timeline.wanted_pid(query, &s.pid.to_string()))
+                .copied()
+                .collect(),
+        };
         let total = others + states.len();
+        let limit = limits.max_events;
         if total > limit {
             let room = limit.checked_sub(others);
             match room {
@@ -206,8 +234,10 @@ impl LiveView {
                     let dropped = states.len() - room;
                     states.truncate(room);
                     let shortest = states.last().map(StateSlice::duration_us);
-                    answer["metadata"]["downsampled"] =
-                        downsample_note(total, limit, dropped, states.len(), shortest);
+                    selection.note(
+                        "downsampled",
+                        downsample_note(total, limit, dropped, states.len(), shortest),
+                    );
                 }
                 _ => {
                     return Err(QueryError::TooLarge {
@@ -217,10 +247,12 @@ impl LiveView {
                 }
             }
         }
-        if let Some(events) = answer["traceEvents"].as_array_mut() {
-            events.extend(states.into_iter().map(StateSlice::to_event));
+        let mut writer = TraceWriter::new(limits.max_bytes);
+        selection.write_events(&mut writer);
+        for state in states {
+            writer.push(&state.to_event());
         }
-        Ok(answer)
+        Ok(writer.finish(selection.metadata))
     }
 }
 
@@ -360,6 +392,15 @@ mod tests {
         }
     }
 
+    /// A query with no byte budget, parsed back.
+    fn ask(view: &LiveView, query: &TimelineQuery, limit: usize) -> Result<Value, QueryError> {
+        let limits = AnswerLimits {
+            max_events: limit,
+            max_bytes: usize::MAX,
+        };
+        view.query(query, limits).map(|answer| answer.to_value())
+    }
+
     fn states_of(answer: &Value) -> Vec<(u64, f64)> {
         let mut v: Vec<(u64, f64)> = answer["traceEvents"]
             .as_array()
@@ -375,7 +416,7 @@ mod tests {
     #[test]
     fn thread_states_are_answered_from_the_chunks_with_the_range_and_filters() {
         let view = view();
-        let all = view.query(&TimelineQuery::default(), 100).unwrap();
+        let all = ask(&view, &TimelineQuery::default(), 100).unwrap();
         assert_eq!(
             states_of(&all),
             [(1, 0.0), (2, 10.0), (1, 100.0), (1, 400.0), (2, 700.0)]
@@ -387,14 +428,14 @@ mod tests {
             ..TimelineQuery::default()
         };
         assert_eq!(
-            states_of(&view.query(&range, 100).unwrap()),
+            states_of(&ask(&view, &range, 100).unwrap()),
             [(1, 100.0), (1, 400.0)]
         );
         let job = TimelineQuery {
             job: Some("j".into()),
             ..TimelineQuery::default()
         };
-        let answer = view.query(&job, 100).unwrap();
+        let answer = ask(&view, &job, 100).unwrap();
         assert_eq!(states_of(&answer), [(1, 0.0), (1, 100.0), (1, 400.0)]);
         assert!(
             answer["traceEvents"]
@@ -409,7 +450,7 @@ mod tests {
             ..TimelineQuery::default()
         };
         assert_eq!(
-            states_of(&view.query(&pid, 100).unwrap()),
+            states_of(&ask(&view, &pid, 100).unwrap()),
             [(2, 10.0), (2, 700.0)]
         );
     }
@@ -419,14 +460,14 @@ mod tests {
         let view = view();
         // 2 other events + 5 states = 7.
         assert_eq!(
-            view.query(&TimelineQuery::default(), 6),
+            ask(&view, &TimelineQuery::default(), 6),
             Err(QueryError::TooLarge { count: 7, limit: 6 })
         );
         let downsample = TimelineQuery {
             downsample: true,
             ..TimelineQuery::default()
         };
-        let answer = view.query(&downsample, 4).unwrap();
+        let answer = ask(&view, &downsample, 4).unwrap();
         // Room for 2 states: the 200 µs and 100 µs ones.
         assert_eq!(states_of(&answer), [(1, 100.0), (2, 700.0)]);
         assert_eq!(
@@ -435,11 +476,11 @@ mod tests {
         );
         assert_eq!(answer["metadata"]["downsampled"]["shortest_kept_us"], 100.0);
         assert!(
-            view.query(&downsample, 1).is_err(),
+            ask(&view, &downsample, 1).is_err(),
             "the others alone exceed it"
         );
         assert!(
-            view.query(&TimelineQuery::default(), 7).unwrap()["metadata"]
+            ask(&view, &TimelineQuery::default(), 7).unwrap()["metadata"]
                 .get("downsampled")
                 .is_none()
         );

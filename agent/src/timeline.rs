@@ -3,9 +3,13 @@
 //!
 //! Today's source is a recorded trace (`serve --replay FILE`: a
 //! `RINGWATCH_TIMELINE` file, a Horovod timeline, or any Chrome trace); the
-//! live model joins it as another source. Queries are bounded: a range with
-//! more events than the limit is refused with a request to narrow it, never
-//! answered by exhausting memory. Pure: no I/O but `RecordedTrace::load`.
+//! live model joins it as another source. Queries are bounded twice: a range
+//! with more events than the limit is refused with a request to narrow it
+//! (or thinned, with `downsample`), and an answer is written straight to
+//! JSON bytes ([`TraceWriter`]) that stop at a byte budget, saying so in
+//! `metadata.truncated`. Never answered by exhausting memory: no
+//! `serde_json::Value` tree of the answer is built (one would be ~10× its
+//! bytes). Pure: no I/O but `RecordedTrace::load`.
 
 use std::collections::HashMap;
 use std::path::Path;
@@ -23,24 +27,81 @@ pub enum TimePoint {
     BeforeNow(Duration),
 }
 
+/// The grammar `from`/`to` accept, as the OpenAPI document states it: a
+/// timestamp in µs (digits, an optional fraction) or `now`, `now-<duration>`
+/// with one to eight `<digits><unit>` parts (`now-10s`, `now-1m30s`).
+pub const TIME_POINT_PATTERN: &str =
+    "^([0-9]{1,16}(\\.[0-9]{1,6})?|now(-([0-9]{1,9}(ns|us|µs|ms|s|m|h|d)){1,8})?)$";
+
+/// Units `now-<duration>` accepts (longest first, so `ms` is not read as `m`).
+const DURATION_UNITS: [&str; 8] = ["ns", "us", "µs", "ms", "s", "m", "h", "d"];
+
+/// Whether `text` is `<digits><unit>` repeated 1..=8 times, digits 1..=9
+/// long: exactly the duration part of [`TIME_POINT_PATTERN`].
+fn is_duration_text(text: &str) -> bool {
+    let mut rest = text;
+    let mut parts = 0;
+    while !rest.is_empty() {
+        let digits = rest.bytes().take_while(u8::is_ascii_digit).count();
+        if !(1..=9).contains(&digits) {
+            return false;
+        }
+        rest = &rest[digits..];
+        let Some(unit) = DURATION_UNITS
+            .iter()
+            .filter(|unit| rest.starts_with(**unit))
+            .max_by_key(|unit| unit.len())
+        else {
+            return false;
+        };
+        rest = &rest[unit.len()..];
+        parts += 1;
+    }
+    (1..=8).contains(&parts)
+}
+
+/// Whether `text` is a timestamp of [`TIME_POINT_PATTERN`]: 1..=16 digits,
+/// optionally `.` and 1..=6 digits.
+fn is_timestamp_text(text: &str) -> bool {
+    let (whole, fraction) = match text.split_once('.') {
+        Some((whole, fraction)) => (whole, Some(fraction)),
+        None => (text, None),
+    };
+    let digits = |s: &str, most: usize| {
+        (1..=most).contains(&s.len()) && s.bytes().all(|b| b.is_ascii_digit())
+    };
+    digits(whole, 16) && fraction.is_none_or(|f| digits(f, 6))
+}
+
 impl TimePoint {
-    /// Parses `123456.5` (µs), `now`, or `now-<duration>` (`now-10s`, `now-500ms`).
+    /// Parses `123456.5` (µs), `now`, or `now-<duration>` (`now-10s`,
+    /// `now-500ms`, `now-1m30s`): exactly [`TIME_POINT_PATTERN`], nothing
+    /// looser (no spaces, signs or exponents), so the API's document and
+    /// the server agree.
     pub fn parse(text: &str) -> Result<Self, String> {
-        let text = text.trim();
         if text == "now" {
             return Ok(Self::BeforeNow(Duration::ZERO));
         }
         if let Some(ago) = text.strip_prefix("now-") {
+            if !is_duration_text(ago) {
+                return Err(format!(
+                    "{text:?}: write now-<duration> as 1 to 8 parts of digits and a unit \
+                     (ns, us, µs, ms, s, m, h, d), e.g. now-10s or now-1m30s"
+                ));
+            }
             return humantime::parse_duration(ago)
                 .map(Self::BeforeNow)
                 .map_err(|e| format!("{text:?}: {e} (write e.g. now-10s)"));
         }
-        match text.parse::<f64>() {
-            Ok(us) if us.is_finite() => Ok(Self::At(us)),
-            _ => Err(format!(
-                "{text:?} is neither a timestamp in µs nor now-<duration>"
-            )),
+        if !is_timestamp_text(text) {
+            return Err(format!(
+                "{text:?} is neither a timestamp in µs (digits, optionally a fraction: \
+                 123456.5) nor now or now-<duration> (now-10s)"
+            ));
         }
+        text.parse::<f64>()
+            .map(Self::At)
+            .map_err(|e| format!("{text:?}: {e}"))
     }
 
     /// The point in µs, with `now` at `now_us`.
@@ -72,14 +133,6 @@ pub struct TimelineQuery {
 /// Why a query could not be answered.
 #[derive(Debug, Clone, PartialEq, thiserror::Error)]
 pub enum QueryError {
-    /// `from` is after `to`.
-    #[error("the range is empty: from ({from} µs) is after to ({to} µs)")]
-    EmptyRange {
-        /// Resolved start.
-        from: f64,
-        /// Resolved end.
-        to: f64,
-    },
     /// More events than one answer may carry.
     #[error(
         "the range holds {count} events, more than the {limit} one answer may carry; narrow from/to, or pick a job or pid"
@@ -225,11 +278,6 @@ impl RecordedTrace {
             .collect()
     }
 
-    /// "Now" of the trace (µs on its clock): what `now-…` counts back from.
-    pub fn now_us(&self) -> f64 {
-        self.now_us
-    }
-
     /// Whether an event of process `pid` passes the query's `job`/`pid`
     /// filters (for events kept outside the trace, e.g. the live thread
     /// states).
@@ -248,15 +296,42 @@ impl RecordedTrace {
         self.events.len()
     }
 
-    /// The events of a range as a Chrome trace, at most `limit` of them.
-    pub fn query(&self, query: &TimelineQuery, limit: usize) -> Result<Value, QueryError> {
+    /// The events of a range as a Chrome trace: at most `limits.max_events`
+    /// of them (over it refused, or thinned with `downsample`), written as
+    /// JSON up to `limits.max_bytes`.
+    pub fn query(
+        &self,
+        query: &TimelineQuery,
+        limits: AnswerLimits,
+    ) -> Result<TraceAnswer, QueryError> {
+        let mut selection = self.select(query)?;
+        let limit = limits.max_events;
+        if selection.events.len() > limit {
+            let count = selection.events.len();
+            if !query.downsample {
+                return Err(QueryError::TooLarge { count, limit });
+            }
+            let (kept, note) = downsample(std::mem::take(&mut selection.events), limit)
+                .ok_or(QueryError::TooLarge { count, limit })?;
+            selection.events = kept;
+            selection.note("downsampled", note);
+        }
+        let mut writer = TraceWriter::new(limits.max_bytes);
+        selection.write_events(&mut writer);
+        Ok(writer.finish(selection.metadata))
+    }
+
+    /// What a query picks from the trace, by reference: the names
+    /// (`ph: "M"`) of the wanted processes and the events of the range, in
+    /// time order, with no limit applied. A window that is empty (`from`
+    /// after `to`) or lies after the trace's present selects no events,
+    /// and `metadata.empty_window` says why: a range with nothing in it
+    /// holds nothing, as the API documents (200, not an error).
+    pub fn select(&self, query: &TimelineQuery) -> Result<Selection<'_>, QueryError> {
         let from = query
             .from
             .map_or(f64::NEG_INFINITY, |p| p.resolve(self.now_us));
         let to = query.to.map_or(f64::INFINITY, |p| p.resolve(self.now_us));
-        if from > to {
-            return Err(QueryError::EmptyRange { from, to });
-        }
         if let Some(job) = &query.job
             && !self.process_jobs.values().any(|j| j == job)
         {
@@ -276,40 +351,189 @@ impl RecordedTrace {
             }
             true
         };
-        // Sorted by start: everything after `to` is out; before it, keep what
-        // ends at or after `from`.
-        let upper = self.events.partition_point(|e| ts(e) <= to);
-        let selected: Vec<&Value> = self.events[..upper]
-            .iter()
-            .filter(|e| end(e) >= from && wanted(e))
-            .collect();
-        let mut downsampled = Value::Null;
-        let selected = if selected.len() <= limit {
-            selected
-        } else if query.downsample {
-            let count = selected.len();
-            let (kept, note) =
-                downsample(selected, limit).ok_or(QueryError::TooLarge { count, limit })?;
-            downsampled = note;
-            kept
+        let mut metadata = serde_json::Map::new();
+        metadata.insert("now".into(), json!(self.now_us));
+        metadata.insert("source".into(), json!(format!("recorded: {}", self.source)));
+        let empty = if from > to {
+            Some(format!(
+                "from ({from} µs) is after to ({to} µs): the window holds nothing"
+            ))
+        } else if from > self.now_us {
+            Some(format!(
+                "from ({from} µs) is after now ({} µs on this trace's clock): the window \
+                 holds nothing yet (the live clock is CLOCK_MONOTONIC µs, not Unix time; \
+                 now-<duration> counts back from metadata.now)",
+                self.now_us
+            ))
         } else {
-            return Err(QueryError::TooLarge {
-                count: selected.len(),
-                limit,
-            });
+            None
         };
-        let mut trace_events: Vec<&Value> = self.metadata.iter().filter(|e| wanted(e)).collect();
-        trace_events.extend(selected);
-        let mut metadata =
-            json!({ "now": self.now_us, "source": format!("recorded: {}", self.source) });
-        if !downsampled.is_null() {
-            metadata["downsampled"] = downsampled;
+        let names: Vec<&Value> = self.metadata.iter().filter(|e| wanted(e)).collect();
+        let events = match empty {
+            Some(reason) => {
+                metadata.insert("empty_window".into(), json!(reason));
+                Vec::new()
+            }
+            None => {
+                // Sorted by start: everything after `to` is out; before it,
+                // keep what ends at or after `from`.
+                let upper = self.events.partition_point(|e| ts(e) <= to);
+                self.events[..upper]
+                    .iter()
+                    .filter(|e| end(e) >= from && wanted(e))
+                    .collect()
+            }
+        };
+        let window = metadata.get("empty_window").is_none().then_some((from, to));
+        Ok(Selection {
+            names,
+            events,
+            window,
+            metadata,
+        })
+    }
+}
+
+/// Bounds on one timeline answer.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct AnswerLimits {
+    /// The most events (past it: refused, or thinned with `downsample`).
+    pub max_events: usize,
+    /// The most bytes of JSON; events past it are left out and
+    /// `metadata.truncated` says how many.
+    pub max_bytes: usize,
+}
+
+/// What [`RecordedTrace::select`] picked, by reference into the trace.
+#[derive(Debug)]
+pub struct Selection<'a> {
+    /// The wanted processes' and threads' names (`ph: "M"`).
+    pub names: Vec<&'a Value>,
+    /// The range's events, in time order.
+    pub events: Vec<&'a Value>,
+    /// The resolved `[from, to]` in µs, or `None` when the window is
+    /// empty (see `metadata.empty_window`).
+    pub window: Option<(f64, f64)>,
+    /// The answer's `metadata` so far (`now`, `source`, notes).
+    pub metadata: serde_json::Map<String, Value>,
+}
+
+impl Selection<'_> {
+    /// Adds a note to the answer's metadata (`downsampled`, …).
+    pub fn note(&mut self, key: &str, value: Value) {
+        self.metadata.insert(key.to_owned(), value);
+    }
+
+    /// Writes the names, then the events.
+    pub fn write_events(&self, writer: &mut TraceWriter) {
+        for event in self.names.iter().chain(&self.events) {
+            writer.push(event);
         }
-        Ok(json!({
-            "traceEvents": trace_events,
-            "displayTimeUnit": "ms",
-            "metadata": metadata,
-        }))
+    }
+}
+
+/// A timeline answer: a Chrome trace as JSON bytes.
+#[derive(Debug, Clone, PartialEq)]
+pub struct TraceAnswer {
+    /// `{"traceEvents": [...], "displayTimeUnit": "ms", "metadata": {...}}`.
+    pub json: Vec<u8>,
+    /// Events written.
+    pub events: usize,
+    /// Events left out at the byte budget (0: the answer is whole).
+    pub truncated: usize,
+}
+
+impl TraceAnswer {
+    /// The answer parsed back (for tests: a `Value` tree is ~10× the bytes).
+    #[cfg(test)]
+    pub fn to_value(&self) -> Value {
+        serde_json::from_slice(&self.json).unwrap_or(Value::Null)
+    }
+}
+
+/// Writes a Chrome trace's events straight to JSON bytes, one at a time,
+/// up to a budget: an event that would take the answer past it is left
+/// out, as is every event after it (counted, and said in
+/// `metadata.truncated`), so an answer never holds more than the budget
+/// plus its metadata.
+#[derive(Debug)]
+pub struct TraceWriter {
+    out: Vec<u8>,
+    max_bytes: usize,
+    written: usize,
+    left_out: usize,
+}
+
+impl TraceWriter {
+    const HEAD: &'static [u8] = b"{\"traceEvents\":[";
+
+    /// A writer whose events may take up to `max_bytes`.
+    pub fn new(max_bytes: usize) -> Self {
+        Self {
+            out: Self::HEAD.to_vec(),
+            max_bytes,
+            written: 0,
+            left_out: 0,
+        }
+    }
+
+    /// Whether the budget is spent: every further event is left out.
+    pub fn is_full(&self) -> bool {
+        self.left_out > 0
+    }
+
+    /// Adds one event, or counts it as left out once the budget is spent.
+    /// Returns whether it was written.
+    pub fn push(&mut self, event: &impl serde::Serialize) -> bool {
+        if self.is_full() {
+            self.left_out += 1;
+            return false;
+        }
+        let mark = self.out.len();
+        if self.written > 0 {
+            self.out.push(b',');
+        }
+        let fits = serde_json::to_writer(&mut self.out, event).is_ok()
+            && self.out.len() - Self::HEAD.len() <= self.max_bytes;
+        if !fits {
+            self.out.truncate(mark);
+            self.left_out += 1;
+            return false;
+        }
+        self.written += 1;
+        true
+    }
+
+    /// Closes the trace with `metadata` (plus `truncated` when events were
+    /// left out).
+    pub fn finish(mut self, mut metadata: serde_json::Map<String, Value>) -> TraceAnswer {
+        if self.left_out > 0 {
+            metadata.insert(
+                "truncated".into(),
+                json!({
+                    "reason": format!(
+                        "the answer reached its budget of {} bytes of events; narrow \
+                         from/to, pick a job or pid, or ask for downsample=true with a \
+                         smaller max_events",
+                        self.max_bytes
+                    ),
+                    "max_bytes": self.max_bytes,
+                    "events_written": self.written,
+                    "events_left_out": self.left_out,
+                }),
+            );
+        }
+        self.out
+            .extend_from_slice(b"],\"displayTimeUnit\":\"ms\",\"metadata\":");
+        serde_json::to_writer(&mut self.out, &metadata)
+            .expect("a JSON map of strings and values serializes into memory");
+        self.out.push(b'}');
+        self.out.shrink_to_fit();
+        TraceAnswer {
+            json: self.out,
+            events: self.written,
+            truncated: self.left_out,
+        }
     }
 }
 
@@ -422,6 +646,19 @@ mod tests {
         {"ph":"C","name":"util","pid":"gpu0","ts":650,"args":{"util":90}}
     ],"metadata":{"now":1000}}"#;
 
+    /// A query with no byte budget, parsed back.
+    fn ask(
+        trace: &RecordedTrace,
+        query: &TimelineQuery,
+        limit: usize,
+    ) -> Result<Value, QueryError> {
+        let limits = AnswerLimits {
+            max_events: limit,
+            max_bytes: usize::MAX,
+        };
+        trace.query(query, limits).map(|answer| answer.to_value())
+    }
+
     fn names(answer: &Value) -> Vec<String> {
         answer["traceEvents"]
             .as_array()
@@ -435,7 +672,7 @@ mod tests {
     #[test]
     fn a_range_returns_the_overlapping_events_in_time_order() {
         let trace = RecordedTrace::parse(TRACE, "t").unwrap();
-        let all = trace.query(&TimelineQuery::default(), 100).unwrap();
+        let all = ask(&trace, &TimelineQuery::default(), 100).unwrap();
         assert_eq!(
             names(&all),
             ["ALLREDUCE@100", "ALLREDUCE@300", "util@650", "QUEUE@700"]
@@ -448,7 +685,7 @@ mod tests {
             ..TimelineQuery::default()
         };
         assert_eq!(
-            names(&trace.query(&q, 100).unwrap()),
+            names(&ask(&trace, &q, 100).unwrap()),
             ["ALLREDUCE@100", "util@650"]
         );
         // now-0.35ms = 650 µs.
@@ -457,7 +694,7 @@ mod tests {
             ..TimelineQuery::default()
         };
         assert_eq!(
-            names(&trace.query(&q, 100).unwrap()),
+            names(&ask(&trace, &q, 100).unwrap()),
             ["util@650", "QUEUE@700"]
         );
     }
@@ -469,7 +706,7 @@ mod tests {
             pid: Some("2".into()),
             ..TimelineQuery::default()
         };
-        let answer = trace.query(&q, 100).unwrap();
+        let answer = ask(&trace, &q, 100).unwrap();
         assert_eq!(names(&answer), ["ALLREDUCE@300"]);
         assert_eq!(
             answer["traceEvents"]
@@ -485,20 +722,20 @@ mod tests {
             ..TimelineQuery::default()
         };
         assert_eq!(
-            names(&trace.query(&q, 100).unwrap()),
+            names(&ask(&trace, &q, 100).unwrap()),
             ["ALLREDUCE@100", "ALLREDUCE@300", "QUEUE@700"]
         );
         let q = TimelineQuery {
             pid: Some("gpu0".into()),
             ..TimelineQuery::default()
         };
-        assert_eq!(names(&trace.query(&q, 100).unwrap()), ["util@650"]);
+        assert_eq!(names(&ask(&trace, &q, 100).unwrap()), ["util@650"]);
         let q = TimelineQuery {
             job: Some("nope".into()),
             ..TimelineQuery::default()
         };
         assert_eq!(
-            trace.query(&q, 100),
+            ask(&trace, &q, 100),
             Err(QueryError::UnknownJob("nope".into()))
         );
     }
@@ -535,7 +772,7 @@ mod tests {
         };
         // 6 events, room for 4: the job slice, the counter and the two
         // longest states (10 and 7 µs), in time order.
-        let answer = trace.query(&q, 4).unwrap();
+        let answer = ask(&trace, &q, 4).unwrap();
         let kept: Vec<(String, f64)> = answer["traceEvents"]
             .as_array()
             .unwrap()
@@ -563,39 +800,154 @@ mod tests {
         // Under the limit nothing is said; with only room for the others,
         // every state goes; below that it is refused.
         assert!(
-            trace.query(&q, 6).unwrap()["metadata"]
+            ask(&trace, &q, 6).unwrap()["metadata"]
                 .get("downsampled")
                 .is_none()
         );
         assert_eq!(
-            trace.query(&q, 2).unwrap()["traceEvents"]
+            ask(&trace, &q, 2).unwrap()["traceEvents"]
                 .as_array()
                 .unwrap()
                 .len(),
             3
         );
         assert!(matches!(
-            trace.query(&q, 1),
+            ask(&trace, &q, 1),
             Err(QueryError::TooLarge { .. })
         ));
     }
 
     #[test]
-    fn too_large_and_empty_ranges_are_refused() {
+    fn too_large_ranges_are_refused_and_empty_or_future_windows_hold_nothing() {
         let trace = RecordedTrace::parse(TRACE, "t").unwrap();
         assert_eq!(
-            trace.query(&TimelineQuery::default(), 3),
+            ask(&trace, &TimelineQuery::default(), 3),
             Err(QueryError::TooLarge { count: 4, limit: 3 })
         );
+        // from after to, and a window after now (1000 µs): 200, no events,
+        // the process names, and why in metadata.empty_window.
+        for (from, to) in [(10.0, Some(5.0)), (5_000.0, None), (2_000.0, Some(3_000.0))] {
+            let q = TimelineQuery {
+                from: Some(TimePoint::At(from)),
+                to: to.map(TimePoint::At),
+                ..TimelineQuery::default()
+            };
+            let answer = ask(&trace, &q, 100).unwrap();
+            assert!(names(&answer).is_empty(), "{answer}");
+            assert_eq!(answer["traceEvents"].as_array().unwrap().len(), 3);
+            let why = answer["metadata"]["empty_window"].as_str().unwrap();
+            assert!(why.contains("holds nothing"), "{why}");
+        }
+        // A window that starts before now and ends after it is fine.
         let q = TimelineQuery {
-            from: Some(TimePoint::At(10.0)),
-            to: Some(TimePoint::At(5.0)),
+            from: Some(TimePoint::At(690.0)),
+            to: Some(TimePoint::At(1e9)),
             ..TimelineQuery::default()
         };
-        assert!(matches!(
-            trace.query(&q, 100),
-            Err(QueryError::EmptyRange { .. })
-        ));
+        let answer = ask(&trace, &q, 100).unwrap();
+        assert_eq!(names(&answer), ["QUEUE@700"]);
+        assert!(answer["metadata"].get("empty_window").is_none());
+    }
+
+    #[test]
+    fn an_answer_stops_at_its_byte_budget_and_says_so() {
+        // 10,000 events of ~100 bytes each: ~1 MB of JSON.
+        let events: Vec<Value> = (0..10_000)
+            .map(|i| {
+                json!({"ph": "X", "cat": "thread_state", "name": "running",
+                "pid": 1, "tid": 2, "ts": f64::from(i), "dur": 0.5,
+                "args": {"cause": "preempted"}})
+            })
+            .collect();
+        let trace = RecordedTrace::from_events(events, None, "t").unwrap();
+        let whole = trace
+            .query(
+                &TimelineQuery::default(),
+                AnswerLimits {
+                    max_events: usize::MAX,
+                    max_bytes: usize::MAX,
+                },
+            )
+            .unwrap();
+        assert_eq!((whole.events, whole.truncated), (10_000, 0));
+        assert!(whole.json.len() > 900_000, "{}", whole.json.len());
+        let budget = 64 * 1024;
+        let cut = trace
+            .query(
+                &TimelineQuery::default(),
+                AnswerLimits {
+                    max_events: usize::MAX,
+                    max_bytes: budget,
+                },
+            )
+            .unwrap();
+        // Under the budget plus the metadata, still valid JSON, the first
+        // events in time order, and the rest counted.
+        assert!(cut.json.len() <= budget + 1024, "{}", cut.json.len());
+        assert!(cut.events > 100 && cut.events < 10_000, "{}", cut.events);
+        assert_eq!(cut.events + cut.truncated, 10_000);
+        let answer = cut.to_value();
+        let kept = answer["traceEvents"].as_array().unwrap();
+        assert_eq!(kept.len(), cut.events);
+        assert_eq!(kept[0]["ts"], 0.0);
+        let note = &answer["metadata"]["truncated"];
+        assert_eq!(note["events_left_out"], cut.truncated);
+        assert_eq!(note["max_bytes"], budget);
+        assert!(
+            note["reason"].as_str().unwrap().contains("narrow"),
+            "{note}"
+        );
+        assert!(whole.to_value()["metadata"].get("truncated").is_none());
+    }
+
+    #[test]
+    fn time_points_accept_exactly_the_documented_pattern() {
+        for good in [
+            "0",
+            "123456",
+            "12.5",
+            "1234567890123456.123456",
+            "now",
+            "now-10s",
+            "now-500ms",
+            "now-350us",
+            "now-350µs",
+            "now-1m30s",
+            "now-2h",
+            "now-1d",
+            "now-0ns",
+        ] {
+            assert!(TimePoint::parse(good).is_ok(), "{good}");
+        }
+        for bad in [
+            "",
+            " 5",
+            "5 ",
+            "+5",
+            "-5",
+            "1e5",
+            "5.",
+            ".5",
+            "inf",
+            "NaN",
+            "now-",
+            "now-10",
+            "now-s",
+            "now-10 s",
+            "now-10sec",
+            "now-1s1s1s1s1s1s1s1s1s",
+            "now-1234567890s",
+            "12345678901234567",
+            "1.1234567",
+            "now+1s",
+            "Now",
+        ] {
+            assert!(TimePoint::parse(bad).is_err(), "{bad:?}");
+        }
+        assert_eq!(
+            TimePoint::parse("now-1m30s").unwrap(),
+            TimePoint::BeforeNow(Duration::from_secs(90))
+        );
     }
 
     #[test]
@@ -608,7 +960,7 @@ mod tests {
 {"name": "ALLRED"#;
         let trace = RecordedTrace::parse(text, "horovod").unwrap();
         assert_eq!(trace.len(), 3);
-        let answer = trace.query(&TimelineQuery::default(), 10).unwrap();
+        let answer = ask(&trace, &TimelineQuery::default(), 10).unwrap();
         assert_eq!(
             names(&answer),
             [
