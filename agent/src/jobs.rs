@@ -8,8 +8,12 @@
 //! never crash, hang or block a tokio worker because of what it finds in the
 //! runtime directory: all client I/O runs on its own threads with timeouts,
 //! and a socket that is not a job's (or answers garbage) is logged once and
-//! skipped. Memory stays bounded: stats and events per job are capped, lost
-//! jobs are forgotten after the retention window.
+//! skipped. It believes only what the kernel proves (`trust`): directories
+//! that no other user can tamper with, sockets served by their owner, and of
+//! a job's ranks only the processes of the job's own user. Memory stays
+//! bounded: the number of jobs (in all and per user), the sockets tried per
+//! scan, and each job's stats and events, in count and in bytes; lost jobs
+//! are forgotten after the retention window.
 
 use std::collections::{BTreeMap, HashMap, VecDeque};
 use std::os::unix::fs::{FileTypeExt, MetadataExt};
@@ -19,12 +23,13 @@ use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use collectives::control::{
-    AutotuneState, ControlClient, ControlError, CycleStats, Knobs, RankInfo, ServerMessage,
-    TimelineEvent,
+    AutotuneState, ControlClient, ControlError, CycleStats, Knobs, PeerCredentials, RankInfo,
+    ServerMessage, TimelineEvent,
 };
 use serde::Serialize;
 
 use crate::discovery::{self, PidSource};
+use crate::trust;
 
 #[cfg(test)]
 #[path = "../tests/common/procs.rs"]
@@ -34,7 +39,8 @@ mod test_procs;
 #[derive(Debug, Clone)]
 pub struct JobsConfig {
     /// Directories scanned for `*.sock`, in order (the first socket of a job
-    /// id wins).
+    /// id wins): only the ones the operator configured; each is checked
+    /// ([`trust::check_runtime_dir`]) on every scan.
     pub runtime_dirs: Vec<PathBuf>,
     /// Time between two scans of the directories.
     pub scan_period: Duration,
@@ -46,25 +52,41 @@ pub struct JobsConfig {
     pub max_stats_per_job: usize,
     /// Timeline events kept per job (the newest).
     pub max_timeline_events_per_job: usize,
+    /// Bytes of timeline events kept per job (the newest), as they sit in
+    /// memory.
+    pub max_timeline_bytes_per_job: usize,
+    /// Jobs connected at once; more sockets are refused until one ends.
+    pub max_jobs: usize,
+    /// Jobs connected at once served by one non-root user.
+    pub max_jobs_per_user: usize,
+    /// New sockets tried in one scan of one directory (each may take up to
+    /// `connect_timeout`); the rest wait for the next scans.
+    pub max_connects_per_scan: usize,
 }
 
 impl JobsConfig {
-    /// Scans `runtime_dir` and then the protocol's fallback directories
-    /// (where unprivileged jobs put their sockets), once a second.
-    pub fn new(runtime_dir: PathBuf, retention: Duration) -> Self {
-        let mut runtime_dirs = vec![runtime_dir];
-        for dir in collectives::control::fallback_runtime_dirs() {
-            if !runtime_dirs.contains(&dir) {
-                runtime_dirs.push(dir);
+    /// Scans `runtime_dirs` (in order), once a second. Nothing else: the
+    /// fallback directories an unprivileged job may use when the runtime
+    /// directory is not writable (`/tmp/ringwatch-<uid>`) can be created by
+    /// any user, so they are scanned only when the operator names them.
+    pub fn new(runtime_dirs: Vec<PathBuf>, retention: Duration) -> Self {
+        let mut unique = Vec::new();
+        for dir in runtime_dirs {
+            if !unique.contains(&dir) {
+                unique.push(dir);
             }
         }
         Self {
-            runtime_dirs,
+            runtime_dirs: unique,
             scan_period: Duration::from_secs(1),
             connect_timeout: Duration::from_millis(500),
             retention,
             max_stats_per_job: 1_000,
             max_timeline_events_per_job: 100_000,
+            max_timeline_bytes_per_job: 16 << 20,
+            max_jobs: 64,
+            max_jobs_per_user: 8,
+            max_connects_per_scan: 16,
         }
     }
 }
@@ -114,6 +136,13 @@ pub struct JobSnapshot {
     pub timeline_events_received: u64,
     /// Timeline events pushed out of the bounded ring.
     pub timeline_events_dropped: u64,
+    /// Bytes the kept timeline events take in the agent's memory.
+    pub timeline_bytes: usize,
+    /// The uid of the process that serves the control socket (`SO_PEERCRED`):
+    /// of the job's ranks, only processes of this user are watched (any, for root).
+    pub owner_uid: u32,
+    /// The pid of that process, in the agent's pid namespace.
+    pub owner_pid: u32,
 }
 
 struct Job {
@@ -135,6 +164,8 @@ struct Job {
     timeline: VecDeque<TimelineEvent>,
     timeline_events_received: u64,
     timeline_events_dropped: u64,
+    timeline_bytes: usize,
+    owner: PeerCredentials,
     /// Tells this connection's reader thread to stop.
     stop_reader: Arc<AtomicBool>,
     /// Distinguishes this connection from an earlier one of the same job id.
@@ -162,6 +193,25 @@ impl Job {
             stats_received: self.stats_received,
             timeline_events_received: self.timeline_events_received,
             timeline_events_dropped: self.timeline_events_dropped,
+            timeline_bytes: self.timeline_bytes,
+            owner_uid: self.owner.uid,
+            owner_pid: self.owner.pid,
+        }
+    }
+
+    /// Keeps `events` (the newest), within the job's count and byte bounds.
+    fn keep_timeline(&mut self, events: Vec<TimelineEvent>, max_events: usize, max_bytes: usize) {
+        self.timeline_events_received += events.len() as u64;
+        for event in events {
+            self.timeline_bytes += event_bytes(&event);
+            self.timeline.push_back(event);
+        }
+        while self.timeline.len() > max_events || self.timeline_bytes > max_bytes {
+            let Some(oldest) = self.timeline.pop_front() else {
+                break;
+            };
+            self.timeline_bytes = self.timeline_bytes.saturating_sub(event_bytes(&oldest));
+            self.timeline_events_dropped += 1;
         }
     }
 
@@ -173,6 +223,20 @@ impl Job {
             self.stop_reader.store(true, Ordering::Release);
         }
     }
+}
+
+/// What one timeline event takes in memory: the struct, its strings and
+/// its arguments (with a B-tree node's share for each).
+fn event_bytes(event: &TimelineEvent) -> usize {
+    const PER_ARG: usize = 2 * std::mem::size_of::<String>() + 16;
+    std::mem::size_of::<TimelineEvent>()
+        + event.tensor.capacity()
+        + event.activity.capacity()
+        + event
+            .args
+            .iter()
+            .map(|(k, v)| PER_ARG + k.capacity() + v.capacity())
+            .sum::<usize>()
 }
 
 impl JobSnapshot {
@@ -201,6 +265,9 @@ const RETRY_REJECTED: Duration = Duration::from_secs(10);
 struct Registry {
     jobs: BTreeMap<String, Job>,
     rejected: HashMap<PathBuf, Rejected>,
+    /// Runtime directories refused by the last scan, and why (logged when
+    /// the reason changes).
+    refused_dirs: HashMap<PathBuf, String>,
     next_connection: u64,
 }
 
@@ -314,17 +381,26 @@ impl Jobs {
     /// jobs whose socket vanished as lost, forget old lost jobs.
     fn scan(&self) {
         let config = &self.inner.config;
+        let agent_uid = trust::agent_uid();
         let mut present: HashMap<PathBuf, u64> = HashMap::new();
         for dir in &config.runtime_dirs {
+            if !self.dir_is_trusted(dir, agent_uid) {
+                continue;
+            }
+            let Ok(dir_meta) = std::fs::symlink_metadata(dir) else {
+                continue;
+            };
             let Ok(entries) = std::fs::read_dir(dir) else {
                 continue;
             };
+            let mut connects = 0;
             for entry in entries.flatten() {
                 let path = entry.path();
                 if path.extension().is_none_or(|e| e != "sock") {
                     continue;
                 }
-                let Ok(meta) = std::fs::metadata(&path) else {
+                // Not followed: a link could point anywhere.
+                let Ok(meta) = std::fs::symlink_metadata(&path) else {
                     continue;
                 };
                 present.insert(path.clone(), meta.ino());
@@ -333,7 +409,11 @@ impl Jobs {
                         self.reject(&path, meta.ino(), "not a Unix socket");
                         continue;
                     }
-                    self.connect(&path, meta.ino());
+                    if connects == config.max_connects_per_scan {
+                        continue;
+                    }
+                    connects += 1;
+                    self.connect(&path, meta.ino(), dir_meta.uid());
                 }
             }
         }
@@ -356,6 +436,33 @@ impl Jobs {
         registry
             .rejected
             .retain(|path, _| present.contains_key(path));
+    }
+
+    /// Whether `dir` may be scanned now; a refusal is logged when it is new
+    /// or its reason changed.
+    fn dir_is_trusted(&self, dir: &Path, agent_uid: u32) -> bool {
+        let verdict = trust::check_runtime_dir(dir, agent_uid);
+        let mut registry = self.lock();
+        match verdict {
+            Ok(()) => {
+                if registry.refused_dirs.remove(dir).is_some() {
+                    tracing::info!(dir = %dir.display(), "runtime directory is usable again");
+                }
+                true
+            }
+            Err(why) => {
+                if registry.refused_dirs.get(dir) != Some(&why) {
+                    // A directory that does not exist (yet) is normal.
+                    if dir.exists() {
+                        tracing::warn!(dir = %dir.display(), why, "not scanning a runtime directory");
+                    } else {
+                        tracing::debug!(dir = %dir.display(), why, "runtime directory absent");
+                    }
+                    registry.refused_dirs.insert(dir.to_owned(), why);
+                }
+                false
+            }
+        }
     }
 
     /// True when `path` is not served by a connected job and was not
@@ -397,12 +504,52 @@ impl Jobs {
         );
     }
 
-    fn connect(&self, path: &Path, inode: u64) {
-        let timeout = self.inner.config.connect_timeout;
+    fn connect(&self, path: &Path, inode: u64, dir_uid: u32) {
+        let config = &self.inner.config;
+        let timeout = config.connect_timeout;
         let mut client = match ControlClient::connect(path, timeout) {
             Ok(client) => client,
             Err(error) => return self.reject(path, inode, &error.to_string()),
         };
+        let owner = match client.peer_credentials() {
+            Ok(owner) => owner,
+            Err(error) => {
+                return self.reject(
+                    path,
+                    inode,
+                    &format!("cannot read its peer credentials: {error}"),
+                );
+            }
+        };
+        if let Err(why) = trust::check_socket(path, dir_uid, owner) {
+            return self.reject(path, inode, &format!("untrusted socket: {why}"));
+        }
+        {
+            let registry = self.lock();
+            let connected = registry
+                .jobs
+                .values()
+                .filter(|j| j.state == JobState::Connected);
+            let (all, same_user) = connected.fold((0, 0), |(all, same), job| {
+                (all + 1, same + usize::from(job.owner.uid == owner.uid))
+            });
+            let over = if all >= config.max_jobs {
+                Some(format!(
+                    "the agent already follows {all} jobs (the most it follows)"
+                ))
+            } else if owner.uid != 0 && same_user >= config.max_jobs_per_user {
+                Some(format!(
+                    "uid {} already has {same_user} jobs followed (the most per user)",
+                    owner.uid
+                ))
+            } else {
+                None
+            };
+            if let Some(why) = over {
+                drop(registry);
+                return self.reject(path, inode, &why);
+            }
+        }
         if let Err(error) = client.subscribe(true, true) {
             return self.reject(path, inode, &format!("subscribing failed: {error}"));
         }
@@ -445,6 +592,8 @@ impl Jobs {
                     timeline: VecDeque::new(),
                     timeline_events_received: 0,
                     timeline_events_dropped: 0,
+                    timeline_bytes: 0,
+                    owner,
                     stop_reader: stop_reader.clone(),
                     connection,
                 },
@@ -455,6 +604,8 @@ impl Jobs {
             job_id = hello.job_id,
             socket = %path.display(),
             world_size = hello.world_size,
+            owner_uid = owner.uid,
+            owner_pid = owner.pid,
             "found a job"
         );
         let weak = Arc::downgrade(&self.inner);
@@ -491,6 +642,7 @@ fn read_job(
         let mut registry = jobs.lock();
         let max_stats = jobs.inner.config.max_stats_per_job;
         let max_events = jobs.inner.config.max_timeline_events_per_job;
+        let max_bytes = jobs.inner.config.max_timeline_bytes_per_job;
         let Some(job) = registry
             .jobs
             .get_mut(job_id)
@@ -513,12 +665,7 @@ fn read_job(
                         }
                     }
                     ServerMessage::Timeline { events } => {
-                        job.timeline_events_received += events.len() as u64;
-                        job.timeline.extend(events);
-                        while job.timeline.len() > max_events {
-                            job.timeline.pop_front();
-                            job.timeline_events_dropped += 1;
-                        }
+                        job.keep_timeline(events, max_events, max_bytes);
                     }
                     ServerMessage::KnobsApplied {
                         knobs,
@@ -558,6 +705,8 @@ fn read_job(
 pub struct JobPids {
     jobs: Jobs,
     host: String,
+    /// (job, pid) pairs refused and logged already.
+    refused: std::collections::HashSet<(String, u32)>,
 }
 
 impl JobPids {
@@ -566,6 +715,7 @@ impl JobPids {
         Self {
             jobs,
             host: host_name(),
+            refused: std::collections::HashSet::new(),
         }
     }
 }
@@ -584,15 +734,31 @@ impl PidSource for JobPids {
     }
 
     fn pids(&mut self) -> Vec<u32> {
-        let mut pids: Vec<u32> = self
-            .jobs
-            .jobs()
-            .iter()
-            .filter(|job| job.state == JobState::Connected)
-            .flat_map(|job| job.ranks.iter())
-            .filter(|rank| rank.host == self.host && discovery::process_exists(rank.pid))
-            .map(|rank| rank.pid)
-            .collect();
+        let mut pids = Vec::new();
+        let jobs = self.jobs.jobs();
+        for job in jobs.iter().filter(|job| job.state == JobState::Connected) {
+            for rank in &job.ranks {
+                if rank.host != self.host || !discovery::process_exists(rank.pid) {
+                    continue;
+                }
+                match trust::check_rank_pid(rank.pid, job.owner_uid) {
+                    Ok(()) => pids.push(rank.pid),
+                    Err(why) => {
+                        if self.refused.insert((job.job_id.clone(), rank.pid)) {
+                            tracing::warn!(
+                                job_id = job.job_id,
+                                rank = rank.rank,
+                                why,
+                                "not watching a rank the job named"
+                            );
+                        }
+                    }
+                }
+            }
+        }
+        // Forget refusals of jobs that are gone.
+        self.refused
+            .retain(|(job_id, _)| jobs.iter().any(|job| &job.job_id == job_id));
         pids.sort_unstable();
         pids.dedup();
         pids
@@ -650,6 +816,10 @@ mod tests {
             retention: Duration::from_secs(2),
             max_stats_per_job: 50,
             max_timeline_events_per_job: 1_000,
+            max_timeline_bytes_per_job: 1 << 20,
+            max_jobs: 64,
+            max_jobs_per_user: 8,
+            max_connects_per_scan: 16,
         }
     }
 
@@ -844,6 +1014,141 @@ mod tests {
             (jobs.jobs()[0].state == JobState::Lost).then_some(())
         });
         assert!(JobPids::new(jobs.clone()).pids().is_empty());
+    }
+
+    /// A job socket at `path` served by a process running as `uid` (through
+    /// setpriv and Debian's python3), whose hello says `hello` with every pid
+    /// `u32::MAX` replaced by the server's own; killed on drop.
+    struct JobOfAnotherUser(std::process::Child);
+
+    impl JobOfAnotherUser {
+        fn start(path: &Path, uid: u32, hello: &Hello) -> Self {
+            let frame = serde_json::to_vec(&ServerMessage::Hello(hello.clone())).unwrap();
+            let script = "import os,socket,struct,sys\n\
+                body=bytes.fromhex(sys.argv[2]).replace(b'4294967295', str(os.getpid()).encode())\n\
+                s=socket.socket(socket.AF_UNIX); s.bind(sys.argv[1]); s.listen(8)\n\
+                conns=[]\n\
+                while True:\n    c,_=s.accept(); c.sendall(struct.pack('>I',len(body))+body); conns.append(c)\n";
+            let child = Command::new("setpriv")
+                .args(["--reuid", &uid.to_string(), "--regid", &uid.to_string()])
+                .args(["--clear-groups", "/usr/bin/python3", "-c", script])
+                .arg(path)
+                .arg(frame.iter().map(|b| format!("{b:02x}")).collect::<String>())
+                .spawn()
+                .unwrap();
+            Self(child)
+        }
+    }
+
+    impl Drop for JobOfAnotherUser {
+        fn drop(&mut self) {
+            let _ = self.0.kill();
+            let _ = self.0.wait();
+        }
+    }
+
+    fn chmod(path: &Path, mode: u32) {
+        use std::os::unix::fs::PermissionsExt;
+        std::fs::set_permissions(path, std::fs::Permissions::from_mode(mode)).unwrap();
+    }
+
+    /// The reproduction of issue #12: user `nobody` serves a job socket whose
+    /// hello names pids 1 and 2 as ranks, beside its own process. The job is
+    /// listed as nobody's, and only nobody's own process is watched.
+    #[test]
+    fn a_job_of_another_user_cannot_name_other_processes() {
+        if trust::agent_uid() != 0 || !Path::new("/usr/bin/python3").exists() {
+            eprintln!("skipped: needs root (to serve a socket as nobody) and /usr/bin/python3");
+            return;
+        }
+        let dir = TempDir::new("nobody");
+        chmod(&dir.0, 0o1777);
+        let rank = |rank, pid| RankInfo {
+            rank,
+            local_rank: rank,
+            local_size: 3,
+            host: host_name(),
+            pid,
+        };
+        let hello = Hello {
+            protocol_version: collectives::control::PROTOCOL_VERSION,
+            job_id: "hostile".to_owned(),
+            world_size: 3,
+            local_size: 3,
+            ranks: vec![rank(0, u32::MAX), rank(1, 1), rank(2, 2)],
+            knobs: Knobs::default(),
+            cycle: 0,
+            autotune: Default::default(),
+        };
+        let server = JobOfAnotherUser::start(&dir.0.join("hostile.sock"), 65534, &hello);
+        let jobs = Jobs::start(config(&dir.0)).unwrap();
+        let job = wait_for(Duration::from_secs(20), "nobody's job", || {
+            jobs.jobs().into_iter().find(|j| j.job_id == "hostile")
+        });
+        assert_eq!((job.owner_uid, job.owner_pid), (65534, server.0.id()));
+        let named: Vec<u32> = job.ranks.iter().map(|r| r.pid).collect();
+        assert_eq!(named, vec![server.0.id(), 1, 2]);
+        // pids 1 and 2 run as root: only the server itself is watched.
+        assert_eq!(JobPids::new(jobs.clone()).pids(), vec![server.0.id()]);
+    }
+
+    #[test]
+    fn a_world_writable_directory_without_the_sticky_bit_is_not_scanned() {
+        let open = TempDir::new("open");
+        let safe = TempDir::new("safe");
+        chmod(&open.0, 0o777);
+        let _planted = fake_job(&open.0.join("planted.sock"), "planted", Vec::new());
+        let _real = fake_job(&safe.0.join("real.sock"), "real", Vec::new());
+        let mut config = config(&open.0);
+        config.runtime_dirs.push(safe.0.clone());
+        let jobs = Jobs::start(config).unwrap();
+        // One scan reads the open directory, then the safe one: once the
+        // real job is found, the open directory was passed over.
+        wait_for(Duration::from_secs(10), "the real job", || {
+            jobs.jobs().into_iter().find(|j| j.job_id == "real")
+        });
+        let ids: Vec<String> = jobs.jobs().into_iter().map(|j| j.job_id).collect();
+        assert_eq!(ids, vec!["real".to_owned()]);
+    }
+
+    #[test]
+    fn a_jobs_timeline_is_bounded_in_bytes() {
+        let dir = TempDir::new("bytes");
+        // 40 frames of 2,000 events with 400-byte tensor names: ~40 MB sent.
+        let event = |ts_us| TimelineEvent {
+            rank: 0,
+            tensor: "g".repeat(400),
+            activity: "ALLREDUCE".into(),
+            phase: Phase::Begin,
+            ts_us,
+            args: BTreeMap::new(),
+        };
+        let stream: Vec<ServerMessage> = (0..40u64)
+            .map(|frame| ServerMessage::Timeline {
+                events: (0..2_000).map(|i| event(frame * 2_000 + i)).collect(),
+            })
+            .collect();
+        let _job = fake_job(&dir.0.join("big.sock"), "big", stream);
+        let mut config = config(&dir.0);
+        config.max_timeline_events_per_job = usize::MAX;
+        config.max_timeline_bytes_per_job = 4 << 20;
+        let jobs = Jobs::start(config).unwrap();
+        let job = wait_for(Duration::from_secs(30), "every frame", || {
+            jobs.jobs()
+                .into_iter()
+                .find(|j| j.timeline_events_received == 80_000)
+        });
+        assert!(job.timeline_bytes <= 4 << 20, "{}", job.timeline_bytes);
+        let kept = 80_000 - job.timeline_events_dropped;
+        // What is kept is the newest, and it is what the byte count says.
+        let events = jobs.timeline_events("big", 0, u64::MAX).unwrap();
+        assert_eq!(events.len() as u64, kept);
+        assert_eq!(events.last().map(|e| e.ts_us), Some(79_999));
+        assert_eq!(
+            events.iter().map(event_bytes).sum::<usize>(),
+            job.timeline_bytes
+        );
+        assert!(kept > 1_000 && kept < 80_000, "{kept}");
     }
 
     #[test]

@@ -325,12 +325,23 @@ pub struct ModelStats {
     pub connections: usize,
 }
 
+/// Gives back a deque's memory when it holds less than a quarter of it (a
+/// burst's peak is not kept for the rest of the run).
+fn shrink_spare<T>(deque: &mut VecDeque<T>) {
+    if deque.capacity() > 1024 && deque.len() < deque.capacity() / 4 {
+        deque.shrink_to(deque.len() * 2);
+    }
+}
+
 /// Bounded in-memory series of everything watched: per thread (intervals,
 /// NCCL calls, traffic samples) and per connection.
 #[derive(Debug)]
 pub struct Model {
     retention_ns: u64,
     max_intervals_per_thread: usize,
+    /// Intervals kept over all threads; past it, the busiest threads lose
+    /// their oldest first ([`Model::prune`]).
+    max_intervals_total: usize,
     threads: BTreeMap<u32, ThreadSeries>,
     live_conns: BTreeMap<u64, SockStats>,
     closed_conns: VecDeque<Connection>,
@@ -348,6 +359,7 @@ impl Model {
         Self {
             retention_ns,
             max_intervals_per_thread: max_intervals_per_thread.max(1),
+            max_intervals_total: usize::MAX,
             threads: BTreeMap::new(),
             live_conns: BTreeMap::new(),
             closed_conns: VecDeque::new(),
@@ -356,6 +368,14 @@ impl Model {
             intervals_dropped: 0,
             switches: SwitchCounts::default(),
         }
+    }
+
+    /// Keeps at most `bytes` of scheduling intervals over all threads (the
+    /// model's largest part by far on a busy node; per-thread caps alone let
+    /// it grow with the number of threads).
+    pub fn with_interval_budget(mut self, bytes: usize) -> Self {
+        self.max_intervals_total = (bytes / std::mem::size_of::<Interval>()).max(1);
+        self
     }
 
     fn thread(&mut self, tgid: u32, tid: u32, now: u64) -> &mut ThreadSeries {
@@ -530,6 +550,35 @@ impl Model {
         }
     }
 
+    /// Trims the threads' intervals to [`Model::max_intervals_total`]: every
+    /// thread keeps its newest `cap`, the largest cap that fits (threads with
+    /// fewer keep all of theirs).
+    fn enforce_interval_budget(&mut self) {
+        let mut lengths: Vec<usize> = self.threads.values().map(|t| t.intervals.len()).collect();
+        let total: usize = lengths.iter().sum();
+        if total <= self.max_intervals_total {
+            return;
+        }
+        lengths.sort_unstable();
+        let mut budget = self.max_intervals_total;
+        let mut cap = 0;
+        for (i, &len) in lengths.iter().enumerate() {
+            let share = budget / (lengths.len() - i);
+            if len > share {
+                cap = share;
+                break;
+            }
+            budget -= len;
+            cap = len;
+        }
+        for t in self.threads.values_mut() {
+            while t.intervals.len() > cap {
+                t.intervals.pop_front();
+                self.intervals_dropped += 1;
+            }
+        }
+    }
+
     /// Forgets what is older than the retention window before `now`: old
     /// intervals and calls, threads that exited before it, closed
     /// connections. Returns the tids forgotten (their kernel histograms can
@@ -557,6 +606,12 @@ impl Model {
         }
         for tid in &gone {
             self.threads.remove(tid);
+        }
+        self.enforce_interval_budget();
+        for t in self.threads.values_mut() {
+            shrink_spare(&mut t.intervals);
+            shrink_spare(&mut t.nccl);
+            shrink_spare(&mut t.net);
         }
         while self
             .closed_conns
@@ -1079,5 +1134,24 @@ mod tests {
         assert!(model.prune(500 * MS).is_empty());
         assert_eq!(model.prune(2000 * MS), vec![2]);
         assert_eq!(model.stats().threads, 0);
+    }
+
+    #[test]
+    fn the_interval_budget_trims_the_busiest_threads_first() {
+        let size = std::mem::size_of::<Interval>();
+        let mut model = Model::new(u64::MAX, 1_000).with_interval_budget(100 * size);
+        // Thread 1: 10 intervals, thread 2: 200, thread 3: 50 (260 > 100).
+        for (tid, count) in [(1u32, 10u64), (2, 200), (3, 50)] {
+            for i in 0..count {
+                model.record_interval(&interval(1, tid, 1, 0, i * MS, MS));
+            }
+        }
+        model.prune(0);
+        let kept = |tid| model.intervals(tid, 0, u64::MAX).len();
+        // 10 fit; the other two share the 90 left, 45 each, the newest.
+        assert_eq!((kept(1), kept(2), kept(3)), (10, 45, 45));
+        assert_eq!(model.stats().intervals_dropped_for_memory, 155 + 5);
+        let newest = model.intervals(2, 0, u64::MAX);
+        assert_eq!(newest.last().map(|i| i.start_ns), Some(199 * MS));
     }
 }

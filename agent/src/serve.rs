@@ -17,6 +17,7 @@ use tokio::signal::unix::{SignalKind, signal};
 
 use crate::api::{ApiState, Auth, router};
 use crate::gpu::Gpus;
+use crate::http::{self, HttpLimits};
 use crate::live;
 use crate::reports::{DEFAULT_REPORTS_DIR, Reports};
 use crate::session::{Session, TargetArgs, monotonic_ns, start_jobs};
@@ -75,6 +76,22 @@ pub struct ServeArgs {
     /// through the API.
     #[arg(long, env = "RINGWATCH_NO_AUTOTUNE")]
     pub no_autotune: bool,
+
+    /// Most API connections open at once. At the cap the oldest connection
+    /// that is not inside a request (idle, or still sending its headers) is
+    /// closed to make room; when all are inside a request, new ones are refused.
+    #[arg(long, env = "RINGWATCH_MAX_CONNECTIONS", default_value_t = 256, value_parser = clap::value_parser!(u32).range(1..=65_536))]
+    pub max_connections: u32,
+
+    /// Time an API client has to send a request's headers (also how long an
+    /// idle keep-alive connection stays open), e.g. `10s`.
+    #[arg(long, default_value = "10s", value_parser = humantime::parse_duration, env = "RINGWATCH_HEADER_TIMEOUT")]
+    pub header_timeout: std::time::Duration,
+
+    /// Time from a request's headers to its answer, reading its body
+    /// included; a slower request is answered 408, e.g. `30s`.
+    #[arg(long, default_value = "30s", value_parser = humantime::parse_duration, env = "RINGWATCH_REQUEST_TIMEOUT")]
+    pub request_timeout: std::time::Duration,
 
     /// What to watch live (optional: without targets the API serves GPUs and
     /// --replay only).
@@ -195,19 +212,35 @@ pub async fn run(args: ServeArgs) -> Result<()> {
         feed.record(session);
         state.publish(view);
     }
+    match http::raise_open_file_limit() {
+        Ok(files) if files < 2 * u64::from(args.max_connections) => tracing::warn!(
+            open_files = files,
+            max_connections = args.max_connections,
+            "the open-file limit is low for --max-connections; raise it (ulimit -n) or lower the cap"
+        ),
+        Ok(_) => {}
+        Err(error) => tracing::warn!(%error, "cannot raise the open-file limit"),
+    }
     let listener = tokio::net::TcpListener::bind(args.listen)
         .await
         .with_context(|| format!("binding the API to {}", args.listen))?;
     let local = listener.local_addr().context("reading the bound address")?;
     let (shutdown_tx, shutdown_rx) = tokio::sync::oneshot::channel::<()>();
     let app = router(state.clone());
-    let server = tokio::spawn(async move {
-        axum::serve(listener, app)
-            .with_graceful_shutdown(async move {
-                let _ = shutdown_rx.await;
-            })
-            .await
-    });
+    let limits = HttpLimits {
+        max_connections: args.max_connections as usize,
+        header_read_timeout: args.header_timeout,
+        request_timeout: args.request_timeout,
+    };
+    let server = tokio::spawn(http::serve(
+        listener,
+        app,
+        limits,
+        Arc::default(),
+        async move {
+            let _ = shutdown_rx.await;
+        },
+    ));
     eprintln!("ringwatch-agent: serving the API on http://{local}/ (metrics at /metrics)");
     match session {
         Some(mut session) => {
@@ -277,10 +310,7 @@ pub async fn run(args: ServeArgs) -> Result<()> {
             .context("stopping the tuning sessions")?;
     }
     let _ = shutdown_tx.send(());
-    server
-        .await
-        .context("the API server task failed")?
-        .context("serving the API")
+    server.await.context("the API server task failed")
 }
 
 /// The API token: the first line of `file` (`--token-file`), else

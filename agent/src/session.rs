@@ -70,11 +70,24 @@ pub struct TargetArgs {
     #[arg(long, overrides_with = "gpu_processes")]
     pub no_gpu_processes: bool,
 
-    /// Where jobs put their control sockets (`<job_id>.sock`); also
-    /// scanned: `$XDG_RUNTIME_DIR/ringwatch` and `/tmp/ringwatch-<uid>`,
-    /// where unprivileged jobs fall back to.
+    /// Where jobs put their control sockets (`<job_id>.sock`). The agent
+    /// creates it if missing: root's agent as mode 1777 like /tmp (every
+    /// user's jobs may add a socket, none may remove another's). It is
+    /// refused, with a logged reason, if another user owns it or others may
+    /// write to it without the sticky bit.
     #[arg(long, value_name = "DIR", env = "RINGWATCH_RUNTIME_DIR", default_value_os_t = collectives::control::default_runtime_dir())]
     pub runtime_dir: PathBuf,
+
+    /// More directories to scan for control sockets, e.g. the fallback
+    /// `/tmp/ringwatch-<uid>` of a user whose jobs start before the agent;
+    /// each is checked as --runtime-dir is (never created).
+    #[arg(
+        long,
+        value_name = "DIR",
+        env = "RINGWATCH_ALSO_SCAN",
+        value_delimiter = ','
+    )]
+    pub also_scan: Vec<PathBuf>,
 
     /// How long to keep per-thread and per-connection series in memory.
     #[arg(long, default_value = "10m", value_parser = humantime::parse_duration, env = "RINGWATCH_RETENTION")]
@@ -103,6 +116,12 @@ pub struct TargetArgs {
     /// At most this many intervals (and NCCL calls) kept per thread.
     #[arg(long, default_value_t = 100_000)]
     pub max_intervals_per_thread: usize,
+
+    /// Scheduling intervals kept in memory over all threads, in MiB (past
+    /// it the busiest threads forget their oldest first; the kernel's
+    /// totals and histograms are not affected).
+    #[arg(long, default_value_t = 64, env = "RINGWATCH_MAX_INTERVAL_MIB", value_parser = clap::value_parser!(u32).range(1..=65_536))]
+    pub max_interval_mib: u32,
 
     /// The node-wide lock that keeps a second agent from attaching twice.
     #[arg(long, default_value = DEFAULT_LOCK_FILE, env = "RINGWATCH_LOCK_FILE")]
@@ -141,7 +160,15 @@ pub fn monotonic_ns() -> u64 {
 /// Starts the registry of jobs found through control sockets in
 /// `--runtime-dir` (and the fallback directories).
 pub fn start_jobs(args: &TargetArgs) -> Result<Jobs> {
-    Jobs::start(JobsConfig::new(args.runtime_dir.clone(), args.retention))
+    if let Err(why) = crate::trust::ensure_runtime_dir(&args.runtime_dir, crate::trust::agent_uid())
+    {
+        // Not fatal: the directory may be fixed (or created) while the agent
+        // runs; every scan checks it again.
+        tracing::warn!(dir = %args.runtime_dir.display(), why, "the runtime directory is not usable now");
+    }
+    let mut dirs = vec![args.runtime_dir.clone()];
+    dirs.extend(args.also_scan.iter().cloned());
+    Jobs::start(JobsConfig::new(dirs, args.retention))
         .context("starting the control-socket scanner thread")
 }
 
@@ -262,7 +289,8 @@ impl Session {
             only_fixed_pids,
             watched: BTreeSet::new(),
             names: BTreeMap::new(),
-            model: Model::new(retention_ns, args.max_intervals_per_thread),
+            model: Model::new(retention_ns, args.max_intervals_per_thread)
+                .with_interval_budget(args.max_interval_mib as usize * (1 << 20)),
             events: 0,
             undecodable: 0,
         };

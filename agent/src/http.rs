@@ -1,0 +1,456 @@
+//! `http`: serves the API's router over TCP with the bounds a root daemon on
+//! a shared node needs against slow, idle or hostile clients.
+//!
+//! `axum::serve` has no header-read timeout and no connection limit: 1100
+//! half-sent requests once exhausted the agent's file descriptors and left
+//! `/api/health` unanswered for a minute. Here every connection is HTTP/1
+//! with a header-read timeout (which also closes idle keep-alive
+//! connections), every request has a deadline (a body that trickles in, or
+//! never comes, ends in 408), and the number of open connections is capped.
+//! At the cap a new connection does not wait behind the old ones: the
+//! oldest connection that is not inside a request right now (idle, or still
+//! sending its headers) is closed to make room, so a flood of slow clients
+//! cannot lock out a health check. Only when every connection is inside a
+//! request is the new one refused. Both are counted and logged.
+//!
+//! It must never: block the accept loop on a client, keep a connection past
+//! the header-read timeout without a request, or buffer more than hyper's
+//! per-connection buffer for one client.
+
+use std::collections::VecDeque;
+use std::convert::Infallible;
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use axum::Router;
+use axum::response::IntoResponse;
+use hyper::body::Incoming;
+use hyper_util::rt::{TokioIo, TokioTimer};
+use tokio::net::TcpListener;
+use tokio::sync::{Notify, watch};
+use tower::ServiceExt;
+
+/// The bounds on the API's connections.
+#[derive(Debug, Clone, Copy)]
+pub struct HttpLimits {
+    /// Connections open at once; at the cap the oldest idle one is closed.
+    pub max_connections: usize,
+    /// Time a client has to send a request's headers, counted from the end
+    /// of the previous request on a keep-alive connection.
+    pub header_read_timeout: Duration,
+    /// Time from a request's headers to its answer, reading the body
+    /// included.
+    pub request_timeout: Duration,
+}
+
+impl Default for HttpLimits {
+    fn default() -> Self {
+        Self {
+            max_connections: 256,
+            header_read_timeout: Duration::from_secs(10),
+            request_timeout: Duration::from_secs(30),
+        }
+    }
+}
+
+/// hyper's read buffer per connection (its default is ~400 KiB); request
+/// headers must fit in it.
+const MAX_BUFFER_BYTES: usize = 64 * 1024;
+
+/// How long open connections get to finish their request at shutdown.
+const SHUTDOWN_GRACE: Duration = Duration::from_secs(5);
+
+/// Counts of what the limits did, for logs and tests.
+#[derive(Debug, Default)]
+pub struct HttpCounters {
+    /// Connections accepted.
+    pub accepted: AtomicU64,
+    /// Idle or header-sending connections closed to make room at the cap.
+    pub evicted: AtomicU64,
+    /// New connections closed at once because every open one was busy.
+    pub refused: AtomicU64,
+    /// Requests answered 408 because they took longer than the deadline.
+    pub timed_out: AtomicU64,
+    /// Connections open now.
+    pub open: AtomicUsize,
+}
+
+/// One open connection, as the accept loop sees it.
+struct Connection {
+    id: u64,
+    /// Requests being handled on it now (0: idle or sending headers).
+    in_request: Arc<AtomicUsize>,
+    /// Tells its task to close it.
+    evict: Arc<Notify>,
+}
+
+/// The open connections, oldest first.
+#[derive(Default)]
+struct Table {
+    connections: Mutex<VecDeque<Connection>>,
+}
+
+impl Table {
+    fn lock(&self) -> std::sync::MutexGuard<'_, VecDeque<Connection>> {
+        self.connections
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+
+    /// Makes room for one more connection under `max`: true when there is
+    /// room (closing the oldest connection that is not inside a request if
+    /// needed), false when every open connection is busy.
+    fn make_room(&self, max: usize, counters: &HttpCounters) -> bool {
+        let mut connections = self.lock();
+        if connections.len() < max {
+            return true;
+        }
+        let Some(index) = connections
+            .iter()
+            .position(|c| c.in_request.load(Ordering::Acquire) == 0)
+        else {
+            return false;
+        };
+        if let Some(oldest) = connections.remove(index) {
+            oldest.evict.notify_one();
+            counters.evicted.fetch_add(1, Ordering::Relaxed);
+        }
+        true
+    }
+
+    fn insert(&self, connection: Connection) {
+        self.lock().push_back(connection);
+    }
+
+    fn remove(&self, id: u64) {
+        self.lock().retain(|c| c.id != id);
+    }
+}
+
+/// Decrements a connection's in-request count when a request ends, however
+/// it ends (answered, timed out, or the connection dropped mid-request).
+struct InRequest(Arc<AtomicUsize>);
+
+impl InRequest {
+    fn enter(count: &Arc<AtomicUsize>) -> Self {
+        count.fetch_add(1, Ordering::AcqRel);
+        Self(count.clone())
+    }
+}
+
+impl Drop for InRequest {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, Ordering::AcqRel);
+    }
+}
+
+/// Serves `router` on `listener` within `limits` until `shutdown` resolves,
+/// then gives open requests [`SHUTDOWN_GRACE`] to finish.
+pub async fn serve(
+    listener: TcpListener,
+    router: Router,
+    limits: HttpLimits,
+    counters: Arc<HttpCounters>,
+    shutdown: impl std::future::Future<Output = ()> + Send,
+) {
+    let table = Arc::new(Table::default());
+    let (stop_tx, stop_rx) = watch::channel(false);
+    let mut next_id = 0u64;
+    let mut last_accept_error: Option<Instant> = None;
+    tokio::pin!(shutdown);
+    loop {
+        let accepted = tokio::select! {
+            () = &mut shutdown => break,
+            accepted = listener.accept() => accepted,
+        };
+        let (stream, peer) = match accepted {
+            Ok(accepted) => accepted,
+            Err(error) => {
+                // EMFILE and friends: say so at most once a second and let
+                // the timeouts free descriptors; never spin.
+                if last_accept_error.is_none_or(|at| at.elapsed() >= Duration::from_secs(1)) {
+                    tracing::warn!(%error, "the API cannot accept a connection");
+                    last_accept_error = Some(Instant::now());
+                }
+                tokio::time::sleep(Duration::from_millis(50)).await;
+                continue;
+            }
+        };
+        if !table.make_room(limits.max_connections, &counters) {
+            let refused = counters.refused.fetch_add(1, Ordering::Relaxed) + 1;
+            if refused.is_power_of_two() {
+                tracing::warn!(
+                    %peer,
+                    refused,
+                    max_connections = limits.max_connections,
+                    "the API refused a connection: every open connection is inside a request"
+                );
+            }
+            drop(stream);
+            continue;
+        }
+        let _ = stream.set_nodelay(true);
+        next_id += 1;
+        let id = next_id;
+        let in_request = Arc::new(AtomicUsize::new(0));
+        let evict = Arc::new(Notify::new());
+        table.insert(Connection {
+            id,
+            in_request: in_request.clone(),
+            evict: evict.clone(),
+        });
+        counters.accepted.fetch_add(1, Ordering::Relaxed);
+        counters.open.fetch_add(1, Ordering::AcqRel);
+        let task = ConnectionTask {
+            router: router.clone(),
+            limits,
+            counters: counters.clone(),
+            in_request,
+        };
+        let table = table.clone();
+        let mut stop_rx = stop_rx.clone();
+        tokio::spawn(async move {
+            let counters = task.counters.clone();
+            let connection = hyper::server::conn::http1::Builder::new()
+                .timer(TokioTimer::new())
+                .header_read_timeout(limits.header_read_timeout)
+                .max_buf_size(MAX_BUFFER_BYTES)
+                .serve_connection(TokioIo::new(stream), task.service());
+            tokio::pin!(connection);
+            tokio::select! {
+                result = connection.as_mut() => {
+                    if let Err(error) = result {
+                        tracing::debug!(%peer, %error, "API connection ended");
+                    }
+                }
+                () = evict.notified() => {
+                    tracing::debug!(%peer, "API connection closed to make room");
+                }
+                _ = async { stop_rx.wait_for(|stop| *stop).await.is_ok() } => {
+                    connection.as_mut().graceful_shutdown();
+                    let _ = tokio::time::timeout(SHUTDOWN_GRACE, connection.as_mut()).await;
+                }
+            }
+            table.remove(id);
+            counters.open.fetch_sub(1, Ordering::AcqRel);
+        });
+    }
+    let _ = stop_tx.send(true);
+    // Let the connections see the stop and finish their requests.
+    let deadline = Instant::now() + SHUTDOWN_GRACE;
+    while counters.open.load(Ordering::Acquire) > 0 && Instant::now() < deadline {
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+/// What one connection's requests run through.
+struct ConnectionTask {
+    router: Router,
+    limits: HttpLimits,
+    counters: Arc<HttpCounters>,
+    in_request: Arc<AtomicUsize>,
+}
+
+impl ConnectionTask {
+    fn service(
+        self,
+    ) -> impl hyper::service::Service<
+        hyper::Request<Incoming>,
+        Response = axum::response::Response,
+        Error = Infallible,
+        Future = impl Send,
+    > + Send {
+        let task = Arc::new(self);
+        hyper::service::service_fn(move |request: hyper::Request<Incoming>| {
+            let task = task.clone();
+            async move {
+                let _in_request = InRequest::enter(&task.in_request);
+                let deadline = task.limits.request_timeout;
+                match tokio::time::timeout(deadline, task.router.clone().oneshot(request)).await {
+                    Ok(answer) => answer,
+                    Err(_) => {
+                        task.counters.timed_out.fetch_add(1, Ordering::Relaxed);
+                        Ok(crate::api::ApiError::new(
+                            axum::http::StatusCode::REQUEST_TIMEOUT,
+                            format!(
+                                "the request took longer than {deadline:?} (sending its body \
+                             included); the agent closed it"
+                            ),
+                        )
+                        .into_response())
+                    }
+                }
+            }
+        })
+    }
+}
+
+/// Raises this process's soft limit on open files to its hard limit, so a
+/// burst of clients meets the connection cap before the descriptor limit.
+/// Returns the soft limit now in force.
+pub fn raise_open_file_limit() -> std::io::Result<u64> {
+    let mut limit = libc::rlimit {
+        rlim_cur: 0,
+        rlim_max: 0,
+    };
+    // SAFETY: `limit` is a valid rlimit to write to.
+    if unsafe { libc::getrlimit(libc::RLIMIT_NOFILE, &raw mut limit) } != 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    if limit.rlim_cur < limit.rlim_max {
+        let raised = libc::rlimit {
+            rlim_cur: limit.rlim_max,
+            rlim_max: limit.rlim_max,
+        };
+        // SAFETY: `raised` is a valid rlimit; the kernel checks the values.
+        if unsafe { libc::setrlimit(libc::RLIMIT_NOFILE, &raw const raised) } != 0 {
+            return Err(std::io::Error::last_os_error());
+        }
+        limit = raised;
+    }
+    Ok(limit.rlim_cur)
+}
+
+#[cfg(test)]
+mod tests {
+    use std::io::{Read, Write};
+    use std::net::TcpStream;
+
+    use axum::routing::{get, post};
+
+    use super::*;
+
+    /// An agent-less server with `limits` on a free loopback port; stops when
+    /// the returned sender is dropped.
+    async fn start(
+        limits: HttpLimits,
+    ) -> (
+        std::net::SocketAddr,
+        Arc<HttpCounters>,
+        tokio::sync::oneshot::Sender<()>,
+    ) {
+        let router = Router::new()
+            .route("/api/health", get(|| async { "ok" }))
+            .route(
+                "/api/echo",
+                post(|body: axum::body::Bytes| async move { body.len().to_string() }),
+            );
+        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let address = listener.local_addr().unwrap();
+        let counters = Arc::new(HttpCounters::default());
+        let (tx, rx) = tokio::sync::oneshot::channel::<()>();
+        tokio::spawn(serve(listener, router, limits, counters.clone(), async {
+            let _ = rx.await;
+        }));
+        (address, counters, tx)
+    }
+
+    /// One GET on a fresh connection, on a blocking thread: the answer's
+    /// status line.
+    async fn get_status(address: std::net::SocketAddr, path: &'static str) -> String {
+        tokio::task::spawn_blocking(move || {
+            let mut stream = TcpStream::connect(address).unwrap();
+            stream
+                .set_read_timeout(Some(Duration::from_secs(20)))
+                .unwrap();
+            write!(
+                stream,
+                "GET {path} HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n"
+            )
+            .unwrap();
+            let mut answer = String::new();
+            let _ = stream.read_to_string(&mut answer);
+            answer.lines().next().unwrap_or("").to_owned()
+        })
+        .await
+        .unwrap()
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn half_sent_requests_make_room_for_a_health_check() {
+        let limits = HttpLimits {
+            max_connections: 8,
+            header_read_timeout: Duration::from_secs(60),
+            request_timeout: Duration::from_secs(60),
+        };
+        let (address, counters, _stop) = start(limits).await;
+        // More half-sent requests than the cap, each holding its connection.
+        let mut slow = Vec::new();
+        for _ in 0..20 {
+            let mut stream = TcpStream::connect(address).unwrap();
+            stream.write_all(b"GET /api/health HTTP/1.1\r\nHo").unwrap();
+            slow.push(stream);
+        }
+        assert_eq!(get_status(address, "/api/health").await, "HTTP/1.1 200 OK");
+        assert!(counters.evicted.load(Ordering::Relaxed) >= 13);
+        assert!(counters.open.load(Ordering::Acquire) <= 8);
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_client_that_never_finishes_its_headers_is_closed() {
+        let limits = HttpLimits {
+            max_connections: 8,
+            header_read_timeout: Duration::from_millis(200),
+            request_timeout: Duration::from_secs(60),
+        };
+        let (address, _counters, _stop) = start(limits).await;
+        let closed = tokio::task::spawn_blocking(move || {
+            let mut stream = TcpStream::connect(address).unwrap();
+            // A hang guard only: the server closes long before it.
+            stream
+                .set_read_timeout(Some(Duration::from_secs(30)))
+                .unwrap();
+            stream.write_all(b"GET /api/health HTTP/1.1\r\n").unwrap();
+            let mut rest = Vec::new();
+            stream.read_to_end(&mut rest).map(|_| rest)
+        })
+        .await
+        .unwrap();
+        // Closed by the server (end of stream, maybe after a 408), not by
+        // the guard's read timeout.
+        let rest = closed.expect("the server closes the connection");
+        assert!(rest.is_empty() || rest.starts_with(b"HTTP/1.1 408"));
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_body_that_never_comes_ends_in_408() {
+        let limits = HttpLimits {
+            max_connections: 8,
+            header_read_timeout: Duration::from_secs(60),
+            request_timeout: Duration::from_millis(300),
+        };
+        let (address, counters, _stop) = start(limits).await;
+        let answer = tokio::task::spawn_blocking(move || {
+            let mut stream = TcpStream::connect(address).unwrap();
+            stream
+                .set_read_timeout(Some(Duration::from_secs(30)))
+                .unwrap();
+            stream
+                .write_all(
+                    b"POST /api/echo HTTP/1.1\r\nHost: x\r\nContent-Length: 1000000000000\r\n\r\n0123456789",
+                )
+                .unwrap();
+            let mut answer = String::new();
+            let _ = stream.read_to_string(&mut answer);
+            answer
+        })
+        .await
+        .unwrap();
+        assert!(answer.starts_with("HTTP/1.1 408"), "{answer}");
+        assert!(answer.contains("\"error\""), "{answer}");
+        assert_eq!(counters.timed_out.load(Ordering::Relaxed), 1);
+    }
+
+    #[test]
+    fn the_open_file_limit_is_raised_to_the_hard_limit() {
+        let soft = raise_open_file_limit().unwrap();
+        let mut limit = libc::rlimit {
+            rlim_cur: 0,
+            rlim_max: 0,
+        };
+        unsafe { libc::getrlimit(libc::RLIMIT_NOFILE, &raw mut limit) };
+        assert_eq!(soft, limit.rlim_max);
+        assert_eq!(limit.rlim_cur, limit.rlim_max);
+    }
+}
