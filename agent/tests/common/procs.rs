@@ -5,40 +5,33 @@
 
 use std::collections::BTreeSet;
 use std::path::{Path, PathBuf};
-use std::process::{Command, Stdio};
 
-/// The `collbench` binary, built by cargo the way this test was built:
-/// `cargo build -p collectives --bin collbench`, asking cargo (its JSON
-/// messages) where the executable is, so it works for any target dir
-/// and profile and never runs a stale binary. A test binary cannot use
-/// `CARGO_BIN_EXE_collbench`: that exists only for its own package.
+/// The `collbench` binary of the build this test belongs to: the one in
+/// the profile directory above this test's executable (`target/debug/`
+/// for `target/debug/deps/agent-…`), which `cargo test --workspace
+/// --all-targets` (what `cargo xtask test` runs) builds before any test
+/// runs, with the workspace's features (collectives' integration tests
+/// need it). No nested `cargo build`: one with other features compiled
+/// collectives, tuner and polars a second time inside the test run. A test
+/// binary cannot use `CARGO_BIN_EXE_collbench`: that exists only for its
+/// own package. Run alone (`cargo test -p agent`), build it first with
+/// `cargo build -p collectives --bin collbench`, or the test stops saying so.
 pub fn collbench() -> PathBuf {
-    let manifest = Path::new(env!("CARGO_MANIFEST_DIR")).join("../Cargo.toml");
-    let output = Command::new(env!("CARGO"))
-        .args([
-            "build",
-            "--quiet",
-            "-p",
-            "collectives",
-            "--bin",
-            "collbench",
-        ])
-        .arg("--message-format=json-render-diagnostics")
-        .arg("--manifest-path")
-        .arg(&manifest)
-        .stderr(Stdio::inherit())
-        .output()
-        .expect("running cargo to build collbench");
-    assert!(output.status.success(), "building collbench failed");
-    String::from_utf8_lossy(&output.stdout)
-        .lines()
-        .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok())
-        .find_map(|m| {
-            (m["target"]["name"] == "collbench")
-                .then(|| m["executable"].as_str().map(PathBuf::from))
-                .flatten()
-        })
-        .expect("cargo named no collbench executable")
+    let exe = std::env::current_exe().expect("the test's own executable path");
+    // target/<profile>/deps/<test>: the profile directory is two up.
+    let profile_dir = exe
+        .parent()
+        .and_then(Path::parent)
+        .expect("a test executable lives in target/<profile>/deps/");
+    let collbench = profile_dir.join(format!("collbench{}", std::env::consts::EXE_SUFFIX));
+    assert!(
+        collbench.is_file(),
+        "no collbench at {}: this test runs the collbench that the workspace's test build \
+         makes (`cargo xtask test`, or `cargo test --workspace --all-targets`); running the \
+         agent's tests alone, build it first with `cargo build -p collectives --bin collbench`",
+        collbench.display()
+    );
+    collbench
 }
 
 /// Pids of the live children of `parent`, from /proc.
