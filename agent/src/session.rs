@@ -342,6 +342,12 @@ impl Session {
         self.poll_maps();
         let forgotten = self.model.prune(monotonic_ns());
         self.probes.forget_threads(&forgotten);
+        if !forgotten.is_empty() {
+            // Names live as long as the model remembers their threads (a job
+            // that starts threads all day must not grow this map all day).
+            let forgotten: BTreeSet<u32> = forgotten.into_iter().collect();
+            self.names.retain(|(_, tid), _| !forgotten.contains(tid));
+        }
         Ok(())
     }
 
