@@ -338,6 +338,9 @@ fn shrink_spare<T>(deque: &mut VecDeque<T>) {
 #[derive(Debug)]
 pub struct Model {
     retention_ns: u64,
+    /// How long intervals and NCCL calls are kept (at most `retention_ns`):
+    /// the live view copies what it shows, so it needs only seconds.
+    interval_retention_ns: u64,
     max_intervals_per_thread: usize,
     /// Intervals kept over all threads; past it, the busiest threads lose
     /// their oldest first ([`Model::prune`]).
@@ -358,6 +361,7 @@ impl Model {
     pub fn new(retention_ns: u64, max_intervals_per_thread: usize) -> Self {
         Self {
             retention_ns,
+            interval_retention_ns: retention_ns,
             max_intervals_per_thread: max_intervals_per_thread.max(1),
             max_intervals_total: usize::MAX,
             threads: BTreeMap::new(),
@@ -376,6 +380,12 @@ impl Model {
     pub fn with_interval_budget(mut self, bytes: usize) -> Self {
         self.max_intervals_total = (bytes / std::mem::size_of::<Interval>()).max(1);
         self
+    }
+
+    /// Keeps intervals and NCCL calls only `ns` (threads, connections and
+    /// totals still for the whole retention window).
+    pub fn set_interval_retention(&mut self, ns: u64) {
+        self.interval_retention_ns = ns.min(self.retention_ns);
     }
 
     fn thread(&mut self, tgid: u32, tid: u32, now: u64) -> &mut ThreadSeries {
@@ -585,16 +595,17 @@ impl Model {
     /// be deleted).
     pub fn prune(&mut self, now: u64) -> Vec<u32> {
         let horizon = now.saturating_sub(self.retention_ns);
+        let interval_horizon = now.saturating_sub(self.interval_retention_ns);
         let mut gone = Vec::new();
         for (&tid, t) in &mut self.threads {
             while t
                 .intervals
                 .front()
-                .is_some_and(|i| i.start_ns + i.duration_ns < horizon)
+                .is_some_and(|i| i.start_ns + i.duration_ns < interval_horizon)
             {
                 t.intervals.pop_front();
             }
-            while t.nccl.front().is_some_and(|c| c.return_ns < horizon) {
+            while t.nccl.front().is_some_and(|c| c.return_ns < interval_horizon) {
                 t.nccl.pop_front();
             }
             while t.net.len() > 2 && t.net.get(1).is_some_and(|(ts, _)| *ts < horizon) {
@@ -1153,5 +1164,21 @@ mod tests {
         assert_eq!(model.stats().intervals_dropped_for_memory, 155 + 5);
         let newest = model.intervals(2, 0, u64::MAX);
         assert_eq!(newest.last().map(|i| i.start_ns), Some(199 * MS));
+    }
+
+    #[test]
+    fn intervals_may_be_kept_shorter_than_threads() {
+        let mut model = Model::new(10_000 * MS, 1_000);
+        model.set_interval_retention(100 * MS);
+        for i in 0..50 {
+            model.record_interval(&interval(1, 2, 1, 0, i * 10 * MS, 10 * MS));
+        }
+        // At 500 ms: intervals that ended before 400 ms are gone, the thread
+        // (seen at 500 ms) is not.
+        assert!(model.prune(500 * MS).is_empty());
+        let kept = model.intervals(2, 0, u64::MAX);
+        assert_eq!(kept.first().map(|i| i.start_ns), Some(390 * MS));
+        assert_eq!(model.stats().threads, 1);
+        assert_eq!(model.thread_totals(2).map(|t| t.on_cpu_intervals), Some(50));
     }
 }

@@ -29,6 +29,11 @@ use crate::tuning::{Disturbance, LoadFeed, TuningLimits, Tunings};
 /// out of the model.
 const FEED_PERIOD: std::time::Duration = std::time::Duration::from_millis(250);
 
+/// How long `serve`'s model keeps scheduling intervals (its live view keeps
+/// its own window of them): the feed's re-read and a second of figures, with
+/// room to spare.
+const SERVE_INTERVAL_RETENTION_NS: u64 = 15_000_000_000;
+
 /// Where to serve.
 #[derive(Debug, Clone, Args)]
 pub struct ServeArgs {
@@ -244,6 +249,10 @@ pub async fn run(args: ServeArgs) -> Result<()> {
     eprintln!("ringwatch-agent: serving the API on http://{local}/ (metrics at /metrics)");
     match session {
         Some(mut session) => {
+            // The live view copies the thread states it shows into its own
+            // window; the model needs only the last seconds (the per-second
+            // figures and the tuning feed), not the whole retention.
+            session.model.set_interval_retention(SERVE_INTERVAL_RETENTION_NS);
             eprintln!("ringwatch-agent: watching {} (serve)", session.describe());
             let window_ns = u64::try_from(args.timeline_window.as_nanos()).unwrap_or(u64::MAX);
             let mut figures_from = monotonic_ns();
