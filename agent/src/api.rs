@@ -536,16 +536,12 @@ async fn timeline(
         },
     };
     // A client may ask for fewer events than the server's limit (the live
-    // UI does: a screen cannot show more), never for more. Digits only, as
-    // the document says (Rust's parser would also take `+5`).
+    // UI does: a screen cannot show more), never for more. Written as the
+    // document's pattern says: digits, no sign or leading zero (Rust's
+    // parser would also take `+5` and `05`).
     let limit = match params.get("max_events") {
         None => state.timeline_event_limit,
-        Some(text) => match text
-            .bytes()
-            .all(|b| b.is_ascii_digit())
-            .then(|| text.parse::<u64>().ok())
-            .flatten()
-        {
+        Some(text) => match text.parse::<u64>().ok().filter(|n| n.to_string() == *text) {
             Some(n) if (1..=MAX_EVENTS_PARAM).contains(&n) => usize::try_from(n)
                 .map_or(state.timeline_event_limit, |n| {
                     n.min(state.timeline_event_limit)
@@ -969,7 +965,7 @@ pub fn openapi_document() -> serde_json::Value {
                     { "name": "to", "in": "query", "schema": time_point, "description": "end, as from; default now" },
                     { "name": "job", "in": "query", "schema": { "type": "string" }, "description": "only this job's ranks (404 when the timeline has no such job)" },
                     { "name": "pid", "in": "query", "schema": { "type": "string" }, "description": "only this process (a number, or a name like gpu0)" },
-                    { "name": "max_events", "in": "query", "schema": { "type": "string", "pattern": "^[0-9]+$", "maxLength": 10 }, "description": "at most this many events, 1 to 1000000000 in digits (capped by the server's --timeline-event-limit)" },
+                    { "name": "max_events", "in": "query", "schema": { "type": "string", "pattern": "^([1-9][0-9]{0,8}|1000000000)$" }, "description": "at most this many events, 1 to 1000000000 (digits, no leading zero) (capped by the server's --timeline-event-limit)" },
                     { "name": "downsample", "in": "query", "schema": { "type": "string", "enum": ["true", "false", "1", "0"] }, "description": "over the event limit, keep every job activity, counter and NCCL call and the longest thread-state slices (metadata.downsampled says what was dropped) instead of answering 413" }
                 ],
                 "responses": {
@@ -1326,6 +1322,8 @@ mod tests {
             ("GET", "/nope", Body::empty(), 404),
             ("GET", "/api/timeline?from=", Body::empty(), 400),
             ("GET", "/api/timeline?max_events=%2B5", Body::empty(), 400),
+            ("GET", "/api/timeline?max_events=05", Body::empty(), 400),
+            ("GET", "/api/timeline?max_events=0", Body::empty(), 400),
         ];
         for (method, uri, body, status) in cases {
             let response = send(&app, method, uri, body).await;
