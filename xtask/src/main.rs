@@ -4,11 +4,13 @@
 //! the demo and the benchmarks. Each step says what it runs; no workflow
 //! lives in scattered shell scripts (`.ci/run` only calls `cargo xtask test`).
 
+mod api_fuzz;
 #[path = "../../ebpf/build_support.rs"]
 #[allow(dead_code)] // the layout probe is for ebpf/build.rs only
 mod build_support;
 mod compare;
 mod demo;
+mod hostile;
 mod multinode;
 mod topology;
 mod tuning_grid;
@@ -43,9 +45,15 @@ enum Task {
     },
     /// The test suite, as CI runs it: setup, cargo fmt --check, clippy with
     /// -D warnings on all targets, every crate's unit and integration tests
-    /// (the privileged eBPF tests run when root and skip otherwise), and the
-    /// UI's end-to-end test in headless Chromium.
+    /// (the privileged eBPF tests run when root and skip otherwise),
+    /// Schemathesis against the agent's OpenAPI document (pinned from PyPI
+    /// into target/schemathesis), and the UI's end-to-end test in headless
+    /// Chromium.
     Test,
+    /// Only the test suite's API fuzzing: Schemathesis against
+    /// /api/openapi.json of target/debug/ringwatch-agent (built here first),
+    /// served with --replay on loopback.
+    ApiFuzz,
     /// ringwatch's main job on this machine (root): the agent, a 2 x 2-rank
     /// collbench job on two pretend nodes with rate-limited links, tuned live
     /// by the agent, the UI's URL while it runs, then the chosen knobs,
@@ -63,6 +71,8 @@ enum Task {
         session: tuning_session::Args,
         #[command(flatten)]
         compare: Box<compare::Args>,
+        #[command(flatten)]
+        hostile: Box<hostile::Args>,
     },
 }
 
@@ -90,6 +100,15 @@ enum Bench {
     /// target/bench/compare.json. Installs openmpi-bin, libopenmpi-dev and
     /// python3-torch with apt-get when root.
     Compare,
+    /// Issue #12's reproductions against the real agent and collbench (dev
+    /// build; needs root): a job of user nobody naming pids 1 and 2 and
+    /// flooding timeline frames, 1,100 slow HTTP clients, 400 timeline
+    /// queries at 50 at once, an RSS soak on a busy job (--soak-minutes), a
+    /// launcher stopped with SIGTERM, a rank stopped with SIGSTOP, 100
+    /// control subscribers that never read. Each asserts a stated bound;
+    /// prints the table, writes target/bench/hostile.json, fails if any
+    /// bound failed. About 6 minutes.
+    Hostile,
 }
 
 fn main() -> std::process::ExitCode {
@@ -98,13 +117,15 @@ fn main() -> std::process::ExitCode {
         Task::Setup => setup(),
         Task::BuildEbpf { out } => build_ebpf(&out),
         Task::Test => test(),
+        Task::ApiFuzz => api_fuzz(),
         Task::Demo(args) => demo::run(&root(), &args),
         Task::Bench {
             which,
             grid,
             session,
             compare,
-        } => bench(which, &grid, &session, &compare),
+            hostile,
+        } => bench(which, &grid, &session, &compare, &hostile),
     };
     match result {
         Ok(()) => std::process::ExitCode::SUCCESS,
@@ -339,9 +360,19 @@ fn test() -> Result<()> {
             "warnings",
         ],
     )?;
+    // One build for every test: cargo builds all of it (the binaries of
+    // packages with integration tests included: collbench, the agent)
+    // before it runs any test, and the agent's tests run that collbench
+    // (`agent/tests/common/procs.rs`), never a nested build of their own.
     run("cargo", &["test", "--workspace", "--all-targets"])?;
     // Doc tests are not built by --all-targets.
     run("cargo", &["test", "--workspace", "--doc"])?;
+    let target_dir = cargo_target_dir(&root());
+    api_fuzz::run(
+        &root(),
+        &target_dir,
+        &target_dir.join("debug/ringwatch-agent"),
+    )?;
     // The timeline viewer in headless Chromium (installs playwright-core from
     // the committed lock file into ui/tests/node_modules on first use).
     // It also loads the page from the real agent (`serve --replay`), built
@@ -364,11 +395,26 @@ fn test() -> Result<()> {
     Ok(())
 }
 
+/// `cargo xtask api-fuzz`: the agent's dev build, then Schemathesis.
+fn api_fuzz() -> Result<()> {
+    run(
+        "cargo",
+        &["build", "-p", "agent", "--bin", "ringwatch-agent"],
+    )?;
+    let target_dir = cargo_target_dir(&root());
+    api_fuzz::run(
+        &root(),
+        &target_dir,
+        &target_dir.join("debug/ringwatch-agent"),
+    )
+}
+
 fn bench(
     which: Bench,
     grid: &tuning_grid::Args,
     session: &tuning_session::Args,
     compare: &compare::Args,
+    hostile: &hostile::Args,
 ) -> Result<()> {
     match which {
         Bench::Tuner => run("cargo", &["bench", "-p", "tuner", "--bench", "tuner"]),
@@ -406,6 +452,7 @@ fn bench(
             tuning_session::run(&root(), session, grid)
         }
         Bench::Compare => compare::run(&root(), compare),
+        Bench::Hostile => hostile::run(&root(), hostile),
     }
 }
 
