@@ -1,53 +1,164 @@
-//! Rank 0's control socket server: speaks [`crate::control`]'s protocol to any number of
-//! clients (the agent, tools, tests).
+//! Rank 0's control socket server: speaks [`crate::control`]'s protocol to at most
+//! [`MAX_CLIENTS`] clients at once (the agent, tools, tests).
 //!
 //! It must never touch the data path: it only reads the shared knob state, queues knob
-//! requests for the coordinator, and forwards statistics and timeline events. A client that
-//! misbehaves or reads too slowly is closed or loses messages (counted); the job never
-//! waits on a client. Tuning claims are kept in [`TuningClaims`], held per connection: when
-//! a connection ends, for whatever reason, its claim ends as `interrupted`.
+//! requests for the coordinator, and forwards statistics and timeline events. The job never
+//! waits on a client and a client never costs the job more than a bounded amount: a message
+//! is encoded once and shared by every client's queue, each queue holds at most
+//! [`CLIENT_QUEUE_BYTES`], and a client whose queue would grow past that, or whose socket
+//! takes no bytes for [`CLIENT_WRITE_TIMEOUT`], is closed as too slow (counted and logged).
+//! A client past [`MAX_CLIENTS`] is answered with an `error` message and closed. Tuning
+//! claims are kept in [`TuningClaims`], held per connection: when a connection ends, for
+//! whatever reason, its claim ends as `interrupted`.
 
+use std::collections::VecDeque;
+use std::io::Write;
 use std::os::unix::net::{UnixListener, UnixStream};
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
-use std::sync::mpsc::{self, SyncSender, TrySendError};
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Condvar, Mutex};
 use std::thread::JoinHandle;
+use std::time::Duration;
 
 use crate::control::{
-    ClientMessage, ControlError, CycleStats, Hello, KnobUpdate, Knobs, ServerMessage,
-    TimelineEvent, default_runtime_dir, fallback_runtime_dirs, read_message, socket_path,
-    write_message,
+    ClientMessage, ControlError, CycleStats, Hello, KnobUpdate, Knobs, MAX_MESSAGE_BYTES,
+    ServerMessage, TimelineEvent, default_runtime_dir, fallback_runtime_dirs, read_message,
+    socket_path,
 };
 use crate::error::{CollectiveError, Result};
 use crate::runtime::claim::TuningClaims;
 
-/// Messages queued per client before newer ones are dropped.
-const CLIENT_QUEUE: usize = 4096;
+/// Clients served at once; one more is answered with an `error` message and closed. Each
+/// costs two threads and at most [`CLIENT_QUEUE_BYTES`] of queued messages.
+pub(crate) const MAX_CLIENTS: usize = 16;
+
+/// Bytes of encoded messages one client may have waiting to be written (the kernel's
+/// socket buffer comes on top). A client that falls further behind is closed as too slow:
+/// a bounded queue that silently lost messages would hand an agent a timeline with holes.
+pub(crate) const CLIENT_QUEUE_BYTES: usize = 4 << 20;
+
+/// How long one write to a client may block (its socket buffer full, the client not
+/// reading) before the client is closed as too slow.
+pub(crate) const CLIENT_WRITE_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// One encoded frame (length prefix and JSON body), shared by every client it goes to.
+type Frame = Arc<[u8]>;
+
+/// Frames of `message`, each at most [`MAX_MESSAGE_BYTES`] of body: a timeline batch too
+/// large for one frame is split in halves until its parts fit. A message that still does
+/// not fit (one event over 1 MiB) is dropped with a log line rather than sent malformed.
+fn encode(message: &ServerMessage) -> Vec<Frame> {
+    let body = match serde_json::to_vec(message) {
+        Ok(b) => b,
+        Err(e) => {
+            tracing::warn!(error = %e, "cannot encode a control message; dropped");
+            return Vec::new();
+        }
+    };
+    if body.len() <= MAX_MESSAGE_BYTES {
+        let mut frame = Vec::with_capacity(4 + body.len());
+        frame.extend_from_slice(&(body.len() as u32).to_be_bytes());
+        frame.extend_from_slice(&body);
+        return vec![frame.into()];
+    }
+    match message {
+        ServerMessage::Timeline { events } if events.len() > 1 => {
+            let (a, b) = events.split_at(events.len() / 2);
+            let mut frames = encode(&ServerMessage::Timeline { events: a.to_vec() });
+            frames.extend(encode(&ServerMessage::Timeline { events: b.to_vec() }));
+            frames
+        }
+        _ => {
+            tracing::warn!(
+                bytes = body.len(),
+                max = MAX_MESSAGE_BYTES,
+                "a control message is over the frame limit; dropped"
+            );
+            Vec::new()
+        }
+    }
+}
+
+/// What waits to be written to one client.
+#[derive(Default)]
+struct Outbox {
+    frames: VecDeque<Frame>,
+    bytes: usize,
+    /// Nothing more is queued; the writer writes what is left and stops.
+    closed: bool,
+}
+
+/// How [`Client::send`] went.
+#[derive(Debug, PartialEq, Eq)]
+enum Queued {
+    Yes,
+    /// The client is closed already; nothing was queued.
+    Closed,
+    /// The queue would have grown past [`CLIENT_QUEUE_BYTES`]: the client is now closed,
+    /// its queue emptied, and it must be disconnected.
+    TooSlow {
+        queued_bytes: usize,
+    },
+}
 
 struct Client {
     id: u64,
     stream: UnixStream,
-    tx: Mutex<Option<SyncSender<ServerMessage>>>,
+    outbox: Mutex<Outbox>,
+    wake_writer: Condvar,
     stats: AtomicBool,
     timeline: AtomicBool,
-    dropped: AtomicU64,
 }
 
 impl Client {
-    fn send(&self, m: ServerMessage) {
-        if let Ok(guard) = self.tx.lock()
-            && let Some(tx) = guard.as_ref()
-            && let Err(TrySendError::Full(_)) = tx.try_send(m)
-        {
-            self.dropped.fetch_add(1, Ordering::Relaxed);
+    fn send(&self, frames: &[Frame]) -> Queued {
+        let Ok(mut out) = self.outbox.lock() else {
+            return Queued::Closed;
+        };
+        if out.closed {
+            return Queued::Closed;
+        }
+        let adding: usize = frames.iter().map(|f| f.len()).sum();
+        if out.bytes + adding > CLIENT_QUEUE_BYTES {
+            let queued_bytes = out.bytes;
+            out.frames.clear();
+            out.bytes = 0;
+            out.closed = true;
+            self.wake_writer.notify_all();
+            return Queued::TooSlow { queued_bytes };
+        }
+        out.frames.extend(frames.iter().cloned());
+        out.bytes += adding;
+        self.wake_writer.notify_all();
+        Queued::Yes
+    }
+
+    /// No more messages; the writer sends what is queued and stops.
+    fn close(&self) {
+        if let Ok(mut out) = self.outbox.lock() {
+            out.closed = true;
+        }
+        self.wake_writer.notify_all();
+    }
+
+    /// The next frame to write, waiting for one; `None` once closed and drained.
+    fn next_frame(&self) -> Option<Frame> {
+        let mut out = self.outbox.lock().ok()?;
+        loop {
+            if let Some(f) = out.frames.pop_front() {
+                out.bytes -= f.len();
+                return Some(f);
+            }
+            if out.closed {
+                return None;
+            }
+            out = self.wake_writer.wait(out).ok()?;
         }
     }
 
-    fn close(&self) {
-        if let Ok(mut guard) = self.tx.lock() {
-            guard.take();
-        }
+    #[cfg(test)]
+    fn queued_bytes(&self) -> usize {
+        self.outbox.lock().map(|o| o.bytes).unwrap_or(0)
     }
 }
 
@@ -80,6 +191,10 @@ pub(crate) struct ControlServer {
     stop: AtomicBool,
     next_id: AtomicU64,
     accept_thread: Mutex<Option<JoinHandle<()>>>,
+    /// Clients refused because [`MAX_CLIENTS`] were connected.
+    refused_clients: AtomicU64,
+    /// Clients closed for reading too slowly.
+    slow_clients_closed: AtomicU64,
 }
 
 fn pick_dir(preferred: Option<PathBuf>) -> Result<PathBuf> {
@@ -143,6 +258,8 @@ impl ControlServer {
             stop: AtomicBool::new(false),
             next_id: AtomicU64::new(1),
             accept_thread: Mutex::new(None),
+            refused_clients: AtomicU64::new(0),
+            slow_clients_closed: AtomicU64::new(0),
         });
         let s = server.clone();
         let thread = std::thread::Builder::new()
@@ -168,7 +285,10 @@ impl ControlServer {
             }
             match stream {
                 Ok(stream) => {
-                    if let Err(e) = self.clone().add_client(stream) {
+                    let connected = self.clients.lock().map(|c| c.len()).unwrap_or(0);
+                    if connected >= MAX_CLIENTS {
+                        self.refuse(stream, connected);
+                    } else if let Err(e) = self.clone().add_client(stream) {
                         tracing::warn!(error = %e, "could not serve a control client");
                     }
                 }
@@ -177,53 +297,123 @@ impl ControlServer {
         }
     }
 
+    /// Answers a client past [`MAX_CLIENTS`] with an `error` message and closes it; the
+    /// write cannot hold up the accept loop (a fresh socket's buffer takes the short
+    /// message, and a write timeout bounds it anyway).
+    fn refuse(&self, mut stream: UnixStream, connected: usize) {
+        let refused = self.refused_clients.fetch_add(1, Ordering::Relaxed) + 1;
+        tracing::warn!(
+            connected,
+            max = MAX_CLIENTS,
+            refused,
+            "control client refused: too many clients connected"
+        );
+        let message = ServerMessage::Error {
+            request_id: None,
+            message: format!(
+                "this job serves at most {MAX_CLIENTS} control clients at once and \
+                 {connected} are connected; closing this connection (close an idle client \
+                 and retry)"
+            ),
+        };
+        let _ = stream.set_write_timeout(Some(Duration::from_millis(100)));
+        for frame in encode(&message) {
+            let _ = stream.write_all(&frame);
+        }
+        let _ = stream.shutdown(std::net::Shutdown::Both);
+    }
+
     fn add_client(self: Arc<Self>, stream: UnixStream) -> std::io::Result<()> {
-        let (tx, rx) = mpsc::sync_channel::<ServerMessage>(CLIENT_QUEUE);
+        // Bounds how long the writer may block on a client that does not read.
+        stream.set_write_timeout(Some(CLIENT_WRITE_TIMEOUT))?;
         let client = Arc::new(Client {
             id: self.next_id.fetch_add(1, Ordering::Relaxed),
             stream: stream.try_clone()?,
-            tx: Mutex::new(Some(tx)),
+            outbox: Mutex::new(Outbox::default()),
+            wake_writer: Condvar::new(),
             stats: AtomicBool::new(false),
             timeline: AtomicBool::new(false),
-            dropped: AtomicU64::new(0),
         });
         let (knobs, cycle) = self.knob_state();
         let mut hello = self.state.hello.clone();
         hello.knobs = knobs;
         hello.cycle = cycle;
         hello.autotune = self.state.claims.state();
-        client.send(ServerMessage::Hello(hello));
+        client.send(&encode(&ServerMessage::Hello(hello)));
         if let Ok(mut clients) = self.clients.lock() {
             clients.push(client.clone());
         }
         let mut writer = stream.try_clone()?;
         let wclient = client.clone();
-        std::thread::Builder::new()
+        let wserver = self.clone();
+        let spawned = std::thread::Builder::new()
             .name("ringwatch-control-tx".into())
             .spawn(move || {
-                while let Ok(m) = rx.recv() {
-                    if write_message(&mut writer, &m).is_err() {
+                while let Some(frame) = wclient.next_frame() {
+                    if let Err(e) = writer.write_all(&frame) {
+                        if matches!(
+                            e.kind(),
+                            std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut
+                        ) {
+                            wserver.close_slow(
+                                &wclient,
+                                &format!("a write blocked for {CLIENT_WRITE_TIMEOUT:?}"),
+                            );
+                        }
                         break;
                     }
                 }
-                let dropped = wclient.dropped.load(Ordering::Relaxed);
-                if dropped > 0 {
-                    tracing::warn!(
-                        client = wclient.id,
-                        dropped,
-                        "control client read too slowly; messages were dropped"
-                    );
-                }
+                wclient.close();
                 let _ = writer.shutdown(std::net::Shutdown::Both);
-            })?;
+            });
+        if let Err(e) = spawned {
+            self.remove_client(&client);
+            return Err(e);
+        }
         let mut reader = stream;
-        std::thread::Builder::new()
+        let rclient = client.clone();
+        let server = self.clone();
+        let spawned = std::thread::Builder::new()
             .name("ringwatch-control-rx".into())
             .spawn(move || {
-                self.serve_client(&client, &mut reader);
-                self.remove_client(&client);
-            })?;
+                server.serve_client(&rclient, &mut reader);
+                server.remove_client(&rclient);
+            });
+        if let Err(e) = spawned {
+            // The writer ends once the client is closed and its socket shut.
+            let _ = client.stream.shutdown(std::net::Shutdown::Both);
+            self.remove_client(&client);
+            return Err(e);
+        }
         Ok(())
+    }
+
+    /// Queues `frames` for `client`; a client whose queue would pass
+    /// [`CLIENT_QUEUE_BYTES`] is closed as too slow. Never blocks on the client.
+    fn send(&self, client: &Client, frames: &[Frame]) {
+        if let Queued::TooSlow { queued_bytes } = client.send(frames) {
+            self.close_slow(
+                client,
+                &format!(
+                    "{queued_bytes} bytes were waiting and {} more would pass the limit of \
+                     {CLIENT_QUEUE_BYTES}",
+                    frames.iter().map(|f| f.len()).sum::<usize>()
+                ),
+            );
+        }
+    }
+
+    /// Disconnects a client that reads too slowly: its queue is dropped and its socket shut
+    /// down, which ends its reader and writer threads.
+    fn close_slow(&self, client: &Client, why: &str) {
+        client.close();
+        let _ = client.stream.shutdown(std::net::Shutdown::Both);
+        let closed = self.slow_clients_closed.fetch_add(1, Ordering::Relaxed) + 1;
+        tracing::warn!(
+            client = client.id,
+            slow_clients_closed = closed,
+            "control client closed: it reads too slowly ({why})"
+        );
     }
 
     fn serve_client(&self, client: &Arc<Client>, reader: &mut UnixStream) {
@@ -237,11 +427,14 @@ impl ControlServer {
                 }
                 Ok(ClientMessage::GetKnobs { request_id }) => {
                     let (knobs, cycle) = self.knob_state();
-                    client.send(ServerMessage::Knobs {
-                        request_id,
-                        knobs,
-                        cycle,
-                    });
+                    self.send(
+                        client,
+                        &encode(&ServerMessage::Knobs {
+                            request_id,
+                            knobs,
+                            cycle,
+                        }),
+                    );
                 }
                 Ok(ClientMessage::SetKnobs { request_id, knobs }) => {
                     if let Ok(mut q) = self.knob_requests.lock() {
@@ -261,7 +454,7 @@ impl ControlServer {
                         "tuning claim: {}",
                         answer.message
                     );
-                    client.send(answer.into_message(request_id));
+                    self.send(client, &encode(&answer.into_message(request_id)));
                 }
                 Ok(ClientMessage::ReleaseTuning {
                     request_id,
@@ -276,15 +469,18 @@ impl ControlServer {
                         "tuning release: {}",
                         answer.message
                     );
-                    client.send(answer.into_message(request_id));
+                    self.send(client, &encode(&answer.into_message(request_id)));
                 }
                 Err(ControlError::Closed) => return,
                 Err(e) => {
                     tracing::warn!(client = client.id, error = %e, "closing a control client");
-                    client.send(ServerMessage::Error {
-                        request_id: None,
-                        message: format!("{e}; closing this connection"),
-                    });
+                    self.send(
+                        client,
+                        &encode(&ServerMessage::Error {
+                            request_id: None,
+                            message: format!("{e}; closing this connection"),
+                        }),
+                    );
                     return;
                 }
             }
@@ -330,11 +526,14 @@ impl ControlServer {
     /// Tells the clients behind `requests` that `knobs` are in force from `cycle` on.
     pub fn confirm(&self, requests: Vec<KnobRequest>, knobs: Knobs, cycle: u64) {
         for r in requests {
-            r.client.send(ServerMessage::KnobsApplied {
-                request_id: r.request_id,
-                knobs,
-                applied_at_cycle: cycle,
-            });
+            self.send(
+                &r.client,
+                &encode(&ServerMessage::KnobsApplied {
+                    request_id: r.request_id,
+                    knobs,
+                    applied_at_cycle: cycle,
+                }),
+            );
         }
     }
 
@@ -367,11 +566,31 @@ impl ControlServer {
         );
     }
 
+    /// Encodes the message once (only if some client wants it) and queues it for each.
     fn for_each(&self, wants: impl Fn(&Client) -> bool, message: impl Fn() -> ServerMessage) {
-        let clients: Vec<Arc<Client>> = self.clients.lock().map(|c| c.clone()).unwrap_or_default();
-        for c in clients.iter().filter(|c| wants(c)) {
-            c.send(message());
+        let clients: Vec<Arc<Client>> = self
+            .clients
+            .lock()
+            .map(|c| c.iter().filter(|c| wants(c)).cloned().collect())
+            .unwrap_or_default();
+        if clients.is_empty() {
+            return;
         }
+        let frames = encode(&message());
+        for c in &clients {
+            self.send(c, &frames);
+        }
+    }
+
+    /// Clients connected now, clients refused so far for being too many, and clients
+    /// closed so far for reading too slowly.
+    #[cfg_attr(not(test), allow(dead_code))]
+    pub fn client_counts(&self) -> (usize, u64, u64) {
+        (
+            self.clients.lock().map(|c| c.len()).unwrap_or(0),
+            self.refused_clients.load(Ordering::Relaxed),
+            self.slow_clients_closed.load(Ordering::Relaxed),
+        )
     }
 
     /// Closes every client, stops accepting and removes the socket file.
@@ -408,6 +627,163 @@ fn adjust(counter: &AtomicUsize, was: bool, now: bool) {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::control::{AutotuneState, ControlClient, PROTOCOL_VERSION, Phase, write_message};
+    use std::time::Instant;
+
+    fn server(tag: &str) -> (Arc<ControlServer>, PathBuf) {
+        let dir = std::env::temp_dir().join(format!("rw-server-{tag}-{}", std::process::id()));
+        let hello = Hello {
+            protocol_version: PROTOCOL_VERSION,
+            job_id: format!("server-test-{tag}"),
+            world_size: 1,
+            local_size: 1,
+            ranks: Vec::new(),
+            knobs: Knobs::default(),
+            cycle: 0,
+            autotune: AutotuneState::Off,
+        };
+        let state = ServerState {
+            hello,
+            knobs: Arc::new(Mutex::new((Knobs::default(), 0))),
+            claims: Arc::new(TuningClaims::new(AutotuneState::Off, None)),
+        };
+        (ControlServer::start(Some(dir.clone()), state).unwrap(), dir)
+    }
+
+    /// Polls `done` until it holds; the limit only guards against a hang.
+    fn eventually(what: &str, mut done: impl FnMut() -> bool) {
+        let deadline = Instant::now() + Duration::from_secs(60);
+        while !done() {
+            assert!(Instant::now() < deadline, "never: {what}");
+            std::thread::sleep(Duration::from_millis(10));
+        }
+    }
+
+    /// A timeline batch of `n` events, about 150 bytes each once encoded.
+    fn events(n: usize) -> Vec<TimelineEvent> {
+        (0..n)
+            .map(|i| TimelineEvent {
+                rank: 0,
+                tensor: format!("grad.{i}"),
+                activity: "ALLREDUCE".into(),
+                phase: Phase::Begin,
+                ts_us: i as u64,
+                args: Default::default(),
+            })
+            .collect()
+    }
+
+    #[test]
+    fn clients_past_the_limit_are_refused_with_an_error_and_a_freed_slot_is_reused() {
+        let (server, dir) = server("limit");
+        let path = server.path().to_path_buf();
+        let timeout = Duration::from_secs(20);
+        let mut clients: Vec<ControlClient> = (0..MAX_CLIENTS)
+            .map(|_| ControlClient::connect(&path, timeout).unwrap())
+            .collect();
+        for extra in 0..3 {
+            match ControlClient::connect(&path, timeout) {
+                Err(ControlError::Server(m)) => {
+                    assert!(m.contains(&format!("at most {MAX_CLIENTS}")), "{m}")
+                }
+                other => panic!("client {} past the limit: {other:?}", MAX_CLIENTS + extra),
+            }
+        }
+        assert_eq!(server.client_counts(), (MAX_CLIENTS, 3, 0));
+        // A client that leaves frees its slot (and its threads: they end with it).
+        drop(clients.pop());
+        eventually("the closed client is removed", || {
+            server.client_counts().0 == MAX_CLIENTS - 1
+        });
+        clients.push(ControlClient::connect(&path, timeout).unwrap());
+        assert_eq!(server.client_counts(), (MAX_CLIENTS, 3, 0));
+        server.stop();
+        std::fs::remove_dir_all(&dir).ok();
+    }
+
+    #[test]
+    fn a_subscriber_that_never_reads_is_closed_its_queue_bounded_and_a_reader_keeps_up() {
+        let (server, dir) = server("slow");
+        let path = server.path().to_path_buf();
+        let mut reader = ControlClient::connect(&path, Duration::from_secs(20)).unwrap();
+        reader.subscribe(false, true).unwrap();
+        // The slow one: reads its hello, subscribes, then never reads again.
+        let mut slow = UnixStream::connect(&path).unwrap();
+        let hello: ServerMessage = read_message(&mut slow).unwrap();
+        assert!(matches!(hello, ServerMessage::Hello(_)));
+        write_message(
+            &mut slow,
+            &ClientMessage::Subscribe {
+                stats: true,
+                timeline: true,
+            },
+        )
+        .unwrap();
+        eventually("both subscribed", || {
+            server.timeline_subscribers.load(Ordering::Relaxed) == 2
+        });
+        // The test is the cycle thread: publish, and the reader takes each batch before the
+        // next, so it never has more than one waiting.
+        let batch = events(1000);
+        let batch_bytes = encode(&ServerMessage::Timeline {
+            events: batch.clone(),
+        })[0]
+            .len();
+        let mut published = 0usize;
+        while server.client_counts().2 == 0 {
+            assert!(
+                published * batch_bytes < 64 * CLIENT_QUEUE_BYTES,
+                "the slow client was never closed"
+            );
+            server.publish_timeline(&batch);
+            published += 1;
+            let clients = server.clients.lock().unwrap().clone();
+            for c in &clients {
+                assert!(c.queued_bytes() <= CLIENT_QUEUE_BYTES);
+            }
+            match reader.next_message(Duration::from_secs(20)).unwrap() {
+                Some(ServerMessage::Timeline { events }) => assert_eq!(events, batch),
+                other => panic!("the reader got {other:?}"),
+            }
+        }
+        // It was closed once its queue was full (on top of what the kernel buffers).
+        assert!(published * batch_bytes > CLIENT_QUEUE_BYTES);
+        eventually("the slow client is removed", || {
+            server.client_counts().0 == 1
+        });
+        // What reaches it is what was queued or in the kernel buffer, then the end.
+        let mut received = Vec::new();
+        std::io::Read::read_to_end(&mut slow, &mut received).unwrap();
+        assert!(received.len() < published * batch_bytes);
+        assert!(received.len() <= CLIENT_QUEUE_BYTES + (8 << 20));
+        // The reader is still served.
+        server.publish_timeline(&batch);
+        assert!(matches!(
+            reader.next_message(Duration::from_secs(20)).unwrap(),
+            Some(ServerMessage::Timeline { .. })
+        ));
+        assert_eq!(server.client_counts(), (1, 0, 1));
+        server.stop();
+        std::fs::remove_dir_all(&dir).ok();
+    }
+
+    #[test]
+    fn a_timeline_batch_over_the_frame_limit_is_split_not_lost() {
+        let batch = events(20_000);
+        let frames = encode(&ServerMessage::Timeline {
+            events: batch.clone(),
+        });
+        assert!(frames.len() > 1);
+        let mut got = Vec::new();
+        for f in &frames {
+            assert!(f.len() <= 4 + MAX_MESSAGE_BYTES);
+            match read_message::<_, ServerMessage>(&mut &f[..]).unwrap() {
+                ServerMessage::Timeline { events } => got.extend(events),
+                other => panic!("{other:?}"),
+            }
+        }
+        assert_eq!(got, batch);
+    }
 
     #[test]
     fn an_unusable_runtime_dir_falls_back_to_a_writable_one() {
