@@ -98,6 +98,30 @@ pub enum CollectiveError {
         detail: String,
     },
 
+    /// Another rank's process is there but stopped answering (stopped with SIGSTOP, hung,
+    /// starved of CPU), as rank 0's liveness probe found; `detail` is what this rank saw.
+    #[error("rank {rank}: rank {silent} stopped answering ({how}); here: {detail}")]
+    RankSilent {
+        /// The rank reporting the error.
+        rank: usize,
+        /// The rank that did not answer.
+        silent: usize,
+        /// How it was noticed.
+        how: String,
+        /// The failure this rank saw (often a neighbour giving up after `silent`).
+        detail: String,
+    },
+
+    /// This rank was told to stop (by a signal, through [`crate::runtime::Interrupter`])
+    /// and left the job; the other ranks fail naming it.
+    #[error("rank {rank}: interrupted ({reason}); this rank left the job")]
+    Interrupted {
+        /// The rank reporting the error.
+        rank: usize,
+        /// Why, e.g. "SIGTERM".
+        reason: String,
+    },
+
     /// The job failed earlier (another rank died, a link broke); this operation cannot run.
     #[error("rank {rank}: the job has failed: {cause}")]
     JobFailed {

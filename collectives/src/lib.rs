@@ -87,7 +87,7 @@ pub mod transport;
 
 pub use control::Knobs;
 pub use error::{CollectiveError, Result};
-pub use runtime::{Handle, Runtime, RuntimeConfig};
+pub use runtime::{Handle, Interrupter, Runtime, RuntimeConfig};
 pub use tensor::{DType, Element, ReduceOp, Tensor};
 
 /// Helpers shared by the unit tests of several modules.

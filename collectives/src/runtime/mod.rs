@@ -43,7 +43,7 @@ use crate::transport::{MAX_FRAME_BYTES, Transport, recv_frame, send_frame};
 use cache::{DEFAULT_CACHE_CAPACITY, RankCache};
 use claim::TuningClaims;
 use coordinator::{Coordinator, Item, OpKind, Request, Response, TensorRequest, WireResponse};
-use faults::FaultChannel;
+use faults::{FaultChannel, LostRank};
 use server::{ControlServer, ServerState};
 
 /// The length prefix [`send_frame`] puts before every message.
@@ -159,6 +159,8 @@ struct Shared {
     negotiation_bytes: AtomicU64,
     claims: Arc<TuningClaims>,
     self_tune: Arc<Mutex<Option<SelfTuneOutcome>>>,
+    /// Set by an [`Interrupter`]: why this rank leaves.
+    interrupted: Mutex<Option<String>>,
 }
 
 /// A pending collective; [`Handle::wait`] returns its result.
@@ -317,6 +319,7 @@ impl Runtime {
             negotiation_bytes: AtomicU64::new(0),
             claims: claims.clone(),
             self_tune: Arc::new(Mutex::new(None)),
+            interrupted: Mutex::new(None),
         });
         let layout = node_layout(&ranks);
         let timeline = match &config.timeline_path {
@@ -470,6 +473,16 @@ impl Runtime {
         }
     }
 
+    /// A handle that stops this rank from another thread (a signal handler's); see
+    /// [`Interrupter`].
+    pub fn interrupter(&self) -> Interrupter {
+        Interrupter {
+            shared: self.shared.clone(),
+            transport: self.transport.clone(),
+            faults: self.faults.clone(),
+        }
+    }
+
     /// Asks for a knob change; rank 0 applies it at the next cycle boundary on every rank.
     pub fn set_knobs(&self, update: KnobUpdate) {
         if let Ok(mut inbox) = self.shared.inbox.lock() {
@@ -590,6 +603,54 @@ impl Runtime {
     }
 }
 
+/// Stops a running [`Runtime`] from another thread, e.g. on SIGTERM: the other ranks are
+/// told that this rank leaves and why, its links are broken, and every pending and later
+/// operation fails with [`CollectiveError::Interrupted`]; the runtime then shuts down as on
+/// any failure (the control socket's file is removed). Dropping the `Runtime` afterwards
+/// does not wait for the other ranks.
+#[derive(Clone)]
+pub struct Interrupter {
+    shared: Arc<Shared>,
+    transport: Arc<dyn Transport>,
+    faults: Option<Arc<FaultChannel>>,
+}
+
+impl std::fmt::Debug for Interrupter {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Interrupter")
+            .field("rank", &self.shared.rank)
+            .finish()
+    }
+}
+
+impl Interrupter {
+    /// Interrupts the runtime; `reason` (e.g. "SIGTERM") goes into every error. Only the
+    /// first call counts.
+    pub fn interrupt(&self, reason: &str) {
+        let first = match self.shared.interrupted.lock() {
+            Ok(mut r) if r.is_none() => {
+                *r = Some(reason.to_string());
+                true
+            }
+            _ => false,
+        };
+        if !first {
+            return;
+        }
+        tracing::warn!(
+            rank = self.shared.rank,
+            reason,
+            "interrupted; leaving the job"
+        );
+        // The notice goes out before the links break, so that rank 0 names this rank
+        // before anyone's probe finds every rank still answering.
+        if let Some(f) = &self.faults {
+            f.announce_exit(&format!("it was interrupted ({reason}) and left the job"));
+        }
+        self.transport.abort();
+    }
+}
+
 impl Drop for Runtime {
     fn drop(&mut self) {
         if self.thread.is_some() {
@@ -699,6 +760,13 @@ impl CycleThread {
     fn run(&mut self) {
         let outcome = loop {
             let start = Instant::now();
+            if let Some(reason) = self.shared.interrupted.lock().ok().and_then(|r| r.clone()) {
+                // A job of one rank has no link for the interrupt to break.
+                break Err(CollectiveError::Interrupted {
+                    rank: self.rank,
+                    reason,
+                });
+            }
             self.autotune_tick();
             match self.cycle() {
                 Ok(true) => break Ok(()),
@@ -716,20 +784,39 @@ impl CycleThread {
             Err(e) => {
                 // Break every link so that peers fail now, not after their timeout.
                 self.transport.abort();
-                // What this rank saw may be a neighbour giving up; name the rank that died
-                // if rank 0 knows (it hears at once when a process goes away).
-                let lost = self
-                    .faults
-                    .as_ref()
-                    .and_then(|f| f.lost_rank(Duration::from_millis(500)));
-                let e = match lost {
-                    Some((dead, how)) => CollectiveError::RankLost {
+                let interrupted = self.shared.interrupted.lock().ok().and_then(|r| r.clone());
+                let e = match interrupted {
+                    // This rank is the cause; the others were told.
+                    Some(reason) => CollectiveError::Interrupted {
                         rank: self.rank,
-                        dead,
-                        how,
-                        detail: e.to_string(),
+                        reason,
                     },
-                    None => e,
+                    // What this rank saw may be a neighbour giving up: name the rank that
+                    // failed first, as rank 0 establishes it (a process that went away, or
+                    // one that no longer answers).
+                    None => match self.faults.as_ref().and_then(|f| f.lost_rank()) {
+                        Some(LostRank {
+                            rank: dead,
+                            how,
+                            silent: false,
+                        }) => CollectiveError::RankLost {
+                            rank: self.rank,
+                            dead,
+                            how,
+                            detail: e.to_string(),
+                        },
+                        Some(LostRank {
+                            rank: silent,
+                            how,
+                            silent: true,
+                        }) => CollectiveError::RankSilent {
+                            rank: self.rank,
+                            silent,
+                            how,
+                            detail: e.to_string(),
+                        },
+                        None => e,
+                    },
                 };
                 tracing::error!(rank = self.rank, error = %e, "collective job failed");
                 e
@@ -738,7 +825,9 @@ impl CycleThread {
         let leftovers = match self.shared.inbox.lock() {
             Ok(mut inbox) => {
                 inbox.closed = Some(match &error {
-                    CollectiveError::ShutDown { .. } => error.clone(),
+                    CollectiveError::ShutDown { .. } | CollectiveError::Interrupted { .. } => {
+                        error.clone()
+                    }
                     e => CollectiveError::JobFailed {
                         rank: self.rank,
                         cause: e.to_string(),
