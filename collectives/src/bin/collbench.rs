@@ -6,11 +6,20 @@
 //! prints the table. With `RANK` and `WORLD_SIZE` set (by this launcher, torchrun, mpirun, or
 //! by hand inside a network namespace) it runs as that one rank.
 //!
+//! Signals, as torchrun: the launcher passes SIGINT/SIGTERM on to its ranks, waits for
+//! them (SIGKILL after [`STOP_GRACE`], or at a second signal) and exits with 128 + the
+//! signal; its ranks get SIGTERM if the launcher itself dies (`PR_SET_PDEATHSIG`). A rank
+//! that gets SIGINT/SIGTERM interrupts its runtime (the others are told which rank left,
+//! and rank 0's control socket file is removed) and exits with 128 + the signal.
+//!
 //! It is a measuring tool: it must never change what the library does, only call it.
 
 use std::io::{Read, Write};
 use std::net::{TcpListener, TcpStream};
+use std::os::unix::process::CommandExt;
 use std::process::{Child, Command, ExitCode, Stdio};
+use std::sync::Mutex;
+use std::sync::atomic::{AtomicI32, Ordering};
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result, bail};
@@ -19,9 +28,21 @@ use collectives::Knobs;
 use collectives::control::AutotuneState;
 use collectives::runtime::RuntimeConfig;
 use collectives::transport::configure_stream;
-use collectives::{ReduceOp, Runtime, Tensor};
+use collectives::{Interrupter, ReduceOp, Runtime, Tensor};
 use indicatif::{ProgressBar, ProgressStyle};
 use serde::Serialize;
+use signal_hook::consts::{SIGINT, SIGTERM};
+use signal_hook::iterator::Signals;
+
+/// How long the launcher waits for its ranks after passing a signal on (or after a rank
+/// failed) before it kills them, as torchrun's default.
+const STOP_GRACE: Duration = Duration::from_secs(30);
+
+/// The SIGINT/SIGTERM a rank got (0: none yet).
+static RANK_SIGNAL: AtomicI32 = AtomicI32::new(0);
+
+/// This rank's runtime, once it runs, for the signal thread to interrupt.
+static RANK_INTERRUPTER: Mutex<Option<Interrupter>> = Mutex::new(None);
 
 /// Benchmarks for ringwatch's collective runtime.
 ///
@@ -139,6 +160,8 @@ fn parse_bytes(s: &str) -> std::result::Result<u64, String> {
 fn main() -> ExitCode {
     tracing_subscriber::fmt()
         .with_writer(std::io::stderr)
+        // No colour codes in a log that goes to a file or a pipe.
+        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
         .with_env_filter(
             tracing_subscriber::EnvFilter::try_from_default_env()
                 .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn")),
@@ -153,29 +176,99 @@ fn main() -> ExitCode {
             return ExitCode::FAILURE;
         }
     };
-    let result = if std::env::var_os("RANK").is_some()
-        || std::env::var_os("OMPI_COMM_WORLD_RANK").is_some()
-    {
-        worker(&cli, &workload)
+    let is_rank =
+        std::env::var_os("RANK").is_some() || std::env::var_os("OMPI_COMM_WORLD_RANK").is_some();
+    let result = if is_rank {
+        interrupt_on_signal().and_then(|()| worker(&cli, &workload))
     } else {
         launch(&cli, &workload)
     };
-    match result {
-        Ok(()) => ExitCode::SUCCESS,
-        Err(e) => {
-            let rank = std::env::var("RANK").unwrap_or_else(|_| "launcher".into());
-            eprintln!("collbench (rank {rank}): error: {e:#}");
-            ExitCode::FAILURE
-        }
+    let signal = match &result {
+        Ok(Some(signal)) => Some(*signal),
+        _ => Some(RANK_SIGNAL.load(Ordering::Acquire)).filter(|&s| s != 0),
+    };
+    if let Err(e) = &result {
+        let rank = std::env::var("RANK").unwrap_or_else(|_| "launcher".into());
+        eprintln!("collbench (rank {rank}): error: {e:#}");
     }
+    match (signal, result) {
+        (Some(signal), _) => ExitCode::from((128 + signal).clamp(0, 255) as u8),
+        (None, Ok(_)) => ExitCode::SUCCESS,
+        (None, Err(_)) => ExitCode::FAILURE,
+    }
+}
+
+/// A rank: on SIGINT/SIGTERM, interrupt the runtime if it runs (the workload then fails
+/// with the interruption, the runtime removes its control socket, and `main` exits with
+/// 128 + the signal); before it runs there is nothing to clean up: exit at once.
+fn interrupt_on_signal() -> Result<()> {
+    let mut signals =
+        Signals::new([SIGINT, SIGTERM]).context("cannot install the SIGINT/SIGTERM handler")?;
+    std::thread::Builder::new()
+        .name("collbench-signals".into())
+        .spawn(move || {
+            for signal in signals.forever() {
+                if RANK_SIGNAL
+                    .compare_exchange(0, signal, Ordering::AcqRel, Ordering::Acquire)
+                    .is_err()
+                {
+                    continue;
+                }
+                let name = if signal == SIGINT {
+                    "SIGINT"
+                } else {
+                    "SIGTERM"
+                };
+                match RANK_INTERRUPTER.lock().ok().and_then(|i| i.clone()) {
+                    Some(i) => i.interrupt(name),
+                    None => std::process::exit(128 + signal),
+                }
+            }
+        })
+        .context("cannot start the signal thread")?;
+    Ok(())
 }
 
 fn free_port() -> Result<u16> {
     Ok(TcpListener::bind("127.0.0.1:0")?.local_addr()?.port())
 }
 
+/// Sends `signal` to every rank still running, waits for them up to `grace` (less if
+/// `signals` brings a second signal), then kills what is left.
+fn stop_ranks(running: &mut [(usize, Child)], signal: i32, grace: Duration, signals: &mut Signals) {
+    for (_, c) in running.iter_mut() {
+        if matches!(c.try_wait(), Ok(None)) {
+            // SAFETY: kill(2) with the pid of a child this process has not reaped yet.
+            unsafe { libc::kill(c.id() as libc::pid_t, signal) };
+        }
+    }
+    let deadline = Instant::now() + grace;
+    while running
+        .iter_mut()
+        .any(|(_, c)| matches!(c.try_wait(), Ok(None)))
+        && Instant::now() < deadline
+        && signals.pending().next().is_none()
+    {
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    for (rank, c) in running.iter_mut() {
+        if matches!(c.try_wait(), Ok(None)) {
+            eprintln!(
+                "collbench: rank {rank} (pid {}) did not stop; killing it",
+                c.id()
+            );
+            let _ = c.kill();
+        }
+        let _ = c.wait();
+    }
+}
+
 /// Starts the ranks as child processes and waits for them; a failed rank stops the rest.
-fn launch(cli: &Cli, workload: &Workload) -> Result<()> {
+/// Returns the signal that stopped the job, if one did.
+fn launch(cli: &Cli, workload: &Workload) -> Result<Option<i32>> {
+    // Installed before any rank starts, so that no signal finds a rank unaccounted for.
+    let mut signals =
+        Signals::new([SIGINT, SIGTERM]).context("cannot install the SIGINT/SIGTERM handler")?;
     let n = match workload {
         Workload::Link { .. } => 2,
         _ => cli.common.nproc_per_node,
@@ -191,8 +284,8 @@ fn launch(cli: &Cli, workload: &Workload) -> Result<()> {
     let args: Vec<String> = std::env::args().skip(1).collect();
     let mut children: Vec<Child> = Vec::new();
     for rank in 0..n {
-        let child = Command::new(&exe)
-            .args(&args)
+        let mut cmd = Command::new(&exe);
+        cmd.args(&args)
             .env("RANK", rank.to_string())
             .env("WORLD_SIZE", n.to_string())
             .env("LOCAL_RANK", (rank % local_size).to_string())
@@ -207,14 +300,43 @@ fn launch(cli: &Cli, workload: &Workload) -> Result<()> {
                 Stdio::inherit()
             } else {
                 Stdio::null()
+            });
+        let launcher = std::process::id() as libc::pid_t;
+        // SAFETY: runs in the child between fork and exec and calls only prctl(2) and
+        // getppid(2), which are async-signal-safe.
+        unsafe {
+            cmd.pre_exec(move || {
+                // A launcher that dies, even by SIGKILL, takes its ranks with it.
+                if libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGTERM) != 0 {
+                    return Err(std::io::Error::last_os_error());
+                }
+                if libc::getppid() != launcher {
+                    return Err(std::io::Error::other("the launcher is gone"));
+                }
+                Ok(())
             })
-            .spawn()
-            .with_context(|| format!("cannot start rank {rank}"))?;
+        };
+        let child = match cmd.spawn() {
+            Ok(c) => c,
+            Err(e) => {
+                let mut started: Vec<(usize, Child)> = children.into_iter().enumerate().collect();
+                stop_ranks(&mut started, SIGTERM, STOP_GRACE, &mut signals);
+                return Err(e).with_context(|| format!("cannot start rank {rank}"));
+            }
+        };
         children.push(child);
     }
     let mut failed = None;
     let mut running: Vec<(usize, Child)> = children.into_iter().enumerate().collect();
     while !running.is_empty() {
+        if let Some(signal) = signals.pending().next() {
+            eprintln!(
+                "collbench: signal {signal}: passing it on to {} rank(s) and waiting for them",
+                running.len()
+            );
+            stop_ranks(&mut running, signal, STOP_GRACE, &mut signals);
+            return Ok(Some(signal));
+        }
         let mut still = Vec::new();
         for (rank, mut child) in running {
             match child.try_wait()? {
@@ -228,7 +350,7 @@ fn launch(cli: &Cli, workload: &Workload) -> Result<()> {
         running = still;
         if failed.is_some() {
             // The others fail on their own within their timeout; give them a moment to
-            // report, then stop them.
+            // report, then stop them as a signal would (so that they clean up).
             let deadline = Instant::now() + Duration::from_secs(5);
             while running
                 .iter_mut()
@@ -237,17 +359,14 @@ fn launch(cli: &Cli, workload: &Workload) -> Result<()> {
             {
                 std::thread::sleep(Duration::from_millis(50));
             }
-            for (_, c) in &mut running {
-                let _ = c.kill();
-                let _ = c.wait();
-            }
+            stop_ranks(&mut running, SIGTERM, STOP_GRACE, &mut signals);
             break;
         }
         std::thread::sleep(Duration::from_millis(20));
     }
     match failed {
         Some((rank, status)) => bail!("rank {rank} failed ({status})"),
-        None => Ok(()),
+        None => Ok(None),
     }
 }
 
@@ -263,11 +382,16 @@ fn runtime(cli: &Cli) -> Result<Runtime> {
     if let Some(v) = c.hierarchical {
         cfg.knobs.hierarchical_allreduce = v;
     }
-    Runtime::new(cfg).context("cannot start the collective runtime")
+    let rt = Runtime::new(cfg).context("cannot start the collective runtime")?;
+    if let Ok(mut slot) = RANK_INTERRUPTER.lock() {
+        *slot = Some(rt.interrupter());
+    }
+    Ok(rt)
 }
 
-fn worker(cli: &Cli, workload: &Workload) -> Result<()> {
-    match workload {
+/// Runs the workload as one rank; `Ok(None)` when it completed.
+fn worker(cli: &Cli, workload: &Workload) -> Result<Option<i32>> {
+    let outcome = match workload {
         Workload::Sweep {
             min_bytes,
             max_bytes,
@@ -289,7 +413,8 @@ fn worker(cli: &Cli, workload: &Workload) -> Result<()> {
             },
         ),
         Workload::Link { bytes } => link(cli, *bytes),
-    }
+    };
+    outcome.map(|()| None)
 }
 
 fn progress(len: u64, show: bool, what: &str) -> ProgressBar {
