@@ -304,3 +304,337 @@ fn the_response_cache_sends_resnet50_steps_as_bits() {
         "with the cache {cached}, by name {by_name}"
     );
 }
+
+/// Whether process `pid` is gone (or only a zombie waiting to be reaped).
+fn gone(pid: u32) -> bool {
+    match std::fs::read_to_string(format!("/proc/{pid}/stat")) {
+        Err(_) => true,
+        Ok(stat) => stat
+            .rsplit_once(')')
+            .is_some_and(|(_, rest)| rest.trim_start().starts_with('Z')),
+    }
+}
+
+/// Kills the listed processes when dropped, so that a failing test leaves none behind.
+struct KillOnDrop(Vec<u32>);
+
+impl Drop for KillOnDrop {
+    fn drop(&mut self) {
+        for &pid in &self.0 {
+            // SAFETY: kill(2) on a pid; at worst it is gone already.
+            unsafe {
+                libc::kill(pid as libc::pid_t, libc::SIGCONT);
+                libc::kill(pid as libc::pid_t, libc::SIGKILL);
+            }
+        }
+    }
+}
+
+/// A fresh runtime directory and job id for one test.
+fn job_dir(tag: &str) -> (std::path::PathBuf, String) {
+    let dir = std::env::temp_dir().join(format!("rw-proc-{tag}-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    (dir, format!("proc-{tag}-{}", std::process::id()))
+}
+
+/// Connects to the job's control socket (waiting for it to appear) and waits for one
+/// cycle's statistics, so that the job is known to be stepping.
+fn connect_when_stepping(path: &std::path::Path) -> collectives::control::ControlClient {
+    use collectives::control::{ControlClient, ServerMessage};
+    let deadline = Instant::now() + Duration::from_secs(60);
+    let mut client = loop {
+        match ControlClient::connect(path, Duration::from_secs(10)) {
+            Ok(c) => break c,
+            Err(_) if Instant::now() < deadline => std::thread::sleep(Duration::from_millis(50)),
+            Err(e) => panic!("no control socket at {}: {e}", path.display()),
+        }
+    };
+    client.subscribe(true, false).unwrap();
+    loop {
+        assert!(Instant::now() < deadline, "the job never stepped");
+        if let Some(ServerMessage::CycleStats(_)) =
+            client.next_message(Duration::from_millis(200)).unwrap()
+        {
+            return client;
+        }
+    }
+}
+
+/// `collbench -n 3 resnet50` through its launcher, with its control socket in `dir`.
+fn launch_resnet50(dir: &std::path::Path, job_id: &str) -> Child {
+    Command::new(BIN)
+        .args(["resnet50", "-n", "3", "--duration", "900", "--json"])
+        .env("RINGWATCH_RUNTIME_DIR", dir)
+        .env("RINGWATCH_JOB_ID", job_id)
+        .env("RINGWATCH_TIMEOUT_SECS", "10")
+        .env_remove("RANK")
+        .env_remove("RINGWATCH_HOST_ID")
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap()
+}
+
+#[test]
+fn sigterm_to_the_launcher_stops_every_rank_and_removes_the_control_socket() {
+    let (dir, job_id) = job_dir("sigterm");
+    let path = collectives::control::socket_path(&dir, &job_id);
+    let mut launcher = launch_resnet50(&dir, &job_id);
+    let client = connect_when_stepping(&path);
+    let pids: Vec<u32> = client.hello().ranks.iter().map(|r| r.pid).collect();
+    drop(client);
+    let _guard = KillOnDrop(pids.clone());
+    assert_eq!(pids.len(), 3);
+    assert!(pids.iter().all(|&p| !gone(p)));
+    // SAFETY: kill(2) on our own child.
+    unsafe { libc::kill(launcher.id() as libc::pid_t, libc::SIGTERM) };
+    let status =
+        wait_with_limit(&mut launcher, Duration::from_secs(120)).expect("the launcher hung");
+    // As torchrun: it waited for its ranks and exits with 128 + SIGTERM.
+    assert_eq!(status.code(), Some(128 + libc::SIGTERM), "{status}");
+    for &pid in &pids {
+        assert!(gone(pid), "rank pid {pid} outlived its launcher");
+    }
+    assert!(!path.exists(), "{} was left behind", path.display());
+    std::fs::remove_dir_all(&dir).ok();
+}
+
+#[test]
+fn a_launcher_killed_with_sigkill_takes_its_ranks_with_it() {
+    let (dir, job_id) = job_dir("sigkill");
+    let path = collectives::control::socket_path(&dir, &job_id);
+    let mut launcher = launch_resnet50(&dir, &job_id);
+    let client = connect_when_stepping(&path);
+    let pids: Vec<u32> = client.hello().ranks.iter().map(|r| r.pid).collect();
+    drop(client);
+    let _guard = KillOnDrop(pids.clone());
+    launcher.kill().unwrap();
+    launcher.wait().unwrap();
+    // The ranks get SIGTERM from the kernel (PR_SET_PDEATHSIG) and stop as on a signal.
+    let deadline = Instant::now() + Duration::from_secs(120);
+    while pids.iter().any(|&p| !gone(p)) || path.exists() {
+        assert!(
+            Instant::now() < deadline,
+            "ranks {:?} outlived their SIGKILLed launcher (socket left: {})",
+            pids.iter().filter(|&&p| !gone(p)).collect::<Vec<_>>(),
+            path.exists()
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    std::fs::remove_dir_all(&dir).ok();
+}
+
+/// Starts `n` ranks of `collbench resnet50` by hand, in pretend nodes of `local_size`,
+/// stops rank `stopped` with SIGSTOP once the job steps, and returns each other rank's
+/// error line.
+fn errors_after_stopping(
+    n: usize,
+    local_size: usize,
+    stopped: usize,
+    extra: &[&str],
+) -> Vec<(usize, String)> {
+    let (dir, job_id) = job_dir(&format!("stop-{n}-{local_size}-{stopped}"));
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port();
+    let mut ranks: Vec<Child> = (0..n)
+        .map(|rank| {
+            Command::new(BIN)
+                .args(["resnet50", "--steps", "1000000", "--warmup", "0", "--json"])
+                .args(extra)
+                .env("RANK", rank.to_string())
+                .env("WORLD_SIZE", n.to_string())
+                .env("LOCAL_RANK", (rank % local_size).to_string())
+                .env("LOCAL_SIZE", local_size.to_string())
+                .env("MASTER_ADDR", "127.0.0.1")
+                .env("MASTER_PORT", port.to_string())
+                .env("RINGWATCH_HOST_ID", format!("node{}", rank / local_size))
+                .env("RINGWATCH_RUNTIME_DIR", &dir)
+                .env("RINGWATCH_JOB_ID", &job_id)
+                .env("RINGWATCH_TIMEOUT_SECS", "3")
+                .env_remove("RINGWATCH_SHM")
+                .stdout(Stdio::null())
+                .stderr(Stdio::piped())
+                .spawn()
+                .unwrap()
+        })
+        .collect();
+    let _guard = KillOnDrop(ranks.iter().map(|r| r.id()).collect());
+    drop(connect_when_stepping(&collectives::control::socket_path(
+        &dir, &job_id,
+    )));
+    // SAFETY: kill(2) on our own child.
+    unsafe { libc::kill(ranks[stopped].id() as libc::pid_t, libc::SIGSTOP) };
+    let mut errors = Vec::new();
+    for rank in (0..n).filter(|&r| r != stopped) {
+        let status = wait_with_limit(&mut ranks[rank], Duration::from_secs(120))
+            .unwrap_or_else(|| panic!("rank {rank} hung after rank {stopped} was stopped"));
+        assert!(!status.success(), "rank {rank} succeeded?");
+        let mut err = String::new();
+        std::io::Read::read_to_string(ranks[rank].stderr.as_mut().unwrap(), &mut err).unwrap();
+        let line = err.lines().find(|l| l.contains(": error:")).unwrap_or(&err);
+        errors.push((rank, line.to_string()));
+    }
+    std::fs::remove_dir_all(&dir).ok();
+    errors
+}
+
+#[test]
+fn a_stopped_rank_is_named_by_every_other_rank() {
+    // One host of 4, rank 2 stopped: its ring neighbours and rank 0 see different things
+    // (a silent peer, an aborted link), yet all must name rank 2.
+    for (rank, line) in errors_after_stopping(4, 4, 2, &[]) {
+        assert!(
+            line.contains("rank 2 stopped answering"),
+            "rank {rank}: {line}"
+        );
+    }
+    // Two pretend nodes of 2, hierarchical, rank 1 stopped: rank 3 waits on rank 2
+    // (healthy, itself waiting on rank 1) and must still name rank 1.
+    for (rank, line) in errors_after_stopping(4, 2, 1, &["--hierarchical", "true"]) {
+        assert!(
+            line.contains("rank 1 stopped answering"),
+            "rank {rank}: {line}"
+        );
+    }
+}
+
+#[test]
+fn a_stopped_rank_0_is_named_by_every_other_rank() {
+    for (rank, line) in errors_after_stopping(3, 3, 0, &[]) {
+        assert!(
+            line.contains("rank 0 stopped answering"),
+            "rank {rank}: {line}"
+        );
+    }
+}
+
+/// Threads of process `pid`.
+fn threads(pid: u32) -> usize {
+    std::fs::read_dir(format!("/proc/{pid}/task"))
+        .map(|d| d.count())
+        .unwrap_or(0)
+}
+
+#[test]
+fn control_clients_that_never_read_are_refused_past_the_limit_and_closed_while_the_job_steps() {
+    use collectives::control::{ClientMessage, ControlClient, ServerMessage, write_message};
+    use std::io::{BufRead, Read};
+    // The server's limits (collectives::runtime::server): clients at once, queued bytes per
+    // client. A closed slow client may still find the kernel's socket buffer (a few
+    // hundred KiB) on top of its queue: 4 MiB of slack covers it.
+    const MAX_CLIENTS: usize = 16;
+    const QUEUE_BYTES: usize = 4 << 20;
+    let (dir, job_id) = job_dir("slow-clients");
+    let path = collectives::control::socket_path(&dir, &job_id);
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port();
+    // resnet50 with timeline subscribers: about a thousand events per step.
+    let mut ranks: Vec<Child> = (0..2)
+        .map(|rank| {
+            Command::new(BIN)
+                .args(["resnet50", "--steps", "1000000", "--warmup", "0", "--json"])
+                .env("RANK", rank.to_string())
+                .env("WORLD_SIZE", "2")
+                .env("MASTER_ADDR", "127.0.0.1")
+                .env("MASTER_PORT", port.to_string())
+                .env("RINGWATCH_RUNTIME_DIR", &dir)
+                .env("RINGWATCH_JOB_ID", &job_id)
+                .env("RINGWATCH_TIMEOUT_SECS", "20")
+                .env("RUST_LOG", "warn")
+                .stdout(Stdio::null())
+                .stderr(if rank == 0 {
+                    Stdio::piped()
+                } else {
+                    Stdio::null()
+                })
+                .spawn()
+                .unwrap()
+        })
+        .collect();
+    let _guard = KillOnDrop(ranks.iter().map(|r| r.id()).collect());
+    let rank0 = ranks[0].id();
+    // Rank 0's log, line by line, as it comes.
+    let (log_tx, log) = std::sync::mpsc::channel::<String>();
+    let stderr = ranks[0].stderr.take().unwrap();
+    std::thread::spawn(move || {
+        for line in std::io::BufReader::new(stderr)
+            .lines()
+            .map_while(Result::ok)
+        {
+            let _ = log_tx.send(line);
+        }
+    });
+    drop(connect_when_stepping(&path));
+    let threads_before = threads(rank0);
+    // MAX_CLIENTS subscribers that read their hello and nothing after.
+    let mut slow: Vec<std::os::unix::net::UnixStream> = (0..MAX_CLIENTS)
+        .map(|_| {
+            let mut s = std::os::unix::net::UnixStream::connect(&path).unwrap();
+            s.set_read_timeout(Some(Duration::from_secs(20))).unwrap();
+            let hello: ServerMessage = collectives::control::read_message(&mut s).unwrap();
+            assert!(matches!(hello, ServerMessage::Hello(_)), "{hello:?}");
+            write_message(
+                &mut s,
+                &ClientMessage::Subscribe {
+                    stats: true,
+                    timeline: true,
+                },
+            )
+            .unwrap();
+            s
+        })
+        .collect();
+    // Past the limit: refused with an error message.
+    for _ in 0..4 {
+        match ControlClient::connect(&path, Duration::from_secs(20)) {
+            Err(e) => assert!(e.to_string().contains("at most 16"), "{e}"),
+            Ok(_) => panic!("a client past the limit of {MAX_CLIENTS} was served"),
+        }
+    }
+    // Every slow subscriber is closed, with a log line that counts it.
+    let deadline = Instant::now() + Duration::from_secs(300);
+    let mut closed = 0;
+    while closed < MAX_CLIENTS {
+        let left = deadline.saturating_duration_since(Instant::now());
+        let line = log
+            .recv_timeout(left)
+            .unwrap_or_else(|_| panic!("only {closed} slow clients were closed"));
+        if line.contains("reads too slowly") {
+            closed += 1;
+            assert!(
+                line.contains(&format!("slow_clients_closed={closed}")),
+                "{line}"
+            );
+        }
+    }
+    // What each one gets is its bounded queue (and the kernel's buffer), then the end.
+    for s in &mut slow {
+        let mut got = Vec::new();
+        s.read_to_end(&mut got).unwrap();
+        assert!(got.len() <= QUEUE_BYTES + (4 << 20), "{} bytes", got.len());
+    }
+    drop(slow);
+    // Their slots, threads and queues are released, and the job still steps.
+    drop(connect_when_stepping(&path));
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while threads(rank0) > threads_before {
+        assert!(
+            Instant::now() < deadline,
+            "rank 0 has {} threads, {threads_before} before the clients",
+            threads(rank0)
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    assert!(ranks[0].try_wait().unwrap().is_none());
+    for r in &mut ranks {
+        let _ = r.kill();
+        let _ = r.wait();
+    }
+    std::fs::remove_dir_all(&dir).ok();
+}
