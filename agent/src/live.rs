@@ -44,6 +44,8 @@ pub struct LiveView {
     pub timeline: RecordedTrace,
     /// The thread states of the window, in chunks shared with later views.
     pub states: Vec<Arc<StateChunk>>,
+    /// The jobs' activities of the window (their names are in `timeline`).
+    pub job_activities: Vec<tracks::JobActivity>,
     /// Records the kernel could not deliver (ring buffer full), since start.
     pub ringbuf_drops: u64,
     /// Jobs found through control sockets (with `--jobs`).
@@ -207,7 +209,16 @@ impl LiveView {
         limits: AnswerLimits,
     ) -> Result<TraceAnswer, QueryError> {
         let mut selection = self.timeline.select(query)?;
-        let others = selection.events.len();
+        let activities: Vec<&tracks::JobActivity> = match selection.window {
+            None => Vec::new(),
+            Some((from, to)) => self
+                .job_activities
+                .iter()
+                .filter(|a| a.ts <= to && a.end_us() >= from)
+                .filter(|a| self.timeline.wanted_pid(query, &a.pid.key()))
+                .collect(),
+        };
+        let others = selection.events.len() + activities.len();
         let mut states: Vec<StateSlice> = match selection.window {
             None => Vec::new(),
             Some((from, to)) => self
@@ -249,6 +260,9 @@ impl LiveView {
         }
         let mut writer = TraceWriter::new(limits.max_bytes);
         selection.write_events(&mut writer);
+        for activity in activities {
+            writer.push(activity);
+        }
         for state in states {
             writer.push(&state.to_event());
         }
@@ -311,6 +325,7 @@ pub fn build(
     }
     let now_us = now_ns as f64 / 1e3;
     let window_start_us = window_start_ns as f64 / 1e3;
+    let mut job_activities = Vec::new();
     if let Some(registry) = session.jobs() {
         let offset_us = tracks::unix_minus_monotonic_us();
         // Also a window before the start, to find the begin of a slice that
@@ -324,14 +339,16 @@ pub fn build(
             let kept = registry
                 .timeline_events(&job.job_id, from_unix, to_unix)
                 .unwrap_or_default();
-            events.extend(tracks::job_activities(
+            let job = tracks::job_activities(
                 job.into(),
                 &kept,
                 &here,
                 offset_us,
                 window_start_us,
                 now_us,
-            ));
+            );
+            events.extend(job.metadata);
+            job_activities.extend(job.activities);
         }
     }
     states.update(model, &pids, window_start_ns, now_ns);
@@ -342,6 +359,7 @@ pub fn build(
         processes,
         timeline,
         states: states.chunks.iter().cloned().collect(),
+        job_activities,
         ringbuf_drops: session.probes().counter(ebpf::Counter::RingbufDrops)?,
         jobs,
     })
@@ -371,7 +389,6 @@ mod tests {
         let events = vec![
             json!({"ph": "M", "name": "process_name", "pid": 1, "args": {"name": "rank", "job": "j", "rank": 0}}),
             json!({"ph": "M", "name": "process_name", "pid": 2, "args": {"name": "other"}}),
-            json!({"ph": "X", "cat": "job", "name": "ALLREDUCE", "pid": 1, "tid": "t", "ts": 50.0, "dur": 10.0}),
             json!({"ph": "C", "name": "tcp", "pid": 2, "ts": 60.0, "args": {"tx": 1}}),
         ];
         LiveView {
@@ -387,6 +404,17 @@ mod tests {
                     slices: vec![slice(1, 400, 20), slice(2, 700, 100)],
                 }),
             ],
+            job_activities: vec![tracks::JobActivity {
+                ph: "X",
+                s: None,
+                cat: "job",
+                name: "ALLREDUCE".into(),
+                pid: tracks::TracePid::Local(1),
+                tid: "t".into(),
+                ts: 50.0,
+                dur: Some(10.0),
+                args: tracks::ActivityArgs::default(),
+            }],
             ringbuf_drops: 0,
             jobs: Vec::new(),
         }

@@ -605,7 +605,11 @@ impl Model {
             {
                 t.intervals.pop_front();
             }
-            while t.nccl.front().is_some_and(|c| c.return_ns < interval_horizon) {
+            while t
+                .nccl
+                .front()
+                .is_some_and(|c| c.return_ns < interval_horizon)
+            {
                 t.nccl.pop_front();
             }
             while t.net.len() > 2 && t.net.get(1).is_some_and(|(ts, _)| *ts < horizon) {

@@ -252,7 +252,9 @@ pub async fn run(args: ServeArgs) -> Result<()> {
             // The live view copies the thread states it shows into its own
             // window; the model needs only the last seconds (the per-second
             // figures and the tuning feed), not the whole retention.
-            session.model.set_interval_retention(SERVE_INTERVAL_RETENTION_NS);
+            session
+                .model
+                .set_interval_retention(SERVE_INTERVAL_RETENTION_NS);
             eprintln!("ringwatch-agent: watching {} (serve)", session.describe());
             let window_ns = u64::try_from(args.timeline_window.as_nanos()).unwrap_or(u64::MAX);
             let mut figures_from = monotonic_ns();

@@ -9,8 +9,10 @@
 //! It must never hold more than one live window of counter samples.
 
 use std::collections::{BTreeMap, BTreeSet, HashMap, VecDeque};
+use std::sync::Arc;
 
 use collectives::control::{Phase, RankInfo, TimelineEvent};
+use serde::Serialize;
 use serde_json::{Map, Value, json};
 
 use crate::gpu::GpuSnapshot;
@@ -97,15 +99,122 @@ pub fn local_ranks(jobs: &[JobRanks<'_>], here: &Here<'_>) -> BTreeMap<u32, (Str
     out
 }
 
+/// The Chrome-trace pid of a job activity: a local rank's real pid, or a
+/// remote rank's name of its own.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+#[serde(untagged)]
+pub enum TracePid {
+    /// A process of this node.
+    Local(u32),
+    /// `<job> rank <n>`.
+    Remote(Arc<str>),
+}
+
+impl TracePid {
+    /// As the timeline's filters key pids (`4101`, `j1 rank 1`).
+    pub fn key(&self) -> String {
+        match self {
+            TracePid::Local(pid) => pid.to_string(),
+            TracePid::Remote(name) => name.to_string(),
+        }
+    }
+}
+
+/// One job activity of the live window, kept typed until a query writes it
+/// (as a `Value` it took ~1 KiB, and the live view rebuilt tens of
+/// thousands of them every second). Serializes as the Chrome-trace event.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct JobActivity {
+    /// `X` (a slice) or `i` (an instant).
+    pub ph: &'static str,
+    /// Instants are thread-scoped (`t`).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub s: Option<&'static str>,
+    /// Always `job`.
+    pub cat: &'static str,
+    /// The activity (ALLREDUCE, QUEUE, …), shared between the slices.
+    pub name: Arc<str>,
+    /// The rank's pid on the trace.
+    pub pid: TracePid,
+    /// The tensor's track (`tensor <name>`), shared by its slices.
+    pub tid: Arc<str>,
+    /// Start, µs on the live trace's clock.
+    pub ts: f64,
+    /// Length of a slice, µs.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub dur: Option<f64>,
+    /// The job's own arguments (begin's and end's), and `open` for a slice
+    /// still running at the end of the window.
+    pub args: ActivityArgs,
+}
+
+impl JobActivity {
+    /// Its end, µs (its start for an instant).
+    pub fn end_us(&self) -> f64 {
+        self.ts + self.dur.unwrap_or(0.0)
+    }
+}
+
+/// A job activity's arguments: the job's strings, plus `open: true`.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct ActivityArgs {
+    /// The job's arguments, begin's then end's (an end's value wins).
+    pub pairs: Vec<(String, String)>,
+    /// Still running at the end of the window.
+    pub open: bool,
+}
+
+impl Serialize for ActivityArgs {
+    fn serialize<S: serde::Serializer>(&self, serializer: S) -> Result<S::Ok, S::Error> {
+        use serde::ser::SerializeMap;
+        let mut map = serializer.serialize_map(None)?;
+        let mut seen = BTreeMap::new();
+        for (key, value) in &self.pairs {
+            seen.insert(key.as_str(), value.as_str());
+        }
+        for (key, value) in seen {
+            map.serialize_entry(key, value)?;
+        }
+        if self.open {
+            map.serialize_entry("open", &true)?;
+        }
+        map.end()
+    }
+}
+
+/// A job's part of the live timeline: the names (`ph: "M"`, few, as JSON)
+/// and the activities (many, typed).
+#[derive(Debug, Default)]
+pub struct JobActivities {
+    /// `process_name` of remote ranks, `thread_name` of each tensor track.
+    pub metadata: Vec<Value>,
+    /// The slices and instants.
+    pub activities: Vec<JobActivity>,
+}
+
+impl JobActivities {
+    /// Everything as JSON events (for tests and small traces).
+    #[cfg(test)]
+    pub fn to_values(&self) -> Vec<Value> {
+        let mut out = self.metadata.clone();
+        out.extend(
+            self.activities
+                .iter()
+                .map(|a| serde_json::to_value(a).expect("plain data serializes")),
+        );
+        out
+    }
+}
+
 /// A job's activities as Chrome-trace events: every begin/end pair of one
 /// (rank, tensor, activity) becomes one `X` slice on the rank's pid and a
 /// thread named after the tensor; instants stay `i`. `events` are the job's
 /// kept events (Unix µs, any order); `offset_us` comes from
 /// [`unix_minus_monotonic_us`]. A slice that began before `window_start_us`
 /// is kept when it ends inside the window; one still open at `now_us` lasts
-/// until then (`args.open: true`). Also returns the `process_name`
-/// metadata of remote ranks (local ranks are named with their threads) and
-/// the `thread_name` of each tensor track.
+/// until then (`args.open: true`). The metadata holds the `process_name`
+/// of remote ranks (local ranks are named with their threads) and the
+/// `thread_name` of each tensor track.
 pub fn job_activities(
     job: JobRanks<'_>,
     events: &[TimelineEvent],
@@ -113,15 +222,15 @@ pub fn job_activities(
     offset_us: i64,
     window_start_us: f64,
     now_us: f64,
-) -> Vec<Value> {
+) -> JobActivities {
     let to_trace = |unix_us: u64| -> f64 {
         // Exact in i128, then one rounding to f64 (monotonic µs are small).
         (i128::from(unix_us) - i128::from(offset_us)) as f64
     };
-    let mut out = Vec::new();
+    let mut out = JobActivities::default();
     for rank in job.ranks {
         if !here.is_local(rank) {
-            out.push(json!({
+            out.metadata.push(json!({
                 "ph": "M", "name": "process_name", "pid": rank_pid(job, rank.rank, here),
                 "args": { "name": format!("{} rank {} ({} pid {})", job.job_id, rank.rank, rank.host, rank.pid), "job": job.job_id, "rank": rank.rank },
             }));
@@ -135,20 +244,56 @@ pub fn job_activities(
             .or_default()
             .push(event);
     }
-    let args_of = |event: &TimelineEvent| -> Map<String, Value> {
+    // Activity names, one allocation each.
+    let mut names: HashMap<String, Arc<str>> = HashMap::new();
+    let mut name_of = |activity: &str| -> Arc<str> {
+        if let Some(name) = names.get(activity) {
+            return name.clone();
+        }
+        let name: Arc<str> = Arc::from(activity);
+        names.insert(activity.to_owned(), name.clone());
+        name
+    };
+    let args_of = |event: &TimelineEvent| -> Vec<(String, String)> {
         event
             .args
             .iter()
-            .map(|(k, v)| (k.clone(), Value::String(v.clone())))
+            .map(|(k, v)| (k.clone(), v.clone()))
             .collect()
     };
+    let mut pids: HashMap<usize, TracePid> = HashMap::new();
     for ((rank, tensor), mut list) in tracks {
         list.sort_by_key(|e| e.ts_us);
-        let pid = rank_pid(job, rank, here);
-        let tid = format!("tensor {tensor}");
-        let mut slices = Vec::new();
+        let pid = pids
+            .entry(rank)
+            .or_insert_with(|| match rank_pid(job, rank, here) {
+                Value::Number(n) => {
+                    TracePid::Local(n.as_u64().and_then(|p| u32::try_from(p).ok()).unwrap_or(0))
+                }
+                other => TracePid::Remote(Arc::from(other.as_str().unwrap_or_default())),
+            })
+            .clone();
+        let tid: Arc<str> = Arc::from(format!("tensor {tensor}"));
         let mut any = false;
         let mut open: Vec<(&TimelineEvent, f64)> = Vec::new();
+        let mut push_slice = |out: &mut JobActivities, name: &str, start: f64, dur: f64, args| {
+            if start + dur < window_start_us || start > now_us {
+                return;
+            }
+            any = true;
+            out.activities.push(JobActivity {
+                ph: "X",
+                s: None,
+                cat: "job",
+                name: name_of(name),
+                pid: pid.clone(),
+                tid: tid.clone(),
+                ts: start,
+                dur: Some(dur),
+                args,
+            });
+        };
+        let mut instants = Vec::new();
         for event in list {
             let ts = to_trace(event.ts_us);
             match event.phase {
@@ -160,43 +305,50 @@ pub fn job_activities(
                         continue;
                     };
                     let (begin, start) = open.remove(at);
-                    let mut args = args_of(begin);
-                    args.extend(args_of(event));
-                    slices.push((begin.activity.as_str(), start, ts - start, args));
+                    let mut pairs = args_of(begin);
+                    pairs.extend(args_of(event));
+                    let args = ActivityArgs { pairs, open: false };
+                    push_slice(&mut out, &begin.activity, start, ts - start, args);
                 }
                 Phase::Instant => {
                     if ts >= window_start_us {
-                        any = true;
-                        out.push(json!({
-                            "ph": "i", "s": "t", "cat": "job", "name": event.activity,
-                            "pid": pid, "tid": tid, "ts": ts, "args": args_of(event),
-                        }));
+                        instants.push((event, ts));
                     }
                 }
             }
         }
         for (begin, start) in open {
-            let mut args = args_of(begin);
-            args.insert("open".into(), Value::Bool(true));
-            slices.push((
-                begin.activity.as_str(),
+            let args = ActivityArgs {
+                pairs: args_of(begin),
+                open: true,
+            };
+            push_slice(
+                &mut out,
+                &begin.activity,
                 start,
                 (now_us - start).max(0.0),
                 args,
-            ));
+            );
         }
-        for (name, start, dur, args) in slices {
-            if start + dur < window_start_us || start > now_us {
-                continue;
-            }
+        for (event, ts) in instants {
             any = true;
-            out.push(json!({
-                "ph": "X", "cat": "job", "name": name, "pid": pid, "tid": tid,
-                "ts": start, "dur": dur, "args": args,
-            }));
+            out.activities.push(JobActivity {
+                ph: "i",
+                s: Some("t"),
+                cat: "job",
+                name: name_of(&event.activity),
+                pid: pid.clone(),
+                tid: tid.clone(),
+                ts,
+                dur: None,
+                args: ActivityArgs {
+                    pairs: args_of(event),
+                    open: false,
+                },
+            });
         }
         if any {
-            out.push(json!({ "ph": "M", "name": "thread_name", "pid": pid, "tid": tid, "args": { "name": tensor } }));
+            out.metadata.push(json!({ "ph": "M", "name": "thread_name", "pid": pid, "tid": &*tid, "args": { "name": tensor } }));
         }
     }
     out
@@ -449,7 +601,7 @@ mod tests {
                 base + 95,
             ),
         ];
-        let out = job_activities(j, &events, &local, offset, 0.0, 5_001_000.0);
+        let out = job_activities(j, &events, &local, offset, 0.0, 5_001_000.0).to_values();
         let mut got = timed(&out);
         got.sort();
         assert_eq!(
@@ -498,7 +650,7 @@ mod tests {
             event(0, "t", "ALLREDUCE", Phase::Begin, 900),
             event(0, "t", "ALLREDUCE", Phase::End, 1_100),
         ];
-        let out = job_activities(j, &events, &local, 0, 1_000.0, 2_000.0);
+        let out = job_activities(j, &events, &local, 0, 1_000.0, 2_000.0).to_values();
         assert_eq!(timed(&out), ["X 1 tensor t ALLREDUCE@900.0+200.0"]);
     }
 
