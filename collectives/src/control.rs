@@ -461,6 +461,36 @@ pub struct PeerCredentials {
     pub gid: u32,
 }
 
+/// The process at the other end of the Unix socket `socket`, as the kernel
+/// recorded it at `connect` or `listen` (`SO_PEERCRED`).
+pub fn peer_credentials(socket: &impl std::os::fd::AsRawFd) -> std::io::Result<PeerCredentials> {
+    let mut cred = libc::ucred {
+        pid: 0,
+        uid: 0,
+        gid: 0,
+    };
+    let mut len = std::mem::size_of::<libc::ucred>() as libc::socklen_t;
+    // SAFETY: `cred` and `len` are valid for writes of a `ucred`, and the fd
+    // is an open socket borrowed for the call.
+    let rc = unsafe {
+        libc::getsockopt(
+            socket.as_raw_fd(),
+            libc::SOL_SOCKET,
+            libc::SO_PEERCRED,
+            (&raw mut cred).cast(),
+            &raw mut len,
+        )
+    };
+    if rc != 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    Ok(PeerCredentials {
+        pid: u32::try_from(cred.pid).unwrap_or(0),
+        uid: cred.uid,
+        gid: cred.gid,
+    })
+}
+
 /// A connection to a job's control socket, for the agent and for tests.
 #[derive(Debug)]
 pub struct ControlClient {
@@ -502,32 +532,7 @@ impl ControlClient {
     /// `listen` (`SO_PEERCRED`): its pid (in the caller's pid namespace), uid
     /// and gid. What a job's `hello` says about itself is only as good as this.
     pub fn peer_credentials(&self) -> std::io::Result<PeerCredentials> {
-        use std::os::fd::AsRawFd;
-        let mut cred = libc::ucred {
-            pid: 0,
-            uid: 0,
-            gid: 0,
-        };
-        let mut len = std::mem::size_of::<libc::ucred>() as libc::socklen_t;
-        // SAFETY: `cred` and `len` are valid for writes of a `ucred`, and the fd is
-        // this client's open socket.
-        let rc = unsafe {
-            libc::getsockopt(
-                self.stream.as_raw_fd(),
-                libc::SOL_SOCKET,
-                libc::SO_PEERCRED,
-                (&raw mut cred).cast(),
-                &raw mut len,
-            )
-        };
-        if rc != 0 {
-            return Err(std::io::Error::last_os_error());
-        }
-        Ok(PeerCredentials {
-            pid: u32::try_from(cred.pid).unwrap_or(0),
-            uid: cred.uid,
-            gid: cred.gid,
-        })
+        peer_credentials(&self.stream)
     }
 
     /// Asks for statistics and/or timeline events to be streamed.

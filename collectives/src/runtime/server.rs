@@ -197,6 +197,24 @@ pub(crate) struct ControlServer {
     slow_clients_closed: AtomicU64,
 }
 
+/// Whether the process at the other end of `stream` may use this job's
+/// control socket: a process of the job's own user, or root (the node's
+/// agent). The socket may sit in a directory every user can reach (the
+/// agent's runtime dir is mode 1777), and a client can change the job's
+/// knobs or take its few client slots.
+fn client_allowed(stream: &UnixStream) -> std::result::Result<(), String> {
+    // SAFETY: geteuid has no preconditions.
+    let me = unsafe { libc::geteuid() };
+    match crate::control::peer_credentials(stream) {
+        Ok(peer) if peer.uid == me || peer.uid == 0 => Ok(()),
+        Ok(peer) => Err(format!(
+            "this job's control socket serves only uid {me} and root; pid {} runs as uid {}",
+            peer.pid, peer.uid
+        )),
+        Err(error) => Err(format!("cannot read the client's credentials: {error}")),
+    }
+}
+
 fn pick_dir(preferred: Option<PathBuf>) -> Result<PathBuf> {
     let first = preferred.unwrap_or_else(default_runtime_dir);
     let mut tried = Vec::new();
@@ -286,7 +304,9 @@ impl ControlServer {
             match stream {
                 Ok(stream) => {
                     let connected = self.clients.lock().map(|c| c.len()).unwrap_or(0);
-                    if connected >= MAX_CLIENTS {
+                    if let Err(why) = client_allowed(&stream) {
+                        self.refuse_stranger(stream, &why);
+                    } else if connected >= MAX_CLIENTS {
                         self.refuse(stream, connected);
                     } else if let Err(e) = self.clone().add_client(stream) {
                         tracing::warn!(error = %e, "could not serve a control client");
@@ -294,6 +314,19 @@ impl ControlServer {
                 }
                 Err(e) => tracing::warn!(error = %e, "control socket accept failed"),
             }
+        }
+    }
+
+    /// Answers a client of another user with an `error` message and closes it.
+    fn refuse_stranger(&self, mut stream: UnixStream, why: &str) {
+        tracing::warn!(why, "control client refused");
+        let message = ServerMessage::Error {
+            request_id: None,
+            message: format!("{why}; closing this connection"),
+        };
+        let _ = stream.set_write_timeout(Some(Duration::from_millis(100)));
+        for frame in encode(&message) {
+            let _ = stream.write_all(&frame);
         }
     }
 
@@ -697,6 +730,39 @@ mod tests {
         });
         clients.push(ControlClient::connect(&path, timeout).unwrap());
         assert_eq!(server.client_counts(), (MAX_CLIENTS, 3, 0));
+        server.stop();
+        std::fs::remove_dir_all(&dir).ok();
+    }
+
+    #[test]
+    fn a_client_of_another_user_is_refused() {
+        // SAFETY: geteuid has no preconditions.
+        if unsafe { libc::geteuid() } != 0 || !Path::new("/usr/bin/python3").exists() {
+            eprintln!("skipped: needs root (to connect as nobody) and /usr/bin/python3");
+            return;
+        }
+        use std::os::unix::fs::PermissionsExt;
+        let (server, dir) = server("stranger");
+        let path = server.path().to_path_buf();
+        // Even a socket anyone may connect to serves only its own user and root.
+        std::fs::set_permissions(&dir, std::fs::Permissions::from_mode(0o755)).unwrap();
+        std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o777)).unwrap();
+        let script = "import socket,struct,sys\n\
+            s=socket.socket(socket.AF_UNIX); s.connect(sys.argv[1]); s.settimeout(20)\n\
+            n=struct.unpack('>I', s.recv(4, socket.MSG_WAITALL))[0]\n\
+            print(s.recv(n, socket.MSG_WAITALL).decode())\n";
+        let out = std::process::Command::new("setpriv")
+            .args(["--reuid", "65534", "--regid", "65534", "--clear-groups"])
+            .args(["/usr/bin/python3", "-c", script])
+            .arg(&path)
+            .output()
+            .unwrap();
+        let answer = String::from_utf8_lossy(&out.stdout);
+        assert!(answer.contains("\"error\""), "{answer} {out:?}");
+        assert!(answer.contains("serves only uid 0 and root"), "{answer}");
+        assert!(answer.contains("runs as uid 65534"), "{answer}");
+        // Root (the agent) is still served.
+        assert!(ControlClient::connect(&path, Duration::from_secs(20)).is_ok());
         server.stop();
         std::fs::remove_dir_all(&dir).ok();
     }
