@@ -142,13 +142,37 @@ pub struct StateChunk {
 /// intervals that ended since the previous one (except the last
 /// [`ThreadStates::LAG_NS`], whose records may still be on their way out of
 /// the kernel) and forgets chunks that fell out of the window.
-#[derive(Debug, Default)]
+#[derive(Debug)]
 pub struct ThreadStates {
     chunks: VecDeque<Arc<StateChunk>>,
     cursor_ns: Option<u64>,
+    /// Slices kept over all chunks; past it the oldest chunks go, and the
+    /// window the view answers for is shorter than `--timeline-window`.
+    max_slices: usize,
+    /// Slices in `chunks`.
+    slices: usize,
+    /// Chunks dropped for memory before they left the window.
+    pub chunks_dropped: u64,
+}
+
+impl Default for ThreadStates {
+    fn default() -> Self {
+        Self::with_budget(usize::MAX)
+    }
 }
 
 impl ThreadStates {
+    /// Keeps at most `bytes` of thread states.
+    pub fn with_budget(bytes: usize) -> Self {
+        Self {
+            chunks: VecDeque::new(),
+            cursor_ns: None,
+            max_slices: (bytes / std::mem::size_of::<StateSlice>()).max(1),
+            slices: 0,
+            chunks_dropped: 0,
+        }
+    }
+
     /// Intervals ending this close to "now" wait for the next build: their
     /// records may not have been read yet. (An off-CPU interval leaves the
     /// kernel with its thread's next switch in, after the run-queue wait
@@ -180,17 +204,37 @@ impl ThreadStates {
                     );
                 }
             }
-            self.chunks.push_back(Arc::new(StateChunk {
+            self.push(StateChunk {
                 until_ns: cut,
                 slices,
-            }));
+            });
             self.cursor_ns = Some(cut);
         }
-        while self
-            .chunks
-            .front()
-            .is_some_and(|c| c.until_ns < window_start_ns)
-        {
+        self.trim(window_start_ns);
+    }
+
+    /// Adds the newest chunk.
+    fn push(&mut self, mut chunk: StateChunk) {
+        // Kept for a whole window: no spare capacity.
+        chunk.slices.shrink_to_fit();
+        self.slices += chunk.slices.len();
+        self.chunks.push_back(Arc::new(chunk));
+    }
+
+    /// Drops the chunks that ended before `window_start_ns`, and the oldest
+    /// ones while over the budget.
+    fn trim(&mut self, window_start_ns: u64) {
+        while let Some(oldest) = self.chunks.front() {
+            let expired = oldest.until_ns < window_start_ns;
+            // The newest chunk stays even alone over the budget.
+            let over = self.slices > self.max_slices && self.chunks.len() > 1;
+            if !(expired || over) {
+                break;
+            }
+            if !expired {
+                self.chunks_dropped += 1;
+            }
+            self.slices -= oldest.slices.len();
             self.chunks.pop_front();
         }
     }
@@ -439,6 +483,30 @@ mod tests {
             .collect();
         v.sort_by(|a, b| a.1.total_cmp(&b.1));
         v
+    }
+
+    #[test]
+    fn thread_states_keep_to_their_budget_dropping_the_oldest() {
+        let size = std::mem::size_of::<StateSlice>();
+        let mut states = ThreadStates::with_budget(10 * size);
+        let chunk = |until_ns, n: u64| StateChunk {
+            until_ns,
+            slices: (0..n).map(|i| slice(1, until_ns / 1_000 + i, 1)).collect(),
+        };
+        for (until, n) in [(1_000, 4), (2_000, 4), (3_000, 4)] {
+            states.push(chunk(until, n));
+            states.trim(0);
+        }
+        // 12 > 10: the oldest chunk went, for memory, not for age.
+        let kept: Vec<u64> = states.chunks.iter().map(|c| c.until_ns).collect();
+        assert_eq!(kept, [2_000, 3_000]);
+        assert_eq!((states.slices, states.chunks_dropped), (8, 1));
+        // A chunk alone over the budget stays; expired ones go without counting.
+        states.push(chunk(4_000, 30));
+        states.trim(2_500);
+        let kept: Vec<u64> = states.chunks.iter().map(|c| c.until_ns).collect();
+        assert_eq!(kept, [4_000]);
+        assert_eq!((states.slices, states.chunks_dropped), (30, 2));
     }
 
     #[test]

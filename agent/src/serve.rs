@@ -63,6 +63,12 @@ pub struct ServeArgs {
     #[arg(long, default_value = "60s", value_parser = humantime::parse_duration, env = "RINGWATCH_TIMELINE_WINDOW")]
     pub timeline_window: std::time::Duration,
 
+    /// Memory the live window's thread states may take, in MiB; past it the
+    /// oldest seconds go first (the window answered is then shorter than
+    /// --timeline-window, and the log says so once).
+    #[arg(long, default_value_t = 64, env = "RINGWATCH_TIMELINE_STATE_MIB", value_parser = clap::value_parser!(u32).range(1..=65_536))]
+    pub timeline_state_mib: u32,
+
     /// Where finished tuning sessions write their reports (CSV, Parquet,
     /// HTML, JSON). When it is not writable: `$XDG_STATE_HOME/ringwatch/reports`
     /// or `~/.local/state/ringwatch/reports` (logged).
@@ -208,7 +214,7 @@ pub async fn run(args: ServeArgs) -> Result<()> {
     };
     // TCP and GPU counter samples of the live window, once a second.
     let mut counters = CounterHistory::new(args.timeline_window.as_secs_f64() * 1e6);
-    let mut states = live::ThreadStates::default();
+    let mut states = live::ThreadStates::with_budget(args.timeline_state_mib as usize * (1 << 20));
     if let Some(session) = &session {
         // Publish an (empty) view at once, so the API never answers "no
         // source" while the first second of events comes in.
@@ -258,6 +264,7 @@ pub async fn run(args: ServeArgs) -> Result<()> {
             eprintln!("ringwatch-agent: watching {} (serve)", session.describe());
             let window_ns = u64::try_from(args.timeline_window.as_nanos()).unwrap_or(u64::MAX);
             let mut figures_from = monotonic_ns();
+            let mut said_window_short = false;
             let publish_period = std::time::Duration::from_secs(1);
             let mut next_publish = tokio::time::Instant::now() + publish_period;
             loop {
@@ -294,6 +301,15 @@ pub async fn run(args: ServeArgs) -> Result<()> {
                 );
                 state.publish(view);
                 figures_from = now;
+                if states.chunks_dropped > 0 && !said_window_short {
+                    said_window_short = true;
+                    tracing::warn!(
+                        budget_mib = args.timeline_state_mib,
+                        "the live window's thread states outgrew --timeline-state-mib: the \
+                         oldest seconds are dropped, so the timeline covers less than \
+                         --timeline-window"
+                    );
+                }
             }
             session.detach()?;
         }
