@@ -111,7 +111,23 @@ fn install(root: &Path, target_dir: &Path) -> Result<PathBuf> {
         .into_iter()
         .find(|p| crate::which(p))
         .context("the API fuzzing needs Python 3 (python3 with venv and pip)")?;
-    crate::run(python, &["-m", "venv", "--clear", path_str(&venv)?])?;
+    if crate::run(python, &["-m", "venv", "--clear", path_str(&venv)?]).is_err() {
+        // Debian's python3 makes venvs only with python3-venv installed.
+        eprintln!("xtask: `{python} -m venv` failed; trying Debian's python3 with python3-venv");
+        crate::ensure_packages(
+            &[("python3-venv", "virtual environments for Schemathesis")],
+            |_| {
+                Command::new("/usr/bin/python3")
+                    .args(["-c", "import ensurepip"])
+                    .status()
+                    .is_ok_and(|s| s.success())
+            },
+        )?;
+        crate::run(
+            "/usr/bin/python3",
+            &["-m", "venv", "--clear", path_str(&venv)?],
+        )?;
+    }
     let pip = venv.join("bin/pip");
     crate::run(
         path_str(&pip)?,
