@@ -138,7 +138,7 @@ struct Report<'a> {
     command: String,
     wall_s: f64,
     checks: &'a [Check],
-    scenarios: &'a BTreeMap<&'static str, Outcome>,
+    scenarios: BTreeMap<&'static str, &'a Outcome>,
 }
 
 /// Everything the scenarios share: the binaries, where logs go.
@@ -209,7 +209,7 @@ pub fn run(root: &Path, args: &Args) -> Result<()> {
             subscribers_that_never_read,
         ),
     ];
-    let mut outcomes: BTreeMap<&'static str, Outcome> = BTreeMap::new();
+    let mut outcomes: Vec<(&'static str, Outcome)> = Vec::new();
     for (name, wanted, scenario) in scenarios {
         if !wanted {
             continue;
@@ -233,10 +233,13 @@ pub fn run(root: &Path, args: &Args) -> Result<()> {
             print_check(check);
         }
         println!("   ({:.0} s)", scenario_started.elapsed().as_secs_f64());
-        outcomes.insert(name, outcome);
+        outcomes.push((name, outcome));
     }
 
-    let checks: Vec<Check> = outcomes.values().flat_map(|o| o.checks.clone()).collect();
+    let checks: Vec<Check> = outcomes
+        .iter()
+        .flat_map(|(_, o)| o.checks.clone())
+        .collect();
     println!();
     print_table(&checks);
     let failed = checks.iter().filter(|c| c.verdict == Verdict::Fail).count();
@@ -244,7 +247,7 @@ pub fn run(root: &Path, args: &Args) -> Result<()> {
         command: std::env::args().collect::<Vec<_>>().join(" "),
         wall_s: started.elapsed().as_secs_f64(),
         checks: &checks,
-        scenarios: &outcomes,
+        scenarios: outcomes.iter().map(|(name, o)| (*name, o)).collect(),
     };
     crate::write_json_report(
         &crate::under_root(root, &args.hostile_out),
@@ -1014,8 +1017,15 @@ fn stop_one_rank(
     };
     signal(stopped_pid, libc::SIGSTOP);
     let stopped_at = Instant::now();
+    // Done when every other rank has said why it failed (the launcher then waits for
+    // the stopped one), or when the job is over.
+    let others: Vec<usize> = (0..4).filter(|r| *r != stopped).collect();
+    let all_said = |lines: &[String]| {
+        let errors = rank_errors(lines);
+        others.iter().all(|r| errors.contains_key(r))
+    };
     let exited = wait_until(Duration::from_secs(6 * PEER_TIMEOUT_SECS), || {
-        job.try_wait().map(|_| ())
+        (all_said(&lock(&lines)) || job.try_wait().is_some()).then_some(())
     })
     .is_ok();
     let took = stopped_at.elapsed().as_secs_f64();
@@ -1023,27 +1033,19 @@ fn stop_one_rank(
     drop(job);
     let _ = std::fs::remove_dir_all(&dir);
     let lines = lock(&lines).clone();
-    // `collbench (rank R): error: …` per failed rank.
-    let mut errors: BTreeMap<usize, String> = BTreeMap::new();
-    for line in &lines {
-        if let Some(rest) = line.strip_prefix("collbench (rank ")
-            && let Some((rank, message)) = rest.split_once("): error: ")
-            && let Ok(rank) = rank.parse::<usize>()
-        {
-            errors.entry(rank).or_insert_with(|| message.to_owned());
-        }
-    }
-    let others: Vec<usize> = (0..4).filter(|r| *r != stopped).collect();
+    let errors = rank_errors(&lines);
     let naming = |rank: usize| {
-        errors
-            .get(&rank)
-            .is_some_and(|message| names_rank(message, rank, stopped))
+        errors.get(&rank).is_some_and(|messages| {
+            messages
+                .iter()
+                .any(|message| names_rank(message, rank, stopped))
+        })
     };
     let wrong: Vec<String> = others
         .iter()
         .filter(|r| !naming(**r))
         .map(|r| match errors.get(r) {
-            Some(message) => format!("rank {r}: {}", shorten(message, 140)),
+            Some(messages) => format!("rank {r}: {}", shorten(&messages.join(" / "), 200)),
             None => format!("rank {r}: no error line"),
         })
         .collect();
@@ -1056,7 +1058,7 @@ fn stop_one_rank(
         ),
         if wrong.is_empty() {
             format!(
-                "all {} named it; job ended {took:.0} s after the stop",
+                "all {} named it within {took:.0} s of the stop",
                 others.len()
             )
         } else {
@@ -1067,7 +1069,7 @@ fn stop_one_rank(
                 if exited {
                     ""
                 } else {
-                    " (job still running after 6 peer timeouts)"
+                    " (not all within 6 peer timeouts)"
                 },
                 wrong.join(" | ")
             )
@@ -1078,6 +1080,30 @@ fn stop_one_rank(
         check,
         json!({ "errors": errors, "stderr_tail": lines.iter().rev().take(40).rev().collect::<Vec<_>>() }),
     ))
+}
+
+/// Each rank's error output in the job's shared stderr: the rank's last words
+/// (`collbench (rank R): error: ...`) and its runtime's log line (`collective job failed
+/// rank=R error=...`). The ranks share one pipe, so a line may hold the tail of another
+/// rank's line before its own: the markers are looked for anywhere in a line.
+fn rank_errors(lines: &[String]) -> BTreeMap<usize, Vec<String>> {
+    let mut errors: BTreeMap<usize, Vec<String>> = BTreeMap::new();
+    for line in lines {
+        for (marker, end) in [
+            ("collbench (rank ", "): error: "),
+            ("collective job failed rank=", " error="),
+        ] {
+            for (at, _) in line.match_indices(marker) {
+                let rest = &line[at + marker.len()..];
+                if let Some((rank, message)) = rest.split_once(end)
+                    && let Ok(rank) = rank.parse::<usize>()
+                {
+                    errors.entry(rank).or_default().push(message.to_owned());
+                }
+            }
+        }
+    }
+    errors
 }
 
 /// True when `message` (rank `reporter`'s error) names `rank`, outside its own `rank R: `
@@ -1729,6 +1755,20 @@ mod tests {
             2
         ));
         assert!(!names_rank("rank 3: the link to rank 0 broke", 3, 2));
+    }
+
+    #[test]
+    fn rank_errors_are_found_in_interleaved_lines() {
+        let lines = [
+            "collbench (rank collbench (rank 0): error: rank 0: rank 2 stopped answering"
+                .to_owned(),
+            "3): error: rank 3: rank 2 stopped answering".to_owned(),
+            "ERROR collectives::runtime: collective job failed rank=3 error=rank 3: rank 2 stopped"
+                .to_owned(),
+        ];
+        let errors = rank_errors(&lines);
+        assert_eq!(errors.keys().copied().collect::<Vec<_>>(), vec![0, 3]);
+        assert!(names_rank(&errors[&3][0], 3, 2));
     }
 
     #[test]
