@@ -83,6 +83,8 @@ struct Connection {
     in_request: Arc<AtomicUsize>,
     /// Tells its task to close it.
     evict: Arc<Notify>,
+    /// Its task says it has closed it.
+    closed: Arc<Notify>,
 }
 
 /// The open connections, oldest first.
@@ -98,25 +100,30 @@ impl Table {
             .unwrap_or_else(std::sync::PoisonError::into_inner)
     }
 
-    /// Makes room for one more connection under `max`: true when there is
-    /// room (closing the oldest connection that is not inside a request if
-    /// needed), false when every open connection is busy.
-    fn make_room(&self, max: usize, counters: &HttpCounters) -> bool {
+    /// Makes room for one more connection under `max`: `Room::Free` when
+    /// there is room, `Room::Evicted` after telling the oldest connection
+    /// that is not inside a request to close (wait for it before accepting,
+    /// so the descriptors stay within the cap), `Room::Full` when every open
+    /// connection is busy.
+    fn make_room(&self, max: usize, counters: &HttpCounters) -> Room {
         let mut connections = self.lock();
         if connections.len() < max {
-            return true;
+            return Room::Free;
         }
         let Some(index) = connections
             .iter()
             .position(|c| c.in_request.load(Ordering::Acquire) == 0)
         else {
-            return false;
+            return Room::Full;
         };
-        if let Some(oldest) = connections.remove(index) {
-            oldest.evict.notify_one();
-            counters.evicted.fetch_add(1, Ordering::Relaxed);
+        match connections.remove(index) {
+            Some(oldest) => {
+                oldest.evict.notify_one();
+                counters.evicted.fetch_add(1, Ordering::Relaxed);
+                Room::Evicted(oldest.closed)
+            }
+            None => Room::Full,
         }
-        true
     }
 
     fn insert(&self, connection: Connection) {
@@ -127,6 +134,16 @@ impl Table {
         self.lock().retain(|c| c.id != id);
     }
 }
+
+/// What [`Table::make_room`] did.
+enum Room {
+    Free,
+    Evicted(Arc<Notify>),
+    Full,
+}
+
+/// How long the accept loop waits for an evicted connection to close.
+const EVICTION_WAIT: Duration = Duration::from_millis(200);
 
 /// Decrements a connection's in-request count when a request ends, however
 /// it ends (answered, timed out, or the connection dropped mid-request).
@@ -177,7 +194,11 @@ pub async fn serve(
                 continue;
             }
         };
-        if !table.make_room(limits.max_connections, &counters) {
+        let room = table.make_room(limits.max_connections, &counters);
+        if let Room::Evicted(closed) = &room {
+            let _ = tokio::time::timeout(EVICTION_WAIT, closed.notified()).await;
+        }
+        if matches!(room, Room::Full) {
             let refused = counters.refused.fetch_add(1, Ordering::Relaxed) + 1;
             if refused.is_power_of_two() {
                 tracing::warn!(
@@ -195,10 +216,12 @@ pub async fn serve(
         let id = next_id;
         let in_request = Arc::new(AtomicUsize::new(0));
         let evict = Arc::new(Notify::new());
+        let closed = Arc::new(Notify::new());
         table.insert(Connection {
             id,
             in_request: in_request.clone(),
             evict: evict.clone(),
+            closed: closed.clone(),
         });
         counters.accepted.fetch_add(1, Ordering::Relaxed);
         counters.open.fetch_add(1, Ordering::AcqRel);
@@ -212,12 +235,13 @@ pub async fn serve(
         let mut stop_rx = stop_rx.clone();
         tokio::spawn(async move {
             let counters = task.counters.clone();
-            let connection = hyper::server::conn::http1::Builder::new()
-                .timer(TokioTimer::new())
-                .header_read_timeout(limits.header_read_timeout)
-                .max_buf_size(MAX_BUFFER_BYTES)
-                .serve_connection(TokioIo::new(stream), task.service());
-            tokio::pin!(connection);
+            let mut connection = Box::pin(
+                hyper::server::conn::http1::Builder::new()
+                    .timer(TokioTimer::new())
+                    .header_read_timeout(limits.header_read_timeout)
+                    .max_buf_size(MAX_BUFFER_BYTES)
+                    .serve_connection(TokioIo::new(stream), task.service()),
+            );
             tokio::select! {
                 result = connection.as_mut() => {
                     if let Err(error) = result {
@@ -232,8 +256,11 @@ pub async fn serve(
                     let _ = tokio::time::timeout(SHUTDOWN_GRACE, connection.as_mut()).await;
                 }
             }
+            // The socket is closed once `connection` is dropped.
+            drop(connection);
             table.remove(id);
             counters.open.fetch_sub(1, Ordering::AcqRel);
+            closed.notify_one();
         });
     }
     let _ = stop_tx.send(true);

@@ -232,6 +232,7 @@ pub async fn run(args: ServeArgs) -> Result<()> {
         Ok(_) => {}
         Err(error) => tracing::warn!(%error, "cannot raise the open-file limit"),
     }
+    give_back_free_memory_periodically();
     let listener = tokio::net::TcpListener::bind(args.listen)
         .await
         .with_context(|| format!("binding the API to {}", args.listen))?;
@@ -339,6 +340,28 @@ pub async fn run(args: ServeArgs) -> Result<()> {
     let _ = shutdown_tx.send(());
     server.await.context("the API server task failed")
 }
+
+/// Every [`TRIM_PERIOD`], hands the allocator's free memory back to the
+/// system, on a task of its own. glibc keeps what a burst freed (a flood of
+/// timeline answers, a busy second's views) inside its heaps and arenas; RSS
+/// then stays at the burst's peak although nothing uses it.
+fn give_back_free_memory_periodically() {
+    tokio::spawn(async {
+        let mut tick = tokio::time::interval(TRIM_PERIOD);
+        loop {
+            tick.tick().await;
+            #[cfg(target_env = "gnu")]
+            // SAFETY: malloc_trim only releases free memory; no preconditions.
+            unsafe {
+                libc::malloc_trim(0);
+            }
+        }
+    });
+}
+
+/// How often [`give_back_free_memory_periodically`] trims (a trim walks the
+/// heap: a few ms).
+const TRIM_PERIOD: std::time::Duration = std::time::Duration::from_secs(10);
 
 /// The API token: the first line of `file` (`--token-file`), else
 /// RINGWATCH_API_TOKEN; `None` when neither is given.
