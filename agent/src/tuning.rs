@@ -428,8 +428,12 @@ const FEED_REREAD_NS: u64 = 2_000_000_000;
 /// lost says too little about the job's waits to judge a window by.
 const MAX_LOST_SHARE: f64 = 0.01;
 
-/// How long the feed keeps waits and retransmits.
-const FEED_KEEP_NS: u64 = 120_000_000_000;
+/// How long the feed keeps waits and retransmits. A busy 4-rank job has
+/// ~15k run-queue waits a second; 120 s of them were ~90 MB of the agent.
+/// A window is judged right after it ends, so this bounds the windows that
+/// can be judged to `FEED_KEEP_NS - LONGEST_WAIT_NS` (20 s); longer ones are
+/// not judged, and the log says so.
+const FEED_KEEP_NS: u64 = 30_000_000_000;
 
 /// Run-queue waits longer than this are not looked for before a window's
 /// start (the feed's index is by start time).
@@ -453,6 +457,8 @@ struct FeedData {
     /// Ranges (monotonic ns) during which records were lost: windows that
     /// overlap one are not judged.
     lossy: Vec<(u64, u64)>,
+    /// Waits that began before this are forgotten (monotonic ns; 0: none).
+    kept_from_ns: u64,
 }
 
 /// The live eBPF pipeline's run-queue waits and TCP retransmits of the
@@ -534,6 +540,7 @@ impl LoadFeed {
         data.waits = data.waits.split_off(&(keep_from, 0));
         data.retransmits = data.retransmits.split_off(&(keep_from, 0));
         data.lossy.retain(|&(_, end)| end >= keep_from);
+        data.kept_from_ns = keep_from;
         data.covered_until_ns = now;
         data.unix_minus_monotonic_ns = unix_minus_monotonic_ns;
     }
@@ -570,6 +577,15 @@ impl LoadFeed {
         if to_ns <= from_ns {
             return None;
         }
+        let earliest = from_ns.saturating_sub(LONGEST_WAIT_NS);
+        if earliest < data.kept_from_ns {
+            tracing::info!(
+                window_s = (to_ns - from_ns) as f64 / 1e9,
+                "this window began before what the eBPF feed keeps (windows of up to 20 s \
+                 can be judged): it is not judged"
+            );
+            return None;
+        }
         if data
             .lossy
             .iter()
@@ -591,7 +607,6 @@ impl LoadFeed {
                 )
             })
             .collect();
-        let earliest = from_ns.saturating_sub(LONGEST_WAIT_NS);
         for (&(start, _tid), &(pid, duration)) in data.waits.range((earliest, 0)..(to_ns, 0)) {
             let overlap = (start + duration)
                 .min(to_ns)
@@ -1458,6 +1473,12 @@ mod tests {
         feed.lock().lossy.push((14_000_000_000, 14_500_000_000));
         assert!(feed.window(&pids, 1_010_000_000, 1_015_000_000).is_none());
         assert!(feed.window(&pids, 1_014_500_000, 1_015_000_000).is_some());
+        // Waits before 5 s are forgotten: a window from 15 s still sees
+        // everything that could overlap it (waits up to 10 s long), one from
+        // 14.5 s does not, and is not judged.
+        feed.lock().kept_from_ns = 5_000_000_000;
+        assert!(feed.window(&pids, 1_015_000_000, 1_015_500_000).is_some());
+        assert!(feed.window(&pids, 1_014_500_000, 1_015_000_000).is_none());
         assert!(LoadFeed::default().window(&pids, 0, 1).is_none());
     }
 
