@@ -258,6 +258,33 @@ struct Rejected {
     at: Instant,
 }
 
+/// New sockets of one owner tried per directory and scan.
+const MAX_CONNECTS_PER_OWNER: usize = 4;
+
+/// The most ranks a `hello` may list (each local one costs a /proc read per
+/// scan of the watched set).
+const MAX_RANKS: usize = 16_384;
+
+/// Why a job's `hello` is not believed: its job id must be the socket's own
+/// name (so a socket cannot speak for another job's id), and its rank list
+/// bounded.
+fn check_hello(path: &Path, hello: &collectives::control::Hello) -> Result<(), String> {
+    let stem = path.file_stem().and_then(|s| s.to_str()).unwrap_or("");
+    if hello.job_id != stem {
+        return Err(format!(
+            "its hello says job {:?}, but a job's socket is named after its id",
+            hello.job_id
+        ));
+    }
+    if hello.ranks.len() > MAX_RANKS {
+        return Err(format!(
+            "its hello lists {} ranks (at most {MAX_RANKS})",
+            hello.ranks.len()
+        ));
+    }
+    Ok(())
+}
+
 /// Sockets that failed are retried this rarely (a job may have been starting).
 const RETRY_REJECTED: Duration = Duration::from_secs(10);
 
@@ -269,6 +296,59 @@ struct Registry {
     /// the reason changes).
     refused_dirs: HashMap<PathBuf, String>,
     next_connection: u64,
+}
+
+impl Registry {
+    /// Makes room for one more job of `uid` within the caps, which count
+    /// lost jobs too (they keep their timeline for the retention window):
+    /// the oldest lost job of that user (for the per-user cap) or of anyone
+    /// (for the total) is forgotten first; `Err` when only connected jobs
+    /// fill the cap.
+    fn make_room(&mut self, config: &JobsConfig, uid: u32) -> Result<(), String> {
+        let per_user = |registry: &Self| {
+            registry
+                .jobs
+                .values()
+                .filter(|j| j.owner.uid == uid)
+                .count()
+        };
+        while uid != 0 && per_user(self) >= config.max_jobs_per_user {
+            if !self.forget_oldest_lost(Some(uid)) {
+                return Err(format!(
+                    "uid {uid} already has {} jobs followed (the most per user)",
+                    config.max_jobs_per_user
+                ));
+            }
+        }
+        while self.jobs.len() >= config.max_jobs {
+            if !self.forget_oldest_lost(None) {
+                return Err(format!(
+                    "the agent already follows {} jobs (the most it follows)",
+                    config.max_jobs
+                ));
+            }
+        }
+        Ok(())
+    }
+
+    /// Forgets the job lost longest ago (of `uid`, when given); false when
+    /// there is none.
+    fn forget_oldest_lost(&mut self, uid: Option<u32>) -> bool {
+        let oldest = self
+            .jobs
+            .iter()
+            .filter(|(_, j)| uid.is_none_or(|uid| j.owner.uid == uid))
+            .filter_map(|(id, j)| j.lost_at.map(|at| (at, id.clone())))
+            .min();
+        match oldest {
+            Some((_, id)) => {
+                tracing::debug!(job_id = id, "forgetting a lost job to make room");
+                self.jobs.remove(&id);
+                true
+            }
+            None => false,
+        }
+    }
 }
 
 /// The registry of jobs found through control sockets. Cloning gives another
@@ -394,6 +474,7 @@ impl Jobs {
                 continue;
             };
             let mut connects = 0;
+            let mut connects_of: HashMap<u32, usize> = HashMap::new();
             for entry in entries.flatten() {
                 let path = entry.path();
                 if path.extension().is_none_or(|e| e != "sock") {
@@ -409,10 +490,16 @@ impl Jobs {
                         self.reject(&path, meta.ino(), "not a Unix socket");
                         continue;
                     }
-                    if connects == config.max_connects_per_scan {
+                    // Per directory and per owner: one user's many sockets
+                    // cannot use up a scan.
+                    let of_owner = connects_of.entry(meta.uid()).or_default();
+                    if connects == config.max_connects_per_scan
+                        || *of_owner == MAX_CONNECTS_PER_OWNER
+                    {
                         continue;
                     }
                     connects += 1;
+                    *of_owner += 1;
                     self.connect(&path, meta.ino(), dir_meta.uid());
                 }
             }
@@ -524,31 +611,11 @@ impl Jobs {
         if let Err(why) = trust::check_socket(path, dir_uid, owner) {
             return self.reject(path, inode, &format!("untrusted socket: {why}"));
         }
-        {
-            let registry = self.lock();
-            let connected = registry
-                .jobs
-                .values()
-                .filter(|j| j.state == JobState::Connected);
-            let (all, same_user) = connected.fold((0, 0), |(all, same), job| {
-                (all + 1, same + usize::from(job.owner.uid == owner.uid))
-            });
-            let over = if all >= config.max_jobs {
-                Some(format!(
-                    "the agent already follows {all} jobs (the most it follows)"
-                ))
-            } else if owner.uid != 0 && same_user >= config.max_jobs_per_user {
-                Some(format!(
-                    "uid {} already has {same_user} jobs followed (the most per user)",
-                    owner.uid
-                ))
-            } else {
-                None
-            };
-            if let Some(why) = over {
-                drop(registry);
-                return self.reject(path, inode, &why);
-            }
+        if let Err(why) = check_hello(path, client.hello()) {
+            return self.reject(path, inode, &why);
+        }
+        if let Err(why) = self.lock().make_room(config, owner.uid) {
+            return self.reject(path, inode, &why);
         }
         if let Err(error) = client.subscribe(true, true) {
             return self.reject(path, inode, &format!("subscribing failed: {error}"));

@@ -3,9 +3,10 @@
 //! is only words, so what decides is what the kernel says.
 //!
 //! - A runtime directory is scanned only if it is a real directory (not a
-//!   symlink), owned by root or by the agent's own user, and not writable
-//!   by others unless it has the sticky bit (as `/tmp` has), so no user can
-//!   remove or replace another user's socket in it.
+//!   symlink) that no user can use to tamper with another's sockets: owned
+//!   by root or by the agent's own user and not writable by others unless
+//!   it has the sticky bit (as `/tmp` has), or owned by one other user and
+//!   writable by that user alone (a user's `/tmp/ringwatch-<uid>`).
 //! - A socket is used only if its directory is owned by root or by the
 //!   socket's owner, and the process serving it (`SO_PEERCRED`) runs as the
 //!   socket's owner.
@@ -29,13 +30,19 @@ pub fn check_runtime_dir(dir: &Path, agent_uid: u32) -> Result<(), String> {
     if !meta.is_dir() {
         return Err("it is not a directory".to_owned());
     }
-    if meta.uid() != 0 && meta.uid() != agent_uid {
-        return Err(format!(
-            "it is owned by uid {}, neither root nor the agent's user ({agent_uid})",
-            meta.uid()
-        ));
-    }
     let mode = meta.permissions().mode();
+    if meta.uid() != 0 && meta.uid() != agent_uid {
+        // One user's own directory: only that user may add sockets
+        // ([`check_socket`] then wants them to be that user's).
+        if mode & 0o022 != 0 {
+            return Err(format!(
+                "it is owned by uid {} and others may write to it (mode {:o})",
+                meta.uid(),
+                mode & 0o7777
+            ));
+        }
+        return Ok(());
+    }
     if mode & 0o022 != 0 && mode & 0o1000 == 0 {
         return Err(format!(
             "it is writable by others (mode {:o}) without the sticky bit: anyone could replace \
@@ -66,8 +73,10 @@ pub fn check_socket(socket: &Path, dir_uid: u32, peer: PeerCredentials) -> Resul
 }
 
 /// Whether process `pid` may be watched for a job served as `job_uid`: root's
-/// jobs may name any process, others only processes of their own user (real
-/// or effective uid). `Err` says why not.
+/// jobs may name any process, others only processes that run wholly as their
+/// own user (real, effective, saved and filesystem uid alike, as ptrace's
+/// check: a setuid program a user started is not that user's). `Err` says
+/// why not.
 pub fn check_rank_pid(pid: u32, job_uid: u32) -> Result<(), String> {
     if job_uid == 0 {
         return Ok(());
@@ -75,33 +84,53 @@ pub fn check_rank_pid(pid: u32, job_uid: u32) -> Result<(), String> {
     let status = std::fs::read_to_string(format!("/proc/{pid}/status"))
         .map_err(|e| format!("cannot read /proc/{pid}/status: {e}"))?;
     let uids = process_uids(&status).ok_or_else(|| format!("no Uid line for pid {pid}"))?;
-    if uids.contains(&job_uid) {
+    if uids.iter().all(|&uid| uid == job_uid) {
         Ok(())
     } else {
         Err(format!(
-            "pid {pid} runs as uid {} but the job's socket is served by uid {job_uid}",
-            uids[1]
+            "pid {pid} runs as uids {uids:?} (real, effective, saved, filesystem) but the \
+             job's socket is served by uid {job_uid}"
         ))
     }
 }
 
-/// The real and effective uid of a `/proc/<pid>/status` text.
-fn process_uids(status: &str) -> Option<[u32; 2]> {
+/// The real, effective, saved and filesystem uid of a `/proc/<pid>/status`
+/// text.
+fn process_uids(status: &str) -> Option<[u32; 4]> {
     let line = status.lines().find_map(|l| l.strip_prefix("Uid:"))?;
     let mut fields = line.split_whitespace().map(str::parse::<u32>);
-    let real = fields.next()?.ok()?;
-    let effective = fields.next()?.ok()?;
-    Some([real, effective])
+    let mut uids = [0; 4];
+    for uid in &mut uids {
+        *uid = fields.next()?.ok()?;
+    }
+    Some(uids)
 }
 
 /// Creates the agent's runtime directory if it is missing, root-owned and
 /// mode 1777 (writable by every user's jobs, each socket removable only by
 /// its owner, as `/tmp`), and checks it either way.
 pub fn ensure_runtime_dir(dir: &Path, agent_uid: u32) -> Result<(), String> {
+    use std::os::unix::fs::{DirBuilderExt, OpenOptionsExt};
     if std::fs::symlink_metadata(dir).is_err() {
-        std::fs::create_dir_all(dir).map_err(|e| format!("cannot create it: {e}"))?;
+        if let Some(parent) = dir.parent() {
+            std::fs::create_dir_all(parent)
+                .map_err(|e| format!("cannot create its parent: {e}"))?;
+        }
+        // Only a directory this call made is changed: `create` fails if
+        // anything (a planted symlink) took the name meanwhile, and the mode
+        // is set through a descriptor of the directory itself.
+        std::fs::DirBuilder::new()
+            .mode(0o700)
+            .create(dir)
+            .map_err(|e| format!("cannot create it: {e}"))?;
+        let opened = std::fs::OpenOptions::new()
+            .read(true)
+            .custom_flags(libc::O_DIRECTORY | libc::O_NOFOLLOW)
+            .open(dir)
+            .map_err(|e| format!("cannot open it: {e}"))?;
         let mode = if agent_uid == 0 { 0o1777 } else { 0o700 };
-        std::fs::set_permissions(dir, std::fs::Permissions::from_mode(mode))
+        opened
+            .set_permissions(std::fs::Permissions::from_mode(mode))
             .map_err(|e| format!("cannot set its mode: {e}"))?;
         tracing::info!(dir = %dir.display(), mode = format!("{mode:o}"), "created the runtime directory");
     }
@@ -177,7 +206,7 @@ mod tests {
     }
 
     #[test]
-    fn a_directory_of_another_user_is_refused() {
+    fn a_directory_of_another_user_is_scanned_only_if_that_user_alone_writes_it() {
         if agent_uid() != 0 {
             eprintln!("skipped: needs root to chown");
             return;
@@ -185,8 +214,30 @@ mod tests {
         let dir = TempDir::new("owner");
         chmod(&dir.0, 0o755);
         std::os::unix::fs::chown(&dir.0, Some(65534), None).unwrap();
-        let why = check_runtime_dir(&dir.0, 0).unwrap_err();
-        assert!(why.contains("uid 65534"), "{why}");
+        assert_eq!(check_runtime_dir(&dir.0, 0), Ok(()));
+        for mode in [0o775, 0o1777, 0o757] {
+            chmod(&dir.0, mode);
+            let why = check_runtime_dir(&dir.0, 0).unwrap_err();
+            assert!(why.contains("uid 65534"), "{why}");
+        }
+    }
+
+    #[test]
+    fn the_runtime_directory_is_made_sticky_and_world_writable_by_root() {
+        let dir = TempDir::new("ensure");
+        let made = dir.0.join("run").join("ringwatch");
+        ensure_runtime_dir(&made, agent_uid()).unwrap();
+        let mode = std::fs::metadata(&made).unwrap().permissions().mode() & 0o7777;
+        assert_eq!(mode, if agent_uid() == 0 { 0o1777 } else { 0o700 });
+        // A symlink in its place is refused, and what it points to untouched.
+        let target = dir.0.join("target");
+        std::fs::create_dir(&target).unwrap();
+        chmod(&target, 0o755);
+        let link = dir.0.join("link");
+        std::os::unix::fs::symlink(&target, &link).unwrap();
+        assert!(ensure_runtime_dir(&link, agent_uid()).is_err());
+        let mode = std::fs::metadata(&target).unwrap().permissions().mode() & 0o7777;
+        assert_eq!(mode, 0o755);
     }
 
     #[test]
@@ -228,15 +279,15 @@ mod tests {
         if me == 0 {
             // pid 1 runs as root: a job of uid 65534 may not name it.
             let why = check_rank_pid(1, 65534).unwrap_err();
-            assert!(why.contains("pid 1 runs as uid 0"), "{why}");
+            assert!(why.contains("pid 1 runs as uids [0, 0, 0, 0]"), "{why}");
         }
         assert!(check_rank_pid(u32::MAX - 1, 65534).is_err());
     }
 
     #[test]
     fn uids_are_read_from_the_status_text() {
-        let status = "Name:\tx\nUid:\t1000\t1001\t1000\t1000\nGid:\t5\t5\t5\t5\n";
-        assert_eq!(process_uids(status), Some([1000, 1001]));
+        let status = "Name:\tx\nUid:\t1000\t1001\t1002\t1003\nGid:\t5\t5\t5\t5\n";
+        assert_eq!(process_uids(status), Some([1000, 1001, 1002, 1003]));
         assert_eq!(process_uids("Name:\tx\n"), None);
     }
 }
