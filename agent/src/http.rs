@@ -225,6 +225,7 @@ pub async fn serve(
         });
         counters.accepted.fetch_add(1, Ordering::Relaxed);
         counters.open.fetch_add(1, Ordering::AcqRel);
+        let in_request_of_socket = in_request.clone();
         let task = ConnectionTask {
             router: router.clone(),
             limits,
@@ -240,7 +241,14 @@ pub async fn serve(
                     .timer(TokioTimer::new())
                     .header_read_timeout(limits.header_read_timeout)
                     .max_buf_size(MAX_BUFFER_BYTES)
-                    .serve_connection(TokioIo::new(stream), task.service()),
+                    .serve_connection(
+                        TokioIo::new(WriteDeadline::new(
+                            stream,
+                            limits.request_timeout,
+                            in_request_of_socket,
+                        )),
+                        task.service(),
+                    ),
             );
             tokio::select! {
                 result = connection.as_mut() => {
@@ -292,10 +300,18 @@ impl ConnectionTask {
         hyper::service::service_fn(move |request: hyper::Request<Incoming>| {
             let task = task.clone();
             async move {
-                let _in_request = InRequest::enter(&task.in_request);
+                let in_request = InRequest::enter(&task.in_request);
                 let deadline = task.limits.request_timeout;
                 match tokio::time::timeout(deadline, task.router.clone().oneshot(request)).await {
-                    Ok(answer) => answer,
+                    // Inside the request until its answer is sent (a large
+                    // timeline answer is not "idle" while it streams).
+                    Ok(Ok(answer)) => Ok(answer.map(|body| {
+                        axum::body::Body::new(GuardedBody {
+                            inner: body,
+                            _in_request: in_request,
+                        })
+                    })),
+                    Ok(Err(never)) => match never {},
                     Err(_) => {
                         task.counters.timed_out.fetch_add(1, Ordering::Relaxed);
                         Ok(crate::api::ApiError::new(
@@ -310,6 +326,137 @@ impl ConnectionTask {
                 }
             }
         })
+    }
+}
+
+/// A response body that keeps its connection counted as inside a request
+/// until the body is done (or dropped).
+struct GuardedBody {
+    inner: axum::body::Body,
+    _in_request: InRequest,
+}
+
+impl http_body::Body for GuardedBody {
+    type Data = axum::body::Bytes;
+    type Error = axum::Error;
+
+    fn poll_frame(
+        mut self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<Option<Result<http_body::Frame<Self::Data>, Self::Error>>> {
+        std::pin::Pin::new(&mut self.inner).poll_frame(cx)
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.inner.is_end_stream()
+    }
+
+    fn size_hint(&self) -> http_body::SizeHint {
+        self.inner.size_hint()
+    }
+}
+
+/// A socket whose writes fail when they make no progress for `limit`: hyper
+/// has no write timeout, and a client that never reads would otherwise hold
+/// its answer (and the slot it was built in) forever.
+/// While a write waits on the client, the connection also counts as inside
+/// a request (`busy`): an answer hyper holds in its buffers is not idle.
+struct WriteDeadline<S> {
+    inner: S,
+    limit: Duration,
+    stalled: Option<std::pin::Pin<Box<tokio::time::Sleep>>>,
+    busy: Arc<AtomicUsize>,
+}
+
+impl<S> WriteDeadline<S> {
+    fn new(inner: S, limit: Duration, busy: Arc<AtomicUsize>) -> Self {
+        Self {
+            inner,
+            limit,
+            stalled: None,
+            busy,
+        }
+    }
+
+    /// A write went through: the stall (if any) is over.
+    fn moving(&mut self) {
+        if self.stalled.take().is_some() {
+            self.busy.fetch_sub(1, Ordering::AcqRel);
+        }
+    }
+
+    /// `Pending` from the socket: start (or check) the stall clock.
+    fn stalled<T>(
+        &mut self,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<std::io::Result<T>> {
+        use std::future::Future;
+        let limit = self.limit;
+        if self.stalled.is_none() {
+            self.busy.fetch_add(1, Ordering::AcqRel);
+        }
+        let sleep = self
+            .stalled
+            .get_or_insert_with(|| Box::pin(tokio::time::sleep(limit)));
+        match sleep.as_mut().poll(cx) {
+            std::task::Poll::Ready(()) => std::task::Poll::Ready(Err(std::io::Error::new(
+                std::io::ErrorKind::TimedOut,
+                format!("the client read nothing for {limit:?}"),
+            ))),
+            std::task::Poll::Pending => std::task::Poll::Pending,
+        }
+    }
+}
+
+impl<S> Drop for WriteDeadline<S> {
+    fn drop(&mut self) {
+        self.moving();
+    }
+}
+
+impl<S: tokio::io::AsyncRead + Unpin> tokio::io::AsyncRead for WriteDeadline<S> {
+    fn poll_read(
+        mut self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+        buf: &mut tokio::io::ReadBuf<'_>,
+    ) -> std::task::Poll<std::io::Result<()>> {
+        std::pin::Pin::new(&mut self.inner).poll_read(cx, buf)
+    }
+}
+
+impl<S: tokio::io::AsyncWrite + Unpin> tokio::io::AsyncWrite for WriteDeadline<S> {
+    fn poll_write(
+        mut self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+        buf: &[u8],
+    ) -> std::task::Poll<std::io::Result<usize>> {
+        match std::pin::Pin::new(&mut self.inner).poll_write(cx, buf) {
+            std::task::Poll::Pending => self.stalled(cx),
+            ready => {
+                self.moving();
+                ready
+            }
+        }
+    }
+
+    fn poll_flush(
+        mut self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<std::io::Result<()>> {
+        match std::pin::Pin::new(&mut self.inner).poll_flush(cx) {
+            std::task::Poll::Pending => self.stalled(cx),
+            ready => {
+                self.moving();
+                ready
+            }
+        }
+    }
+
+    fn poll_shutdown(
+        mut self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<std::io::Result<()>> {
+        std::pin::Pin::new(&mut self.inner).poll_shutdown(cx)
     }
 }
 
@@ -362,6 +509,10 @@ mod tests {
             .route(
                 "/api/echo",
                 post(|body: axum::body::Bytes| async move { body.len().to_string() }),
+            )
+            .route(
+                "/api/big",
+                get(|| async { axum::body::Body::new(Chunks(1024)) }),
             );
         let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
         let address = listener.local_addr().unwrap();
@@ -371,6 +522,27 @@ mod tests {
             let _ = rx.await;
         }));
         (address, counters, tx)
+    }
+
+    /// A streamed answer of this many 64 KiB chunks (as a timeline answer
+    /// streams).
+    struct Chunks(usize);
+
+    impl http_body::Body for Chunks {
+        type Data = axum::body::Bytes;
+        type Error = std::convert::Infallible;
+
+        fn poll_frame(
+            mut self: std::pin::Pin<&mut Self>,
+            _cx: &mut std::task::Context<'_>,
+        ) -> std::task::Poll<Option<Result<http_body::Frame<Self::Data>, Self::Error>>> {
+            if self.0 == 0 {
+                return std::task::Poll::Ready(None);
+            }
+            self.0 -= 1;
+            let chunk = axum::body::Bytes::from(vec![b'x'; 64 << 10]);
+            std::task::Poll::Ready(Some(Ok(http_body::Frame::data(chunk))))
+        }
     }
 
     /// One GET on a fresh connection, on a blocking thread: the answer's
@@ -411,7 +583,52 @@ mod tests {
         }
         assert_eq!(get_status(address, "/api/health").await, "HTTP/1.1 200 OK");
         assert!(counters.evicted.load(Ordering::Relaxed) >= 13);
-        assert!(counters.open.load(Ordering::Acquire) <= 8);
+        // Evicted connections close on their own tasks: wait for them (the
+        // limit is only a hang guard).
+        let deadline = Instant::now() + Duration::from_secs(30);
+        while counters.open.load(Ordering::Acquire) > 8 {
+            assert!(Instant::now() < deadline, "connections stay over the cap");
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_client_that_never_reads_its_answer_is_closed_and_not_counted_idle() {
+        let limits = HttpLimits {
+            max_connections: 1,
+            header_read_timeout: Duration::from_secs(60),
+            request_timeout: Duration::from_secs(2),
+        };
+        let (address, counters, _stop) = start(limits).await;
+        // Asks for 64 MiB, streamed, and reads none of it past the status:
+        // the kernel's buffers fill and the agent's writes stall.
+        let mut stream = TcpStream::connect(address).unwrap();
+        stream
+            .write_all(b"GET /api/big HTTP/1.1\r\nHost: x\r\n\r\n")
+            .unwrap();
+        // The answer has begun (its handler is done)...
+        let mut head = [0u8; 12];
+        stream.read_exact(&mut head).unwrap();
+        assert_eq!(&head, b"HTTP/1.1 200");
+        // ...and while it is stuck it is inside a request: a new client at
+        // the cap is refused rather than the download cut off...
+        let deadline = Instant::now() + Duration::from_secs(30);
+        while counters.refused.load(Ordering::Relaxed) == 0 {
+            assert!(Instant::now() < deadline, "never refused: {counters:?}");
+            let _ = TcpStream::connect(address);
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+        assert_eq!(counters.evicted.load(Ordering::Relaxed), 0);
+        // ...and once its writes stall past the deadline the agent closes it.
+        while counters.open.load(Ordering::Acquire) > 0 {
+            assert!(
+                Instant::now() < deadline,
+                "the stalled answer is never dropped"
+            );
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        assert_eq!(get_status(address, "/api/health").await, "HTTP/1.1 200 OK");
+        drop(stream);
     }
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
