@@ -242,9 +242,22 @@ fn pick_dir(preferred: Option<PathBuf>) -> Result<PathBuf> {
 }
 
 fn writable(dir: &Path) -> bool {
-    let probe = dir.join(format!(".probe-{}", std::process::id()));
-    let ok = std::fs::write(&probe, b"").is_ok();
-    let _ = std::fs::remove_file(&probe);
+    use std::os::unix::fs::OpenOptionsExt;
+    // The directory may be writable by every user (the agent's is 1777): the
+    // probe never follows a link and never opens a file someone planted.
+    let nanos = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.subsec_nanos());
+    let probe = dir.join(format!(".probe-{}-{nanos}", std::process::id()));
+    let created = std::fs::OpenOptions::new()
+        .write(true)
+        .create_new(true)
+        .custom_flags(libc::O_NOFOLLOW)
+        .open(&probe);
+    let ok = created.is_ok();
+    if ok {
+        let _ = std::fs::remove_file(&probe);
+    }
     ok
 }
 
