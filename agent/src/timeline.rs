@@ -528,7 +528,8 @@ impl TraceWriter {
         serde_json::to_writer(&mut self.out, &metadata)
             .expect("a JSON map of strings and values serializes into memory");
         self.out.push(b'}');
-        self.out.shrink_to_fit();
+        // Not shrunk: that would copy the answer (up to 3x its budget at
+        // once); the spare capacity (at most as much again) goes with it.
         TraceAnswer {
             json: self.out,
             events: self.written,

@@ -642,8 +642,11 @@ fn an_unprivileged_agent_tunes_a_job_without_ebpf() {
     let uid = root.then_some(65534u32);
     let runtime = TempDir::new("unpriv-run");
     let reports = TempDir::new("unpriv-reports");
-    for dir in [&runtime.0, &reports.0] {
-        std::fs::set_permissions(dir, std::os::unix::fs::PermissionsExt::from_mode(0o777)).unwrap();
+    // The runtime dir as a root agent makes it (1777: anyone may add a
+    // socket, none may replace another's); the reports dir only needs to be
+    // writable.
+    for (dir, mode) in [(&runtime.0, 0o1777), (&reports.0, 0o777)] {
+        std::fs::set_permissions(dir, std::os::unix::fs::PermissionsExt::from_mode(mode)).unwrap();
     }
     let job_id = format!("tune-unpriv-{}", std::process::id());
     let job = Job::start_as(&runtime.0, &job_id, &slow_small_sweep(), &[], uid);
