@@ -432,7 +432,8 @@ pub fn default_runtime_dir() -> PathBuf {
 }
 
 /// Where an unprivileged job puts its socket when the runtime dir is not writable:
-/// `$XDG_RUNTIME_DIR/ringwatch`, else `/tmp/ringwatch-<uid>`. The agent looks here too.
+/// `$XDG_RUNTIME_DIR/ringwatch`, else `/tmp/ringwatch-<uid>`. The agent scans these
+/// only when its operator names them (`--also-scan`): any user can create them.
 pub fn fallback_runtime_dirs() -> Vec<PathBuf> {
     let mut dirs = Vec::new();
     if let Some(xdg) = std::env::var_os("XDG_RUNTIME_DIR") {
