@@ -371,14 +371,21 @@ fn launch_resnet50(dir: &std::path::Path, job_id: &str) -> Child {
         .unwrap()
 }
 
+/// A `collbench -n 3` launcher in a fresh runtime dir, once its job steps:
+/// the dir, the control socket's path, the launcher and the ranks' pids (from
+/// the job's hello).
+fn launched_and_stepping(tag: &str) -> (std::path::PathBuf, std::path::PathBuf, Child, Vec<u32>) {
+    let (dir, job_id) = job_dir(tag);
+    let path = collectives::control::socket_path(&dir, &job_id);
+    let launcher = launch_resnet50(&dir, &job_id);
+    let client = connect_when_stepping(&path);
+    let pids = client.hello().ranks.iter().map(|r| r.pid).collect();
+    (dir, path, launcher, pids)
+}
+
 #[test]
 fn sigterm_to_the_launcher_stops_every_rank_and_removes_the_control_socket() {
-    let (dir, job_id) = job_dir("sigterm");
-    let path = collectives::control::socket_path(&dir, &job_id);
-    let mut launcher = launch_resnet50(&dir, &job_id);
-    let client = connect_when_stepping(&path);
-    let pids: Vec<u32> = client.hello().ranks.iter().map(|r| r.pid).collect();
-    drop(client);
+    let (dir, path, mut launcher, pids) = launched_and_stepping("sigterm");
     let _guard = KillOnDrop(pids.clone());
     assert_eq!(pids.len(), 3);
     assert!(pids.iter().all(|&p| !gone(p)));
@@ -397,12 +404,7 @@ fn sigterm_to_the_launcher_stops_every_rank_and_removes_the_control_socket() {
 
 #[test]
 fn a_launcher_killed_with_sigkill_takes_its_ranks_with_it() {
-    let (dir, job_id) = job_dir("sigkill");
-    let path = collectives::control::socket_path(&dir, &job_id);
-    let mut launcher = launch_resnet50(&dir, &job_id);
-    let client = connect_when_stepping(&path);
-    let pids: Vec<u32> = client.hello().ranks.iter().map(|r| r.pid).collect();
-    drop(client);
+    let (dir, path, mut launcher, pids) = launched_and_stepping("sigterm");
     let _guard = KillOnDrop(pids.clone());
     launcher.kill().unwrap();
     launcher.wait().unwrap();
