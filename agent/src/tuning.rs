@@ -288,9 +288,19 @@ fn unix_us() -> u64 {
 /// a disturbance (a quiet job's baseline can be near zero).
 pub const RUN_QUEUE_FLOOR_MS_PER_S: f64 = 5.0;
 
-/// A window is disturbed when the job's run-queue wait rate exceeds this
-/// many times its usual (median) rate.
+/// A window is disturbed when the job's run-queue wait rate (or its TCP
+/// retransmit rate) exceeds this many times its usual (median) rate.
 pub const RUN_QUEUE_FACTOR: f64 = 3.0;
+
+/// Earlier judged windows a session needs before any window can be judged
+/// disturbed, by either signal. "Disturbed" means "unlike this job's usual",
+/// and with fewer windows there is no usual: the first window of a job on a
+/// saturated link retransmits as much as every later one will, and calling
+/// it disturbed only gave a good point a noise hint. Three is the fewest
+/// whose median one odd window cannot set; the windows before them are
+/// scored as measured (in a tuning session, usually the start point and
+/// the next two samples: a few seconds of the job).
+pub const MIN_USUAL_WINDOWS: usize = 3;
 
 /// What one process of the job did during a window (from eBPF).
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -351,15 +361,26 @@ pub struct WindowRates {
 
 /// Why a window was disturbed, or `None`. `usual` holds the rates of this
 /// session's earlier judged windows; "usual" is their median, so a
-/// minority of disturbed windows does not move it.
+/// minority of disturbed windows does not move it. With fewer than
+/// [`MIN_USUAL_WINDOWS`] of them there is no usual rate and nothing is
+/// judged: never disturbed for lack of a baseline.
 /// - Run-queue waits: disturbed above [`RUN_QUEUE_FACTOR`] × the usual
-///   rate and above [`RUN_QUEUE_FLOOR_MS_PER_S`]; not judged before there
-///   is a usual rate.
-/// - TCP retransmits: any retransmit disturbs while the usual rate is zero
-///   (or unknown); a job that retransmits all the time (an overloaded
-///   link, or loopback under CPU starvation) is disturbed only above
-///   [`RUN_QUEUE_FACTOR`] × its usual rate.
+///   rate and above [`RUN_QUEUE_FLOOR_MS_PER_S`].
+/// - TCP retransmits: disturbed above [`RUN_QUEUE_FACTOR`] × the usual
+///   rate, so a job that retransmits all the time (a saturated or
+///   rate-limited link, loopback under CPU starvation) is disturbed only
+///   by a burst well above its own rate; while the usual rate is zero any
+///   retransmit disturbs. There is deliberately no floor (such as 1/s, as
+///   run-queue waits have 5 ms/s): a job whose median window has none has
+///   shown that its links do not drop, and one segment that times out
+///   stalls the ring for Linux's minimum RTO (200 ms), 10–20% of a 1–2 s
+///   window, more than the gaps between good points; a floor per second
+///   would pass exactly that lone timeout in a window over 1 s. A false
+///   alarm costs one window measured again, a missed one a wrong score.
 pub fn disturbance_reason(load: &WindowLoad, usual: &[WindowRates]) -> Option<String> {
+    if usual.len() < MIN_USUAL_WINDOWS {
+        return None;
+    }
     let mut reasons = Vec::new();
     let rates = load.rates();
     let usual_run_queue: Vec<f64> = usual.iter().map(|r| r.run_queue_ms_per_s).collect();
@@ -1382,32 +1403,46 @@ mod tests {
         assert!(disturbance_reason(&spiky, &usual(&[6.0, 50.0, 7.0], 0.0)).is_some());
         // Just under 3x the median: not disturbed.
         assert_eq!(
-            disturbance_reason(&load(1.0, &[(7, 17, 0)]), &usual(&[6.0], 0.0)),
+            disturbance_reason(&load(1.0, &[(7, 17, 0)]), &usual(&[6.0, 6.0, 6.0], 0.0)),
             None
         );
-        // No history yet: run-queue waits are not judged.
+        // Fewer than MIN_USUAL_WINDOWS earlier windows: not judged.
         assert_eq!(disturbance_reason(&spiky, &[]), None);
+        assert_eq!(disturbance_reason(&spiky, &usual(&[6.0, 5.0], 0.0)), None);
     }
 
     #[test]
     fn tiny_waits_never_count_even_against_a_zero_baseline() {
         let quiet = load(1.0, &[(7, 4, 0)]);
-        assert_eq!(disturbance_reason(&quiet, &usual(&[0.0, 0.0], 0.0)), None);
+        assert_eq!(
+            disturbance_reason(&quiet, &usual(&[0.0, 0.0, 0.0], 0.0)),
+            None
+        );
         let busy = load(1.0, &[(7, 6, 0)]);
-        assert!(disturbance_reason(&busy, &usual(&[0.0], 0.0)).is_some());
+        assert!(disturbance_reason(&busy, &usual(&[0.0, 0.0, 0.0], 0.0)).is_some());
     }
 
     #[test]
     fn retransmits_disturb_unless_the_job_always_retransmits_that_much() {
+        let quiet_3 = usual(&[1.0, 1.0, 1.0], 0.0);
         assert_eq!(
-            disturbance_reason(&load(1.0, &[(7, 1, 3), (8, 1, 0)]), &usual(&[1.0], 0.0)).as_deref(),
+            disturbance_reason(&load(1.0, &[(7, 1, 3), (8, 1, 0)]), &quiet_3).as_deref(),
             Some("3 TCP retransmits (pid 7)")
         );
-        // No history: any retransmit disturbs.
-        assert!(disturbance_reason(&load(1.0, &[(7, 1, 1)]), &[]).is_some());
+        // A usually quiet job: one retransmit disturbs (no floor).
+        assert!(disturbance_reason(&load(2.0, &[(7, 1, 1)]), &quiet_3).is_some());
+        // No baseline yet: not even retransmits are judged.
+        assert_eq!(disturbance_reason(&load(1.0, &[(7, 1, 1)]), &[]), None);
         assert_eq!(
-            disturbance_reason(&load(1.0, &[(7, 100, 1), (9, 0, 1)]), &usual(&[5.0], 0.0))
-                .as_deref(),
+            disturbance_reason(&load(1.0, &[(7, 1, 81)]), &usual(&[1.0, 1.0], 0.0)),
+            None
+        );
+        assert_eq!(
+            disturbance_reason(
+                &load(1.0, &[(7, 100, 1), (9, 0, 1)]),
+                &usual(&[5.0, 5.0, 5.0], 0.0)
+            )
+            .as_deref(),
             Some(
                 "run-queue wait 100 ms/s vs 5 ms/s usual (pid 7); 2 TCP retransmits (pid 7, pid 9)"
             )
@@ -1421,6 +1456,66 @@ mod tests {
         assert_eq!(
             disturbance_reason(&load(2.0, &[(7, 2, 30)]), &usual_4).as_deref(),
             Some("30 TCP retransmits (15.0/s vs 4.0/s usual; pid 7)")
+        );
+    }
+
+    /// Judges windows one after another as a session does: every judged
+    /// window joins the usual rates of the ones after it.
+    fn judge_in_turn(loads: &[WindowLoad]) -> Vec<Option<String>> {
+        let mut usual = Vec::new();
+        loads
+            .iter()
+            .map(|load| {
+                let reason = disturbance_reason(load, &usual);
+                usual.push(load.rates());
+                reason
+            })
+            .collect()
+    }
+
+    #[test]
+    fn a_job_that_retransmits_from_its_first_window_on_is_never_disturbed() {
+        // A rate-limited link: tens of retransmits in every window from
+        // the very first, varying within 3x of each other (issue 13: the
+        // first window's 81 was called a disturbance).
+        let loads: Vec<WindowLoad> = [81, 40, 120, 95, 60, 110, 45, 88, 130, 70]
+            .iter()
+            .map(|&r| load(1.0, &[(7, 2, r), (8, 1, r / 3)]))
+            .collect();
+        assert_eq!(judge_in_turn(&loads), vec![None; loads.len()]);
+        // The same from a job that also waits on the run queue a lot from
+        // its first window on.
+        let busy: Vec<WindowLoad> = [300, 250, 400, 280]
+            .iter()
+            .map(|&ms| load(1.0, &[(7, ms, 50)]))
+            .collect();
+        assert_eq!(judge_in_turn(&busy), vec![None; busy.len()]);
+    }
+
+    #[test]
+    fn after_three_quiet_windows_a_burst_is_a_disturbance() {
+        let quiet = load(1.0, &[(7, 1, 0), (8, 1, 0)]);
+        // A burst as the first, second or third window: no baseline yet.
+        for earlier in 0..MIN_USUAL_WINDOWS {
+            let mut loads = vec![quiet.clone(); earlier];
+            loads.push(load(1.0, &[(7, 1, 81)]));
+            assert_eq!(judge_in_turn(&loads).last(), Some(&None), "{earlier}");
+        }
+        // The fourth: disturbed, by either signal.
+        let mut loads = vec![quiet.clone(); MIN_USUAL_WINDOWS];
+        loads.push(load(1.0, &[(7, 1, 81)]));
+        loads.push(load(1.0, &[(7, 40, 0)]));
+        loads.push(quiet);
+        assert_eq!(
+            judge_in_turn(&loads),
+            vec![
+                None,
+                None,
+                None,
+                Some("81 TCP retransmits (pid 7)".to_owned()),
+                Some("run-queue wait 40 ms/s vs 2 ms/s usual (pid 7)".to_owned()),
+                None,
+            ]
         );
     }
 
