@@ -324,6 +324,9 @@ pub fn run(root: &Path, args: &Args) -> Result<()> {
             .map_or(0, Vec::len)
     );
     println!("knobs chosen:    {}", describe(&chosen));
+    for line in disturbance_summary(&outcome) {
+        println!("{line}");
+    }
     println!(
         "steps/s before:  {before:.2}  (runtime defaults: fusion 64 MiB, cycle 1 ms, hierarchical off)"
     );
@@ -349,6 +352,65 @@ pub fn run(root: &Path, args: &Args) -> Result<()> {
         }
     }
     Ok(())
+}
+
+/// The summary's lines on disturbance: which samples had a window judged
+/// disturbed (measured again, or recorded with a noise hint) and why, or
+/// that none had; or why nothing was judged.
+fn disturbance_summary(session: &Value) -> Vec<String> {
+    const HEAD: &str = "disturbed:       ";
+    const MORE: &str = "                 ";
+    let detection = session
+        .get("disturbance_detection")
+        .and_then(Value::as_str)
+        .unwrap_or("not reported");
+    if !detection.starts_with("on") {
+        return vec![format!(
+            "{HEAD}no window was judged (disturbance detection {detection})"
+        )];
+    }
+    let samples = session
+        .get("samples")
+        .and_then(Value::as_array)
+        .map(Vec::as_slice)
+        .unwrap_or_default();
+    let mut lines = Vec::new();
+    for (position, sample) in samples.iter().enumerate() {
+        let text = |name: &str| sample.get(name).and_then(Value::as_str);
+        let mut why = Vec::new();
+        if let Some(reason) = text("remeasured_because") {
+            why.push(format!("measured again because {reason}"));
+        }
+        if let Some(reason) = text("disturbed") {
+            let hint = sample
+                .get("noise_hint")
+                .and_then(Value::as_f64)
+                .map(|h| format!(", noise hint {h:.3}"))
+                .unwrap_or_default();
+            why.push(format!("recorded window disturbed: {reason}{hint}"));
+        }
+        if why.is_empty() {
+            continue;
+        }
+        let index = sample
+            .get("index")
+            .and_then(Value::as_u64)
+            .map_or(position, |i| i as usize);
+        let knobs = sample
+            .get("knobs")
+            .and_then(|k| knobs_of(k).ok())
+            .map(|k| format!(" ({})", describe(&k)))
+            .unwrap_or_default();
+        let head = if lines.is_empty() { HEAD } else { MORE };
+        lines.push(format!("{head}sample {index}{knobs}: {}", why.join("; ")));
+    }
+    if lines.is_empty() {
+        lines.push(format!(
+            "{HEAD}no window was judged disturbed (of {} samples)",
+            samples.len()
+        ));
+    }
+    lines
 }
 
 /// Waits for the agent to start tuning the job, prints each sample as it
@@ -453,5 +515,72 @@ fn follow_session(
             ),
         }
         std::thread::sleep(Duration::from_millis(500));
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+
+    fn sample(index: u64, remeasured: Option<&str>, disturbed: Option<&str>) -> Value {
+        json!({
+            "index": index,
+            "knobs": {"fusion_threshold_bytes": 4 << 20, "cycle_time_us": 500,
+                      "hierarchical_allreduce": true},
+            "score_bytes_per_s": 3.0e8,
+            "noise_hint": disturbed.map(|_| 0.25),
+            "disturbed": disturbed,
+            "remeasured_because": remeasured,
+        })
+    }
+
+    #[test]
+    fn the_summary_names_each_disturbed_sample_and_why() {
+        let session = json!({
+            "disturbance_detection": "on: eBPF run-queue waits and TCP retransmits",
+            "samples": [
+                sample(0, None, None),
+                sample(1, Some("81 TCP retransmits (pid 7)"), None),
+                sample(2, Some("run-queue wait 40 ms/s vs 2 ms/s usual (pid 7)"),
+                       Some("run-queue wait 35 ms/s vs 2 ms/s usual (pid 7)")),
+            ],
+        });
+        assert_eq!(
+            disturbance_summary(&session),
+            vec![
+                "disturbed:       sample 1 (fusion 4.0 MiB, cycle 0.50 ms, hierarchical on): \
+                 measured again because 81 TCP retransmits (pid 7)"
+                    .to_owned(),
+                "                 sample 2 (fusion 4.0 MiB, cycle 0.50 ms, hierarchical on): \
+                 measured again because run-queue wait 40 ms/s vs 2 ms/s usual (pid 7); \
+                 recorded window disturbed: run-queue wait 35 ms/s vs 2 ms/s usual (pid 7), \
+                 noise hint 0.250"
+                    .to_owned(),
+            ]
+        );
+    }
+
+    #[test]
+    fn the_summary_says_when_nothing_was_disturbed_or_judged() {
+        let quiet = json!({
+            "disturbance_detection": "on: eBPF run-queue waits and TCP retransmits",
+            "samples": [sample(0, None, None), sample(1, None, None)],
+        });
+        assert_eq!(
+            disturbance_summary(&quiet),
+            vec!["disturbed:       no window was judged disturbed (of 2 samples)".to_owned()]
+        );
+        let off = json!({
+            "disturbance_detection": "off: no eBPF (not root)",
+            "samples": [sample(0, None, Some("ignored"))],
+        });
+        assert_eq!(
+            disturbance_summary(&off),
+            vec![
+                "disturbed:       no window was judged (disturbance detection off: no eBPF (not root))"
+                    .to_owned()
+            ]
+        );
     }
 }
