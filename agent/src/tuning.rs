@@ -174,6 +174,7 @@ impl ResolvedConfig {
             start: to_tuner_knobs(start),
             bounds,
             fixed,
+            ..SessionConfig::default()
         }
     }
 }
@@ -283,6 +284,10 @@ fn unix_us() -> u64 {
 
 // ---------------------------------------------------------------------------
 // Disturbance: eBPF's run-queue waits and retransmits during a window.
+
+/// Sub-windows a window is scored by (their median rate) when no eBPF
+/// tells the session which windows were disturbed.
+pub const UNOBSERVED_SUB_WINDOWS: usize = 3;
 
 /// Run-queue waits below this many ms per second of window never count as
 /// a disturbance (a quiet job's baseline can be near zero).
@@ -1001,7 +1006,13 @@ impl Tunings {
         client
             .subscribe(true, false)
             .map_err(|e| broken("subscribing to its statistics", e))?;
-        let mut session = match TuningSession::new(config.session_config(&start_knobs)) {
+        let mut session_config = config.session_config(&start_knobs);
+        if !matches!(self.disturbance, Disturbance::Ebpf(_)) {
+            // Nothing tells this session which windows were disturbed:
+            // score each by the median of three runs of its cycles.
+            session_config.sub_windows = UNOBSERVED_SUB_WINDOWS;
+        }
+        let mut session = match TuningSession::new(session_config) {
             Ok(session) => session,
             Err(e) => {
                 let _ = client.release_tuning(false, limits.connect_timeout);
@@ -1094,6 +1105,12 @@ impl Tunings {
                                 "window disturbed; measuring again"
                             );
                         }
+                        Verdict::Repeat => {
+                            tracing::info!(
+                                score_bytes_per_s = window.score,
+                                "the start's first window; measuring a second (the faster is kept)"
+                            );
+                        }
                         Verdict::Sample(index) => {
                             if let Some(sample) = session.samples().get(index) {
                                 tracing::info!(
@@ -1102,6 +1119,11 @@ impl Tunings {
                                     knobs = ?to_wire_knobs(&sample.knobs),
                                     "sample"
                                 );
+                            }
+                        }
+                        Verdict::Confirmation(index) => {
+                            if let Some(c) = session.confirmation() {
+                                log_confirmation(c, index);
                             }
                         }
                     }
@@ -1314,6 +1336,27 @@ fn fail(handle: &Handle, message: String) {
     let mut view = handle.view();
     view.state = SessionState::Failed;
     view.error = Some(message);
+}
+
+/// Logs one confirmation window, and the verdict once it is in.
+fn log_confirmation(c: &tuner::session::Confirmation, index: usize) {
+    if let Some(w) = c.windows.get(index) {
+        tracing::info!(
+            index,
+            candidate = ?w.candidate,
+            score_bytes_per_s = w.score,
+            "confirmation window (the choice and the start, interleaved)"
+        );
+    }
+    if let (Some(kept), Some(choice), Some(start)) = (c.kept, c.choice_median, c.start_median) {
+        tracing::info!(
+            ?kept,
+            choice_median_bytes_per_s = choice,
+            start_median_bytes_per_s = start,
+            required_gain = c.required_gain.unwrap_or(0.0),
+            "confirmation decided"
+        );
+    }
 }
 
 /// Copies the session's samples and best into the view.

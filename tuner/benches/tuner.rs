@@ -4,10 +4,20 @@
 //! optimum), plus the time of `suggest()` and `observe()` with 50
 //! observations. Prints tables; asserts nothing.
 //!
+//! Then what a job pays while it is tuned: whole tuning sessions against a
+//! simulated job on four landscapes (see `tuner/cost.rs`), session mean and
+//! pick at 10 and 20 samples, beside random search and round one's
+//! algorithm.
+//!
 //! Run: `cargo bench -p tuner --bench tuner` (or `cargo xtask bench tuner`).
-//! Quick run: `--quick` or `RINGWATCH_BENCH_SEEDS=5`.
+//! Quick run: `--quick` or `RINGWATCH_BENCH_SEEDS=5`. Only the session
+//! table: `--cost-only`; one session's windows:
+//! `RINGWATCH_BENCH_TRACE="<landscape>/<contender>/<seed>/<samples>"`.
 
 use std::time::Instant;
+
+#[path = "tuner/cost.rs"]
+mod cost;
 
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
@@ -246,6 +256,16 @@ fn main() {
             .unwrap_or(if quick { 5 } else { 20 })
     };
 
+    let started = Instant::now();
+    cost_table(seeds, smoke);
+    println!(
+        "\n(tuning sessions took {:.1} s)\n",
+        started.elapsed().as_secs_f64()
+    );
+    if std::env::args().any(|a| a == "--cost-only") {
+        return;
+    }
+
     let optimum = collective_optimum();
     let problems = vec![
         Problem {
@@ -369,4 +389,104 @@ fn main() {
     );
     println!("| observe() #51 (GP hyperparameter refit) | {observe_51:.2} |");
     println!("| observe() #1..#50 (median) | {:.2} |", median(observe_ms));
+}
+
+fn percentile(mut v: Vec<f64>, q: f64) -> f64 {
+    v.sort_by(f64::total_cmp);
+    let at = (q * (v.len() - 1) as f64).round() as usize;
+    v[at.min(v.len() - 1)]
+}
+
+/// The session table: every contender on every landscape, at 10 and 20
+/// samples, `seeds` seeds each.
+fn cost_table(seeds: u64, smoke: bool) {
+    use cost::{Contender, Landscape};
+    let landscapes = [
+        Landscape {
+            name: "defaults near optimum",
+            truth: cost::near_defaults,
+            disturbed: false,
+        },
+        Landscape {
+            name: "hierarchical flips the optimum",
+            truth: cost::hierarchical_flip,
+            disturbed: false,
+        },
+        Landscape {
+            name: "near optimum, 10% disturbed",
+            truth: cost::near_defaults,
+            disturbed: true,
+        },
+        Landscape {
+            name: "memory cliff above 96 MiB",
+            truth: cost::memory_cliff,
+            disturbed: false,
+        },
+    ];
+    let contenders = [
+        Contender {
+            name: "random search",
+            config: None,
+            signal: false,
+        },
+        Contender {
+            name: "round one (global EI)",
+            config: Some(cost::round_one),
+            signal: false,
+        },
+        Contender {
+            name: "safe (agent: whole windows)",
+            config: Some(cost::today),
+            signal: false,
+        },
+        Contender {
+            name: "safe + sub-window median",
+            config: Some(cost::today_sub_windows),
+            signal: false,
+        },
+        Contender {
+            name: "safe, disturbance signal",
+            config: Some(cost::today),
+            signal: true,
+        },
+    ];
+    let budgets: &[usize] = if smoke { &[10] } else { &[10, 20] };
+    println!(
+        "tuning sessions against a simulated job: {seeds} seeds; % of each landscape's optimum; \
+         session mean = mean true throughput of every window measured (samples, re-measures, \
+         confirmation); pick = the pinned knobs; < start = seeds whose pick is truly worse \
+         than the start (the runtime's defaults)\n"
+    );
+    println!(
+        "| landscape (defaults at) | contender | samples | session mean | pick median | pick p25 | pick min | < start | windows |"
+    );
+    println!("|---|---|---:|---:|---:|---:|---:|---:|---:|");
+    for landscape in &landscapes {
+        let optimum = cost::optimum(landscape.truth);
+        let defaults = 100.0 * (landscape.truth)(&CollectiveKnobs::default()) / optimum;
+        for contender in &contenders {
+            if contender.signal && !landscape.disturbed {
+                continue;
+            }
+            for &budget in budgets {
+                let runs: Vec<cost::Outcome> = (0..seeds)
+                    .map(|seed| cost::run(landscape, contender, budget, seed, optimum))
+                    .collect();
+                let means: Vec<f64> = runs.iter().map(|r| r.session_mean).collect();
+                let picks: Vec<f64> = runs.iter().map(|r| r.pick).collect();
+                let worse = runs.iter().filter(|r| r.worse_than_start).count();
+                let windows: Vec<f64> = runs.iter().map(|r| r.windows as f64).collect();
+                println!(
+                    "| {} ({defaults:.1}%) | {} | {budget} | {:.1}% | {:.1}% | {:.1}% | {:.1}% | {worse}/{seeds} | {:.0} |",
+                    landscape.name,
+                    contender.name,
+                    median(means),
+                    median(picks.clone()),
+                    percentile(picks.clone(), 0.25),
+                    percentile(picks, 0.0),
+                    median(windows),
+                );
+            }
+        }
+    }
 }

@@ -358,6 +358,31 @@ impl Gp {
         -0.5 * fit - log_det - 0.5 * n * (2.0 * std::f64::consts::PI).ln()
     }
 
+    /// Leave-one-out predictions of every observation, in score units: for
+    /// observation `i`, the predictive mean and standard deviation (noise
+    /// included) of `y_i` from the others, with the same hyperparameters
+    /// (Rasmussen & Williams, eq. 5.12). Used to spot measurements far
+    /// below what their neighbours say.
+    pub fn leave_one_out(&self) -> Vec<Prediction> {
+        let n = self.x.len();
+        // K⁻¹ from the Cholesky factor: K⁻¹ = L⁻ᵀ L⁻¹.
+        let identity = DMatrix::<f64>::identity(n, n);
+        let Some(l_inv) = self.l.solve_lower_triangular(&identity) else {
+            return Vec::new();
+        };
+        let k_inv = l_inv.transpose() * &l_inv;
+        (0..n)
+            .map(|i| {
+                let kii = k_inv[(i, i)].max(f64::MIN_POSITIVE);
+                let mean = self.y_standardized[i] - self.alpha[i] / kii;
+                Prediction {
+                    mean: self.y_mean + self.y_std * mean,
+                    variance: self.y_std * self.y_std / kii,
+                }
+            })
+            .collect()
+    }
+
     /// Posterior of the latent score at encoded point `x`, in score units.
     pub fn predict(&self, x: &[f64]) -> Prediction {
         let (mean, variance) = self.predict_standardized(x);
@@ -391,7 +416,7 @@ impl Gp {
         (k, dk_factor)
     }
 
-    fn predict_standardized(&self, x: &[f64]) -> (f64, f64) {
+    pub(crate) fn predict_standardized(&self, x: &[f64]) -> (f64, f64) {
         let (k, _) = self.cross_covariance(x);
         let mean = k.dot(&self.alpha);
         let v = self
@@ -775,6 +800,46 @@ mod tests {
         // It interpolates a held-out point well.
         let p = fitted.predict(&[0.33, 0.5]);
         assert!((p.mean - (6.0f64 * 0.33).sin()).abs() < 0.1, "{p:?}");
+    }
+
+    #[test]
+    fn leave_one_out_matches_refitting_without_the_point() {
+        let x = vec![vec![0.1], vec![0.35], vec![0.5], vec![0.8], vec![0.9]];
+        let y = [1.0, 2.0, 1.5, 0.2, 0.4];
+        let h = hyper(0.3, 1.3, 0.05);
+        let gp = Gp::with_hyperparameters(x.clone(), &y, &[0.0; 5], h.clone()).unwrap();
+        let loo = gp.leave_one_out();
+        for i in 0..5 {
+            // The same standardization as the full fit, so the same model.
+            let (mean, std) = standardization(&y);
+            let xs: Vec<Vec<f64>> = (0..5).filter(|&j| j != i).map(|j| x[j].clone()).collect();
+            let ys: Vec<f64> = (0..5)
+                .filter(|&j| j != i)
+                .map(|j| (y[j] - mean) / std)
+                .collect();
+            let k = kernel_matrix(&xs, &h, &[0.0; 4]);
+            let chol = cholesky_with_jitter(&k).unwrap();
+            let alpha = chol.solve(&DVector::from_vec(ys));
+            let kx = DVector::from_iterator(
+                4,
+                xs.iter().map(|xj| {
+                    h.signal_variance * matern52(scaled_distance(&x[i], xj, &h.length_scales)).0
+                }),
+            );
+            let m = mean + std * kx.dot(&alpha);
+            let v = chol.l().solve_lower_triangular(&kx).unwrap();
+            let var = std * std * (h.signal_variance - v.dot(&v) + h.noise_variance);
+            assert!(
+                (loo[i].mean - m).abs() < 1e-9,
+                "mean {i}: {} vs {m}",
+                loo[i].mean
+            );
+            assert!(
+                (loo[i].variance - var).abs() < 1e-9,
+                "var {i}: {} vs {var}",
+                loo[i].variance
+            );
+        }
     }
 
     #[test]

@@ -13,11 +13,16 @@
 //! - [`gp`]: Gaussian-process regression (Matérn 5/2 ARD, learned noise,
 //!   per-observation noise hints), hyperparameters by L-BFGS (argmin).
 //! - [`acquisition`]: Expected Improvement and its maximization.
-//! - [`optimizer`]: the suggest/observe loop, recommendation, stopping rule.
+//! - [`safe`]: exploration that costs the job little (a trust region around
+//!   the incumbent, a safe set by lower confidence bound).
+//! - [`optimizer`]: the suggest/observe loop (safe or global exploration,
+//!   one-sided outliers discounted), recommendation, stopping rule.
 //! - [`session`]: one tuning session's sample protocol (apply knobs, skip
-//!   warm-up cycles, score a window of the job's cycles as bytes/s,
-//!   re-measure a disturbed window, pin the best), shared by the agent and
-//!   by a job that tunes itself.
+//!   warm-up cycles, score a window of the job's cycles as bytes/s or as the
+//!   median of sub-windows, measure the start twice, re-measure a disturbed
+//!   window, confirm the choice against the start on interleaved fresh
+//!   windows, pin the winner), shared by the agent and by a job that tunes
+//!   itself.
 //! - [`report`]: the session as a polars DataFrame, CSV, Parquet and HTML.
 //!
 //! Invariants: the score is maximized; `tuner` knows nothing of sockets,
@@ -29,10 +34,13 @@ pub mod acquisition;
 pub mod gp;
 pub mod optimizer;
 pub mod report;
+pub mod safe;
 pub mod session;
 pub mod space;
 
-pub use optimizer::{Best, Observation, Optimizer, OptimizerConfig, OptimizerError, StopReason};
+pub use optimizer::{
+    Best, Exploration, Observation, Optimizer, OptimizerConfig, OptimizerError, StopReason,
+};
 pub use space::{
     CollectiveKnobs, DEFAULT_CYCLE_TIME_MS, DEFAULT_FUSION_THRESHOLD_BYTES, Dim, DimKind, Point,
     Space, SpaceError, Value,

@@ -1,6 +1,23 @@
-//! The suggest/observe loop: an initial design (the starting knobs, then a
-//! Latin hypercube), then Expected Improvement on a GP refitted after every
-//! observation; the recommendation by posterior mean; the stopping rule.
+//! The suggest/observe loop: an initial design, then a GP refitted after
+//! every observation and a model-based suggestion; the recommendation by
+//! posterior mean; the stopping rule.
+//!
+//! Two ways to explore ([`Exploration`]):
+//! - [`Exploration::Safe`] (the default): the starting knobs, then the start
+//!   with each categorical knob at each of its other values, then Expected
+//!   Improvement inside a trust region around the incumbent, restricted to
+//!   points the model believes are not much worse ([`crate::safe`]). It
+//!   costs the job little while it is tuned. It needs a start (the knobs
+//!   a job runs with); without one it searches like `Global`.
+//! - [`Exploration::Global`]: the starting knobs, a Latin hypercube over the
+//!   whole space, then Expected Improvement anywhere (round one's
+//!   algorithm, kept as the benchmark's baseline).
+//!
+//! With `robust` on, a measurement far *below* what its neighbours predict
+//! (leave-one-out) is treated as disturbed: its noise is widened to its
+//! residual and the model refitted, so one slowed-down window does not drag
+//! a good point down. Disturbances only ever slow a job, so only low
+//! outliers are discounted.
 //!
 //! The score is **maximized** (throughput: bytes reduced per second). To
 //! minimize a cost, observe its negation.
@@ -17,7 +34,8 @@ use thiserror::Error;
 
 use crate::acquisition::{AcquisitionConfig, expected_improvement, maximize_expected_improvement};
 use crate::gp::{Gp, GpError, Hyperparameters, Prediction};
-use crate::space::{Point, Space, SpaceError};
+use crate::safe::{self, SafeConfig};
+use crate::space::{DimKind, Point, Space, SpaceError, Value};
 
 /// Why an observation or a configuration was refused. A refused observation
 /// leaves the optimizer exactly as it was.
@@ -46,6 +64,21 @@ pub enum OptimizerError {
     Config(String),
 }
 
+/// How the optimizer explores (see the module documentation).
+#[derive(Debug, Clone, PartialEq)]
+pub enum Exploration {
+    /// Trust region and safe set around the incumbent.
+    Safe(SafeConfig),
+    /// Latin hypercube design, then EI over the whole space.
+    Global,
+}
+
+impl Default for Exploration {
+    fn default() -> Self {
+        Exploration::Safe(SafeConfig::default())
+    }
+}
+
 /// Settings of a tuning session.
 #[derive(Debug, Clone, PartialEq)]
 pub struct OptimizerConfig {
@@ -55,8 +88,15 @@ pub struct OptimizerConfig {
     /// once this many observations are in.
     pub budget: usize,
     /// Points of the initial design, including `start` when given. `None`
-    /// picks `dims + 2` (at least 3).
+    /// picks `dims + 2` (at least 3) for [`Exploration::Global`], and the
+    /// start with its categorical variants for [`Exploration::Safe`] (the
+    /// Global design when there is no start).
     pub initial_points: Option<usize>,
+    /// How to explore.
+    pub exploration: Exploration,
+    /// Discount measurements far below what their neighbours predict
+    /// (one-sided: disturbances only slow a job down).
+    pub robust: bool,
     /// The knobs the job runs with now: evaluated first, so the report can
     /// show the speedup over them.
     pub start: Option<Point>,
@@ -78,6 +118,8 @@ impl Default for OptimizerConfig {
             seed: 0,
             budget: 30,
             initial_points: None,
+            exploration: Exploration::default(),
+            robust: true,
             start: None,
             min_relative_improvement: 1e-3,
             stop_after_rounds: 3,
@@ -112,6 +154,19 @@ pub struct Best {
     pub observed_score: f64,
 }
 
+/// Low outliers are at least this far below their leave-one-out prediction,
+/// relative to it: smaller dips are the job's usual noise.
+const MIN_OUTLIER_DROP: f64 = 0.05;
+/// ...and at least this many robust standard deviations (1.4826 × the median
+/// absolute standardized leave-one-out residual) below it.
+const OUTLIER_SIGMAS: f64 = 3.0;
+/// Nor more than this far below (relative): a window at less than half of
+/// what its neighbours say is believed — a collapse (a fusion buffer that
+/// no longer fits in memory) is a property of the knobs, not a disturbance.
+const MAX_OUTLIER_DROP: f64 = 0.5;
+/// Outliers are looked for only with this many observations or more.
+const MIN_OBSERVATIONS_FOR_OUTLIERS: usize = 5;
+
 /// Why [`Optimizer::stop_reason`] says to stop.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub enum StopReason {
@@ -129,6 +184,8 @@ pub struct Optimizer {
     design: Vec<Point>,
     observations: Vec<Observation>,
     gp: Option<Gp>,
+    /// Observations the robust fit discounted as low outliers.
+    outliers: Vec<usize>,
     /// `(observations at the time, max EI relative to |best mean|)` of each
     /// model-based suggestion.
     relative_ei: Vec<(usize, f64)>,
@@ -200,14 +257,19 @@ impl Optimizer {
         if let Some(start) = &config.start {
             space.validate(start)?;
         }
-        let n_design = config
-            .initial_points
-            .unwrap_or(space.dims().len() + 2)
-            .max(1);
-        let mut design = Vec::with_capacity(n_design);
+        let mut design = Vec::new();
         if let Some(start) = &config.start {
             design.push(start.clone());
         }
+        let n_design = match (&config.exploration, &config.start) {
+            (Exploration::Safe(_), Some(start)) => {
+                design.extend(categorical_variants(&space, start));
+                config.initial_points.unwrap_or(design.len())
+            }
+            _ => config.initial_points.unwrap_or(space.dims().len() + 2),
+        }
+        .max(1);
+        design.truncate(n_design);
         let mut rng = rng_for(config.seed, STREAM_DESIGN, 0);
         let rest = n_design.saturating_sub(design.len());
         design.extend(latin_hypercube(&space, rest, &mut rng));
@@ -217,6 +279,7 @@ impl Optimizer {
             design,
             observations: Vec::new(),
             gp: None,
+            outliers: Vec::new(),
             relative_ei: Vec::new(),
         })
     }
@@ -237,8 +300,9 @@ impl Optimizer {
     }
 
     /// The next point to evaluate: the next design point while the initial
-    /// design lasts, then the maximizer of Expected Improvement over the
-    /// best posterior mean among observed points (noisy-EI incumbent).
+    /// design lasts, then the model's choice (see [`Exploration`]) with
+    /// Expected Improvement over the best posterior mean among observed
+    /// points (noisy-EI incumbent).
     pub fn suggest(&mut self) -> Point {
         let n = self.observations.len();
         if n < self.design.len() {
@@ -255,23 +319,55 @@ impl Optimizer {
         let incumbent_x = self.space.encode(&best.point);
         let incumbent = gp.standardize(best.predicted_score);
         let mut rng = rng_for(self.config.seed, STREAM_SUGGEST, n);
-        let max = maximize_expected_improvement(
-            gp,
-            &self.space,
-            incumbent,
-            &incumbent_x,
-            &self.config.acquisition,
-            &mut rng,
-        );
+        // Without a start there is no running job to protect (and no
+        // scale to be safe against): the global search.
+        let exploration = match (&self.config.exploration, &self.config.start) {
+            (Exploration::Safe(safe), Some(_)) => Some(safe),
+            _ => None,
+        };
+        let (encoded, max_ei) = match exploration {
+            None => {
+                let max = maximize_expected_improvement(
+                    gp,
+                    &self.space,
+                    incumbent,
+                    &incumbent_x,
+                    &self.config.acquisition,
+                    &mut rng,
+                );
+                (max.encoded, max.expected_improvement)
+            }
+            Some(safe) => {
+                let scores: Vec<f64> = self.observations.iter().map(|o| o.score).collect();
+                let length = safe::trust_region_length(safe, &scores, self.design.len());
+                let observed: Vec<Vec<f64>> = self
+                    .observations
+                    .iter()
+                    .map(|o| self.space.encode(&o.point))
+                    .collect();
+                let choice = safe::suggest(
+                    gp,
+                    &self.space,
+                    &incumbent_x,
+                    best.predicted_score,
+                    &observed,
+                    length,
+                    self.config.acquisition.xi,
+                    safe,
+                    &mut rng,
+                );
+                (choice.encoded, choice.expected_improvement)
+            }
+        };
         // EI back in score units (it scales with the output std), relative
         // to the best predicted score's magnitude.
-        let relative = max.expected_improvement * gp.output_scale()
-            / best.predicted_score.abs().max(f64::MIN_POSITIVE);
+        let relative =
+            max_ei * gp.output_scale() / best.predicted_score.abs().max(f64::MIN_POSITIVE);
         match self.relative_ei.last_mut() {
             Some(last) if last.0 == n => last.1 = relative,
             _ => self.relative_ei.push((n, relative)),
         }
-        self.space.decode(&max.encoded)
+        self.space.decode(&encoded)
     }
 
     /// Records a measurement of `score` at `point` (higher is better).
@@ -307,21 +403,53 @@ impl Optimizer {
         let mut rng = rng_for(self.config.seed, STREAM_FIT, self.observations.len());
         let previous: Option<Hyperparameters> =
             self.gp.as_ref().map(|g| g.hyperparameters().clone());
-        let gp = Gp::fit(
-            x,
+        let mut gp = Gp::fit(
+            x.clone(),
             &y,
             &sd,
             previous.as_ref(),
             self.config.hyperparameter_random_starts,
             &mut rng,
         )?;
+        let mut outliers = Vec::new();
+        if self.config.robust && y.len() >= MIN_OBSERVATIONS_FOR_OUTLIERS {
+            outliers = low_outliers(&gp, &y);
+            if !outliers.is_empty() {
+                let mut widened = sd.clone();
+                let loo = gp.leave_one_out();
+                for &i in &outliers {
+                    widened[i] = widened[i].max(loo[i].mean - y[i]);
+                }
+                let hyper = gp.hyperparameters().clone();
+                gp = Gp::fit(
+                    x,
+                    &y,
+                    &widened,
+                    Some(&hyper),
+                    self.config.hyperparameter_random_starts,
+                    &mut rng,
+                )?;
+            }
+        }
         self.gp = Some(gp);
+        self.outliers = outliers;
         self.observations.push(Observation {
             point,
             score,
             noise_sd,
         });
         Ok(())
+    }
+
+    /// Observations (indices) the robust fit discounted as measured far below
+    /// what their neighbours predict; empty when `robust` is off.
+    pub fn low_outliers(&self) -> &[usize] {
+        &self.outliers
+    }
+
+    /// Points of the initial design (the first observations are these).
+    pub fn design_len(&self) -> usize {
+        self.design.len()
     }
 
     /// The GP hyperparameters fitted after the last observation (for logs
@@ -406,5 +534,157 @@ impl Optimizer {
     /// `stop_reason().is_some()`.
     pub fn should_stop(&self) -> bool {
         self.stop_reason().is_some()
+    }
+}
+
+/// The start with one categorical knob changed to each of its other values:
+/// both values of every boolean, every choice of every categorical, tried
+/// right after the start.
+fn categorical_variants(space: &Space, start: &Point) -> Vec<Point> {
+    let mut out = Vec::new();
+    for (i, dim) in space.dims().iter().enumerate() {
+        let others: Vec<Value> = match (&dim.kind, start.0.get(i)) {
+            (DimKind::Boolean, Some(Value::Bool(b))) => vec![Value::Bool(!b)],
+            (DimKind::Categorical { choices }, Some(Value::Choice(c))) => (0..choices.len())
+                .filter(|k| k != c)
+                .map(Value::Choice)
+                .collect(),
+            _ => Vec::new(),
+        };
+        for v in others {
+            let mut p = start.clone();
+            p.0[i] = v;
+            out.push(p);
+        }
+    }
+    out
+}
+
+/// Observations far below their leave-one-out prediction (see
+/// [`MIN_OUTLIER_DROP`] and [`OUTLIER_SIGMAS`]).
+fn low_outliers(gp: &Gp, y: &[f64]) -> Vec<usize> {
+    let loo = gp.leave_one_out();
+    if loo.len() != y.len() {
+        return Vec::new();
+    }
+    let z: Vec<f64> = loo
+        .iter()
+        .zip(y)
+        .map(|(p, y)| (y - p.mean) / p.variance.sqrt().max(f64::MIN_POSITIVE))
+        .collect();
+    let mut abs: Vec<f64> = z.iter().map(|v| v.abs()).collect();
+    abs.sort_by(f64::total_cmp);
+    let scale = 1.4826 * abs[abs.len() / 2];
+    (0..y.len())
+        .filter(|&i| {
+            z[i] < -OUTLIER_SIGMAS * scale
+                && loo[i].mean - y[i] > MIN_OUTLIER_DROP * loo[i].mean.abs()
+                && loo[i].mean - y[i] <= MAX_OUTLIER_DROP * loo[i].mean.abs()
+        })
+        .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::space::CollectiveKnobs;
+
+    fn safe_optimizer(seed: u64) -> Optimizer {
+        Optimizer::new(
+            Space::collective(),
+            OptimizerConfig {
+                seed,
+                budget: 20,
+                start: Some(CollectiveKnobs::default().to_point()),
+                stop_after_rounds: 0,
+                ..OptimizerConfig::default()
+            },
+        )
+        .unwrap()
+    }
+
+    /// A smooth landscape over the encoded collective space, best at
+    /// (0.5, 0.4, hierarchical).
+    fn truth(space: &Space, p: &Point) -> f64 {
+        let x = space.encode(p);
+        let h = if x[2] > 0.5 { 1.2 } else { 1.0 };
+        h * (1.0 - (x[0] - 0.5).powi(2) - (x[1] - 0.4).powi(2))
+    }
+
+    #[test]
+    fn safe_design_is_the_start_then_its_other_categorical_value() {
+        let mut o = safe_optimizer(0);
+        let start = CollectiveKnobs::default().to_point();
+        assert_eq!(o.design_len(), 2);
+        let first = o.suggest();
+        assert_eq!(first, start);
+        o.observe(first, 1.0, None).unwrap();
+        let second = o.suggest();
+        let mut flipped = start.clone();
+        flipped.0[2] = Value::Bool(true);
+        assert_eq!(second, flipped);
+    }
+
+    #[test]
+    fn safe_suggestions_stay_in_the_trust_region_around_the_incumbent() {
+        let space = Space::collective();
+        for seed in 0..5 {
+            let mut o = safe_optimizer(seed);
+            for _ in 0..6 {
+                let p = o.suggest();
+                let y = truth(&space, &p);
+                o.observe(p, y, None).unwrap();
+            }
+            let best = space.encode(&o.best().unwrap().point);
+            let scores: Vec<f64> = o.observations().iter().map(|o| o.score).collect();
+            let length = match &o.config().exploration {
+                Exploration::Safe(c) => safe::trust_region_length(c, &scores, o.design_len()),
+                Exploration::Global => unreachable!(),
+            };
+            let next = space.encode(&o.suggest());
+            for c in [0, 1] {
+                // Half a side, stretched by at most 2 by the length scales.
+                assert!(
+                    (next[c] - best[c]).abs() <= length + 1e-9,
+                    "seed {seed}: coordinate {c} at {} vs incumbent {} (side {length})",
+                    next[c],
+                    best[c]
+                );
+            }
+        }
+    }
+
+    #[test]
+    fn a_window_slowed_by_a_third_is_discounted_but_a_collapse_is_believed() {
+        let space = Space::collective();
+        let grid: Vec<Point> = (0..8)
+            .map(|i| space.decode(&[0.2 + 0.08 * i as f64, 0.3 + 0.03 * i as f64, 0.0]))
+            .collect();
+        let run = |factor: f64| {
+            let mut o = Optimizer::new(
+                space.clone(),
+                OptimizerConfig {
+                    budget: 20,
+                    ..OptimizerConfig::default()
+                },
+            )
+            .unwrap();
+            for (i, p) in grid.iter().enumerate() {
+                let y = truth(&space, p) * if i == 4 { factor } else { 1.0 };
+                o.observe(p.clone(), y, None).unwrap();
+            }
+            o
+        };
+        let slowed = run(0.7);
+        assert_eq!(slowed.low_outliers(), &[4]);
+        let p = slowed.predict(&grid[4]).unwrap().mean;
+        assert!(
+            p > 0.9 * truth(&space, &grid[4]),
+            "prediction {p} stays near the truth"
+        );
+        assert!(run(0.2).low_outliers().is_empty(), "a collapse is data");
+        assert!(run(1.0).low_outliers().is_empty());
+        // Higher than its neighbours is never an outlier: nothing speeds a job up.
+        assert!(run(1.3).low_outliers().is_empty());
     }
 }

@@ -561,3 +561,56 @@ tr.chosen{{background:#e6f4ea;font-weight:bold}}tr.disturbed{{color:#a33}}\
     html.push_str("</tbody></table>\n</body></html>\n");
     Ok(html)
 }
+
+/// The confirmation of a session's choice against its start, as an HTML
+/// section (`<h2>` and a table of its windows, in the order measured).
+pub fn confirmation_html(c: &crate::session::Confirmation) -> String {
+    use crate::session::Candidate;
+    let mut html = String::from("<h2>Confirmation before pinning</h2>\n");
+    let name = |k: Candidate| match k {
+        Candidate::Choice => "the choice",
+        Candidate::Start => "the start",
+    };
+    let _ = writeln!(
+        html,
+        "<p>The optimizer chose sample {} ({} B fusion, {:.3} ms cycle, hierarchical {}). \
+         It and the start were measured again on fresh windows, interleaved; the choice is \
+         pinned only if the median of its windows beats the start's by more than the \
+         required gain (noise of the difference, at least 1%).</p>",
+        c.choice_sample,
+        c.choice.fusion_threshold_bytes,
+        c.choice.cycle_time_ms,
+        c.choice.hierarchical_allreduce
+    );
+    html.push_str("<table><thead><tr><th>window</th><th>knobs</th><th>score (bytes/s)</th><th>disturbed</th></tr></thead><tbody>\n");
+    for (i, w) in c.windows.iter().enumerate() {
+        let _ = writeln!(
+            html,
+            "<tr><td>{i}</td><td>{}</td><td>{}</td><td>{}</td></tr>",
+            name(w.candidate),
+            format_number(w.score),
+            escape(w.disturbed.as_deref().unwrap_or(""))
+        );
+    }
+    html.push_str("</tbody></table>\n");
+    match (c.kept, c.choice_median, c.start_median) {
+        (Some(kept), Some(choice), Some(start)) => {
+            let _ = writeln!(
+                html,
+                "<p>Median of the choice: {}; of the start: {} ({:.3}×, required: more than \
+                 {:.3}×). Kept: <strong>{}</strong>.</p>",
+                format_number(choice),
+                format_number(start),
+                if start > 0.0 {
+                    choice / start
+                } else {
+                    f64::NAN
+                },
+                1.0 + c.required_gain.unwrap_or(0.0),
+                name(kept)
+            );
+        }
+        _ => html.push_str("<p>The confirmation did not finish (the session was stopped).</p>\n"),
+    }
+    html
+}

@@ -22,17 +22,32 @@
 //!    over the time from the first cycle's start to the last one's, so that
 //!    idle time between cycles (a long cycle time) counts against the knobs
 //!    that cause it.
+//!    With `sub_windows` ≥ 3 the window is cut into that many runs of
+//!    consecutive cycles and scored by the median of their rates (Horovod
+//!    scores a sample by the median of its steps), so a disturbance in part
+//!    of a window does not decide it.
 //! 3. The driver judges the window ([`TuningSession::judge`]), saying
 //!    whether something outside the job disturbed it. A disturbed window is
 //!    measured again once; if the second window is disturbed too, the mean
 //!    of both is passed to the optimizer with a noise hint of their spread.
+//!
+//! When the optimizer stops, the session **confirms** its choice before
+//! pinning it: the chosen knobs and the start knobs are measured on fresh
+//! windows, interleaved (choice, start, choice, …; `confirm_windows` of
+//! each), and the choice is kept only if the median of its windows beats the
+//! start's beyond their noise ([`Confirmation`]); two of each suffice when
+//! every window of the choice beat every window of the start by
+//! [`DECISIVE_GAIN`], one of each when the gain is [`OVERWHELMING_GAIN`]
+//! on the fresh windows and the samples alike. Otherwise the start is
+//! kept: a session never pins knobs that measured worse than the ones the
+//! job came with.
 
 use std::path::{Path, PathBuf};
 
 use polars::prelude::DataFrame;
 use thiserror::Error;
 
-use crate::optimizer::{Optimizer, OptimizerConfig, OptimizerError, StopReason};
+use crate::optimizer::{Exploration, Optimizer, OptimizerConfig, OptimizerError, StopReason};
 use crate::report::{self, ReportError, SampleRecord};
 use crate::space::{
     CYCLE_TIME_MAX_MS, CYCLE_TIME_MIN_MS, CYCLE_TIME_MS, CollectiveKnobs, Dim, DimKind,
@@ -44,6 +59,24 @@ use crate::space::{
 /// score: two disturbed windows that happen to agree are still not trusted
 /// like a clean one.
 const MIN_RELATIVE_NOISE_OF_DISTURBED: f64 = 0.1;
+
+/// A confirmed choice must beat the start by at least this fraction, even
+/// when the windows agree perfectly: a change within a percent is not worth
+/// the risk of pinning new knobs.
+pub const MIN_CONFIRMED_GAIN: f64 = 0.01;
+
+/// The confirmation ends after two windows of each when every window of the
+/// choice beat every window of the start by this factor: a gain that large
+/// is not noise (a disturbance slows a job by less), and each further
+/// window of the start costs the job.
+pub const DECISIVE_GAIN: f64 = 1.2;
+
+/// One window of each suffices when the choice's window and its sample
+/// beat the start's window and its sample by this factor: for such a gain
+/// to be a disturbance, both windows of the start (its sample keeps the
+/// faster of two) and its confirmation window would all have had to be
+/// slowed by a third.
+pub const OVERWHELMING_GAIN: f64 = 1.5;
 
 /// Why a session could not be set up or driven.
 #[derive(Debug, Error)]
@@ -101,6 +134,18 @@ pub struct SessionConfig {
     pub bounds: KnobBounds,
     /// Knobs not searched.
     pub fixed: FixedKnobs,
+    /// A window is scored by the median rate of this many runs of its
+    /// cycles (fewer than 3: by its overall rate).
+    pub sub_windows: usize,
+    /// Windows of the choice and of the start, each, measured interleaved
+    /// before pinning (0: pin the model's choice unconfirmed).
+    pub confirm_windows: usize,
+    /// How the optimizer explores, and whether it discounts low outliers.
+    pub exploration: Exploration,
+    /// See [`OptimizerConfig::robust`].
+    pub robust: bool,
+    /// Measure the start on two clean windows and keep the faster.
+    pub repeat_start: bool,
 }
 
 impl Default for SessionConfig {
@@ -114,6 +159,11 @@ impl Default for SessionConfig {
             start: CollectiveKnobs::default(),
             bounds: KnobBounds::default(),
             fixed: FixedKnobs::default(),
+            sub_windows: 1,
+            confirm_windows: 3,
+            exploration: Exploration::default(),
+            robust: true,
+            repeat_start: true,
         }
     }
 }
@@ -157,8 +207,11 @@ pub struct Window {
     pub cycles: u64,
     /// Bytes reduced by every cycle but the last.
     pub bytes_reduced: u64,
-    /// Bytes reduced per second.
+    /// Bytes reduced per second: the median of the sub-windows' rates, or
+    /// the whole window's rate when there are fewer than 3 sub-windows.
     pub score: f64,
+    /// The whole window's rate: bytes reduced over its span.
+    pub overall_score: f64,
 }
 
 impl Window {
@@ -173,8 +226,15 @@ impl Window {
 pub enum Verdict {
     /// The window was disturbed and is measured again with the same knobs.
     Remeasure,
+    /// The start's first window was clean; a second one is measured and the
+    /// faster of the two kept (a disturbance only slows a job, and the
+    /// start is what every later sample is weighed against).
+    Repeat,
     /// A sample was recorded (its index in [`TuningSession::samples`]).
     Sample(usize),
+    /// A confirmation window was recorded (its index in the confirmation's
+    /// windows, see [`TuningSession::confirmation`]).
+    Confirmation(usize),
 }
 
 /// One recorded sample.
@@ -196,6 +256,125 @@ pub struct SessionSample {
     pub remeasured_because: Option<String>,
     /// Seconds since the session started, as the driver measured.
     pub wall_time_s: f64,
+}
+
+/// Which knobs a confirmation window measured.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Candidate {
+    /// The optimizer's choice.
+    Choice,
+    /// The knobs the job started with.
+    Start,
+}
+
+/// One window of the confirmation.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ConfirmationWindow {
+    /// Whose window.
+    pub candidate: Candidate,
+    /// Its score, bytes/s.
+    pub score: f64,
+    /// The window.
+    pub window: Window,
+    /// Why it was disturbed, if the driver said so (kept anyway after one
+    /// re-measurement: the median copes with one bad window).
+    pub disturbed: Option<String>,
+    /// Seconds since the session started.
+    pub wall_time_s: f64,
+}
+
+/// The comparison of the optimizer's choice with the start before pinning.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Confirmation {
+    /// The optimizer's choice.
+    pub choice: CollectiveKnobs,
+    /// Its sample (index into the session's samples).
+    pub choice_sample: usize,
+    /// The windows, in the order measured.
+    pub windows: Vec<ConfirmationWindow>,
+    /// Median score of the choice's windows (once decided).
+    pub choice_median: Option<f64>,
+    /// Median score of the start's windows (once decided).
+    pub start_median: Option<f64>,
+    /// The gain the choice had to show, relative to the start.
+    pub required_gain: Option<f64>,
+    /// What is pinned (once decided).
+    pub kept: Option<Candidate>,
+}
+
+impl Confirmation {
+    fn scores(&self, candidate: Candidate) -> Vec<f64> {
+        self.windows
+            .iter()
+            .filter(|w| w.candidate == candidate)
+            .map(|w| w.score)
+            .collect()
+    }
+
+    /// Two windows of each, every one of the choice's at least
+    /// [`DECISIVE_GAIN`] × every one of the start's; or one of each, with
+    /// the sessions' samples, at least [`OVERWHELMING_GAIN`] × (scores of
+    /// the choice's and the start's samples given).
+    fn decisive(&self, choice_sample: f64, start_sample: f64) -> bool {
+        let choice = self.scores(Candidate::Choice);
+        let start = self.scores(Candidate::Start);
+        let lowest = choice.iter().copied().fold(f64::INFINITY, f64::min);
+        let highest = start.iter().copied().fold(f64::NEG_INFINITY, f64::max);
+        if choice.len() >= 2 && start.len() >= 2 {
+            return lowest >= DECISIVE_GAIN * highest;
+        }
+        !choice.is_empty()
+            && !start.is_empty()
+            && lowest.min(choice_sample) >= OVERWHELMING_GAIN * highest.max(start_sample)
+    }
+
+    /// Decides from the windows: the choice wins if its median beats the
+    /// start's by more than [`MIN_CONFIRMED_GAIN`] and by more than the
+    /// noise of a difference of two medians (1.25 σ·√(2/k), σ from the
+    /// pooled median absolute deviation).
+    fn decide(&mut self) {
+        let choice = self.scores(Candidate::Choice);
+        let start = self.scores(Candidate::Start);
+        let (Some(c), Some(s)) = (median(&choice), median(&start)) else {
+            self.kept = Some(Candidate::Start);
+            return;
+        };
+        let mut deviations: Vec<f64> = choice
+            .iter()
+            .map(|x| (x - c).abs() / c.abs().max(f64::MIN_POSITIVE))
+            .chain(
+                start
+                    .iter()
+                    .map(|x| (x - s).abs() / s.abs().max(f64::MIN_POSITIVE)),
+            )
+            .collect();
+        deviations.retain(|d| d.is_finite());
+        let sigma = 1.4826 * median(&deviations).unwrap_or(0.0);
+        let k = choice.len().min(start.len()).max(1) as f64;
+        let required = MIN_CONFIRMED_GAIN.max(1.25 * sigma * (2.0 / k).sqrt());
+        self.choice_median = Some(c);
+        self.start_median = Some(s);
+        self.required_gain = Some(required);
+        self.kept = Some(if c > s * (1.0 + required) {
+            Candidate::Choice
+        } else {
+            Candidate::Start
+        });
+    }
+}
+
+fn median(values: &[f64]) -> Option<f64> {
+    let mut v: Vec<f64> = values.iter().copied().filter(|x| x.is_finite()).collect();
+    if v.is_empty() {
+        return None;
+    }
+    v.sort_by(f64::total_cmp);
+    let n = v.len();
+    Some(if n % 2 == 1 {
+        v[n / 2]
+    } else {
+        0.5 * (v[n / 2 - 1] + v[n / 2])
+    })
 }
 
 /// The recommendation: the sampled knobs with the highest posterior mean.
@@ -220,8 +399,18 @@ pub struct ReportFiles {
     pub html: PathBuf,
 }
 
+/// What a window being measured is for.
+#[derive(Debug, Clone, Copy, PartialEq)]
+enum Purpose {
+    /// A sample for the optimizer.
+    Sample,
+    /// A confirmation window.
+    Confirm(Candidate),
+}
+
 #[derive(Debug, Clone)]
 struct Measuring {
+    purpose: Purpose,
     knobs: CollectiveKnobs,
     point: Point,
     /// Cycles before this one are ignored (they ran with other knobs).
@@ -232,15 +421,18 @@ struct Measuring {
     pending: Option<Window>,
     /// The first, disturbed window of this sample and why.
     disturbed_before: Option<(Window, String)>,
+    /// The start's first clean window, while its second is measured.
+    repeat_of: Option<Window>,
 }
 
 #[derive(Debug, Clone)]
 enum State {
     Applying {
+        purpose: Purpose,
         knobs: CollectiveKnobs,
         point: Point,
     },
-    Measuring(Measuring),
+    Measuring(Box<Measuring>),
     Done,
 }
 
@@ -260,6 +452,7 @@ pub struct TuningSession {
     layout: Layout,
     state: State,
     samples: Vec<SessionSample>,
+    confirmation: Option<Confirmation>,
     stopped: bool,
 }
 
@@ -364,6 +557,7 @@ impl TuningSession {
             layout,
             state: State::Done,
             samples: Vec::new(),
+            confirmation: None,
             stopped: false,
         };
         let start = session.point_of(&session.config.start);
@@ -373,6 +567,8 @@ impl TuningSession {
                 seed: session.config.seed,
                 budget: session.config.budget,
                 start: Some(start),
+                exploration: session.config.exploration.clone(),
+                robust: session.config.robust,
                 ..OptimizerConfig::default()
             },
         )?;
@@ -411,12 +607,18 @@ impl TuningSession {
     /// The job confirmed the knobs of [`Step::Apply`]: `first_cycle` is the
     /// first cycle every rank runs with them.
     pub fn applied(&mut self, first_cycle: u64) -> Result<(), SessionError> {
-        let State::Applying { knobs, point } = &self.state else {
+        let State::Applying {
+            purpose,
+            knobs,
+            point,
+        } = &self.state
+        else {
             return Err(SessionError::Protocol(
                 "applied() called while no knobs were being applied".into(),
             ));
         };
-        self.state = State::Measuring(Measuring {
+        self.state = State::Measuring(Box::new(Measuring {
+            purpose: *purpose,
             knobs: *knobs,
             point: point.clone(),
             first_cycle,
@@ -424,7 +626,8 @@ impl TuningSession {
             cycles: Vec::new(),
             pending: None,
             disturbed_before: None,
-        });
+            repeat_of: None,
+        }));
         Ok(())
     }
 
@@ -459,6 +662,8 @@ impl TuningSession {
             .iter()
             .map(|c| c.bytes_reduced)
             .sum();
+        let overall = bytes as f64 / (span_us as f64 / 1e6);
+        let score = sub_window_median(&m.cycles, self.config.sub_windows).unwrap_or(overall);
         let window = Window {
             first_cycle: first.cycle,
             last_cycle: cycle.cycle,
@@ -466,7 +671,8 @@ impl TuningSession {
             end_unix_us: cycle.start_unix_us,
             cycles: m.cycles.len() as u64,
             bytes_reduced: bytes,
-            score: bytes as f64 / (span_us as f64 / 1e6),
+            score,
+            overall_score: overall,
         };
         m.pending = Some(window);
         Some(window)
@@ -495,7 +701,21 @@ impl TuningSession {
             )));
         }
         m.pending = None;
-        let (score, noise_hint, disturbed, remeasured_because) =
+        if self.config.repeat_start
+            && m.purpose == Purpose::Sample
+            && self.samples.is_empty()
+            && disturbance.is_none()
+            && m.repeat_of.is_none()
+            && m.disturbed_before.is_none()
+        {
+            // The start's first window was clean: measure a second one.
+            m.repeat_of = Some(*window);
+            m.first_cycle = window.last_cycle + 1;
+            m.warmup_left = 0;
+            m.cycles.clear();
+            return Ok(Verdict::Repeat);
+        }
+        let (mut score, noise_hint, disturbed, remeasured_because) =
             match (disturbance, m.disturbed_before.take()) {
                 (Some(reason), None) => {
                     // Measure again from the cycle after this window.
@@ -514,8 +734,33 @@ impl TuningSession {
                     (mean, Some(spread), Some(reason), Some(first_reason))
                 }
             };
+        let mut window = *window;
+        if let Some(first) = m.repeat_of.take()
+            && first.score > score
+        {
+            // Disturbances only slow a job: the faster window is the start.
+            score = first.score;
+            window = first;
+        }
+        let window = &window;
         let knobs = m.knobs;
         let point = m.point.clone();
+        if let Purpose::Confirm(candidate) = m.purpose {
+            let confirmation = self.confirmation.as_mut().ok_or_else(|| {
+                SessionError::Protocol("a confirmation window without a confirmation".into())
+            })?;
+            confirmation.windows.push(ConfirmationWindow {
+                candidate,
+                score,
+                window: *window,
+                disturbed: disturbed.or(remeasured_because),
+                wall_time_s,
+            });
+            self.state = self.next_apply();
+            return Ok(Verdict::Confirmation(confirmation_index(
+                &self.confirmation,
+            )));
+        }
         if let Err(error) = self.optimizer.observe(point, score, noise_hint) {
             // Nothing was recorded; give the window back so the caller may
             // stop cleanly.
@@ -561,8 +806,23 @@ impl TuningSession {
         &self.samples
     }
 
-    /// The recommendation so far (`None` before the first sample).
+    /// The recommendation so far (`None` before the first sample): the
+    /// model's choice, or, once the confirmation kept the start, the start
+    /// (sample 0).
     pub fn best(&self) -> Option<Best> {
+        if let Some(Confirmation {
+            kept: Some(Candidate::Start),
+            start_median,
+            ..
+        }) = &self.confirmation
+        {
+            let start = self.samples.first()?;
+            return Some(Best {
+                knobs: start.knobs,
+                predicted_score: start_median.unwrap_or(start.score),
+                sample: 0,
+            });
+        }
         let best = self.optimizer.best()?;
         Some(Best {
             knobs: self.samples.get(best.index)?.knobs,
@@ -571,12 +831,35 @@ impl TuningSession {
         })
     }
 
-    /// Measured speedup of the recommended knobs' sample over sample 0 (the
-    /// starting knobs).
+    /// The comparison of the choice with the start before pinning (`None`
+    /// until it begins, and when the choice is the start or confirmation
+    /// is off).
+    pub fn confirmation(&self) -> Option<&Confirmation> {
+        self.confirmation.as_ref()
+    }
+
+    /// Measured speedup of the recommended knobs over the starting knobs:
+    /// from the confirmation's medians once it decided (1 when it kept the
+    /// start), else the recommended sample's score over sample 0's.
     pub fn speedup_over_start(&self) -> Option<f64> {
+        if let Some(c) = &self.confirmation
+            && let (Some(kept), Some(choice), Some(start)) =
+                (c.kept, c.choice_median, c.start_median)
+        {
+            return Some(match kept {
+                Candidate::Start => 1.0,
+                Candidate::Choice if start > 0.0 => choice / start,
+                Candidate::Choice => return None,
+            });
+        }
         let best = self.best()?;
         let start = self.samples.first()?.score;
         (start > 0.0).then(|| self.samples[best.sample].score / start)
+    }
+
+    /// Low outliers the optimizer discounted (sample indices).
+    pub fn low_outliers(&self) -> &[usize] {
+        self.optimizer.low_outliers()
     }
 
     /// The report's table (see [`report::session_frame`]): one row per
@@ -598,13 +881,70 @@ impl TuningSession {
     }
 
     fn next_apply(&mut self) -> State {
-        if self.stopped || self.optimizer.should_stop() {
+        if self.stopped {
             return State::Done;
         }
-        let point = self.optimizer.suggest();
+        if !self.optimizer.should_stop() {
+            let point = self.optimizer.suggest();
+            return State::Applying {
+                purpose: Purpose::Sample,
+                knobs: self.knobs_of(&point),
+                point,
+            };
+        }
+        // The optimizer is done: confirm its choice against the start.
+        let k = self.config.confirm_windows;
+        if k == 0 {
+            return State::Done;
+        }
+        if self.confirmation.is_none() {
+            let Some(best) = self.optimizer.best() else {
+                return State::Done;
+            };
+            let Some(choice) = self.samples.get(best.index) else {
+                return State::Done;
+            };
+            let start = self.samples.first().map(|s| s.knobs);
+            if best.index == 0 || Some(choice.knobs) == start {
+                return State::Done;
+            }
+            self.confirmation = Some(Confirmation {
+                choice: choice.knobs,
+                choice_sample: best.index,
+                windows: Vec::new(),
+                choice_median: None,
+                start_median: None,
+                required_gain: None,
+                kept: None,
+            });
+        }
+        let Some(confirmation) = self.confirmation.as_mut() else {
+            return State::Done;
+        };
+        let done = confirmation.windows.len();
+        let choice_sample = self
+            .samples
+            .get(confirmation.choice_sample)
+            .map_or(f64::INFINITY, |s| s.score);
+        let start_sample = self.samples.first().map_or(f64::INFINITY, |s| s.score);
+        if done >= 2 * k || (done % 2 == 0 && confirmation.decisive(choice_sample, start_sample)) {
+            if confirmation.kept.is_none() {
+                confirmation.decide();
+            }
+            return State::Done;
+        }
+        // Interleaved: choice, start, choice, start, …
+        let (candidate, knobs) = if done % 2 == 0 {
+            (Candidate::Choice, confirmation.choice)
+        } else {
+            // Sample 0's knobs: the start as measured (clamped into bounds).
+            let start = self.samples.first().map_or(self.config.start, |s| s.knobs);
+            (Candidate::Start, start)
+        };
         State::Applying {
-            knobs: self.knobs_of(&point),
-            point,
+            purpose: Purpose::Confirm(candidate),
+            point: self.point_of(&knobs),
+            knobs,
         }
     }
 
@@ -728,8 +1068,41 @@ pub fn write_report(
     let create = |path: &Path| std::fs::File::create(path).map(std::io::BufWriter::new);
     report::write_csv(&frame, create(&files.csv)?)?;
     report::write_parquet(&frame, create(&files.parquet)?)?;
-    std::fs::write(&files.html, report::render_html(&frame, title)?)?;
+    let mut html = report::render_html(&frame, title)?;
+    if let Some(c) = session.confirmation() {
+        let at = html.find("<h2>Samples</h2>").unwrap_or(html.len());
+        html.insert_str(at, &report::confirmation_html(c));
+    }
+    std::fs::write(&files.html, html)?;
     Ok(files)
+}
+
+fn confirmation_index(confirmation: &Option<Confirmation>) -> usize {
+    confirmation
+        .as_ref()
+        .map_or(0, |c| c.windows.len().saturating_sub(1))
+}
+
+/// The median rate of `k` runs of consecutive cycle intervals (`None` for
+/// fewer than 3 runs or too few intervals). A run's rate is the bytes of its
+/// cycles over the time from its first cycle's start to the next run's.
+fn sub_window_median(cycles: &[CycleObservation], k: usize) -> Option<f64> {
+    let intervals = cycles.len().checked_sub(1)?;
+    if k < 3 || intervals < k {
+        return None;
+    }
+    let mut rates = Vec::with_capacity(k);
+    for run in 0..k {
+        let from = run * intervals / k;
+        let to = (run + 1) * intervals / k;
+        let bytes: u64 = cycles[from..to].iter().map(|c| c.bytes_reduced).sum();
+        let span_us = cycles[to].start_unix_us - cycles[from].start_unix_us;
+        if span_us == 0 {
+            return None;
+        }
+        rates.push(bytes as f64 / (span_us as f64 / 1e6));
+    }
+    median(&rates)
 }
 
 #[cfg(test)]
@@ -883,7 +1256,8 @@ mod tests {
                 .judge(&Window { score: 1.0, ..w }, None, 0.0)
                 .is_err()
         );
-        assert_eq!(session.judge(&w, None, 0.0).unwrap(), Verdict::Sample(0));
+        // The start is measured on a second window.
+        assert_eq!(session.judge(&w, None, 0.0).unwrap(), Verdict::Repeat);
     }
 
     #[test]
@@ -1026,11 +1400,162 @@ mod tests {
         assert_eq!(scores, expected);
         let csv = std::fs::read_to_string(&files.csv).unwrap();
         assert_eq!(csv.lines().count(), 1 + session.samples().len());
-        assert!(
-            std::fs::read_to_string(&files.html)
-                .unwrap()
-                .contains("job 1")
+        let html = std::fs::read_to_string(&files.html).unwrap();
+        assert!(html.contains("job 1"));
+        // The confirmation's windows are in the page, before the samples.
+        let c = session
+            .confirmation()
+            .expect("hierarchical beats the start");
+        let section = html
+            .find("Confirmation before pinning")
+            .expect("a confirmation section");
+        assert!(section < html.find("<h2>Samples</h2>").unwrap());
+        assert_eq!(
+            html.matches("<td>the choice</td>").count(),
+            c.windows.len() / 2
         );
+        assert!(html.contains("Kept: <strong>the choice</strong>"));
         std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    #[test]
+    fn the_start_keeps_the_faster_of_two_windows() {
+        let mut session = TuningSession::new(config()).unwrap();
+        session.applied(1).unwrap();
+        let mut at = 0;
+        // Two warm-up cycles, then a window of 6 cycles 1000 bytes each, 1 ms
+        // apart; then one at 2 ms apart (a disturbance nobody reported).
+        let mut window = |session: &mut TuningSession, gap_us: u64| {
+            let mut out = None;
+            for _ in 0..8 {
+                at += 1;
+                let c = CycleObservation {
+                    cycle: at,
+                    start_unix_us: at * gap_us,
+                    duration_us: 10,
+                    bytes_reduced: 1000,
+                };
+                out = out.or(session.observe_cycle(&c));
+            }
+            out.expect("a window")
+        };
+        let fast = window(&mut session, 1000);
+        assert_eq!(session.judge(&fast, None, 1.0).unwrap(), Verdict::Repeat);
+        let slow = window(&mut session, 2000);
+        assert_eq!(session.judge(&slow, None, 2.0).unwrap(), Verdict::Sample(0));
+        let s = &session.samples()[0];
+        assert_eq!(s.score, fast.score);
+        assert_eq!(s.window, fast);
+        assert!((fast.score - 1e6).abs() < 1e-6 && (slow.score - 5e5).abs() < 1e-6);
+    }
+
+    #[test]
+    fn sub_windows_score_by_their_median_rate() {
+        // 9 intervals of 1 ms, 1000 bytes each, but the middle three took
+        // 10 ms each (a disturbance): the overall rate is dragged down, the
+        // median of three runs is not.
+        let mut t = 0;
+        let cycles: Vec<CycleObservation> = (0..10u64)
+            .map(|i| {
+                let c = CycleObservation {
+                    cycle: i,
+                    start_unix_us: t,
+                    duration_us: 10,
+                    bytes_reduced: 1000,
+                };
+                t += if (3..6).contains(&i) { 10_000 } else { 1000 };
+                c
+            })
+            .collect();
+        assert_eq!(sub_window_median(&cycles, 3), Some(1e6));
+        assert_eq!(sub_window_median(&cycles, 1), None);
+        assert_eq!(sub_window_median(&cycles[..3], 3), None);
+        let mut session = TuningSession::new(SessionConfig {
+            sub_windows: 3,
+            measured_cycles: 9,
+            warmup_cycles: 0,
+            ..config()
+        })
+        .unwrap();
+        session.applied(0).unwrap();
+        let w = cycles
+            .iter()
+            .find_map(|c| session.observe_cycle(c))
+            .expect("9 intervals make a window");
+        assert_eq!(w.score, 1e6);
+        assert!((w.overall_score - 9000.0 / 0.036).abs() < 1e-6);
+    }
+
+    /// A job whose knobs other than the start lose half their speed once
+    /// `slow_after` samples are in (conditions changed under the session).
+    fn drive_changing(session: &mut TuningSession, slow_after: usize) {
+        let start = session.config().start;
+        let mut job = FakeJob::new(0);
+        let mut slowed = false;
+        for _ in 0..100_000 {
+            match session.next_step() {
+                Step::Apply(knobs) => {
+                    job.knobs = knobs;
+                    session.applied(job.cycle + 1).unwrap();
+                    slowed = session.samples().len() >= slow_after && knobs != start;
+                }
+                Step::Measure => {
+                    let mut c = job.next_cycle();
+                    if slowed {
+                        c.bytes_reduced /= 2;
+                    }
+                    if let Some(w) = session.observe_cycle(&c) {
+                        session.judge(&w, None, 0.0).unwrap();
+                    }
+                }
+                Step::Done => return,
+            }
+        }
+        panic!("the session never ended");
+    }
+
+    #[test]
+    fn the_choice_is_confirmed_against_the_start_before_it_is_pinned() {
+        // Nothing changes: hierarchical is 1.5× the start, so one window of
+        // each settles it.
+        let mut session = TuningSession::new(config()).unwrap();
+        drive_changing(&mut session, usize::MAX);
+        let c = session.confirmation().expect("the choice is not the start");
+        assert_eq!(c.kept, Some(Candidate::Choice));
+        let order: Vec<Candidate> = c.windows.iter().map(|w| w.candidate).collect();
+        assert_eq!(order, [Candidate::Choice, Candidate::Start]);
+        assert_eq!(session.best().unwrap().knobs, c.choice);
+        let speedup = session.speedup_over_start().unwrap();
+        assert!((speedup - c.choice_median.unwrap() / c.start_median.unwrap()).abs() < 1e-12);
+        assert!(speedup > 1.3);
+
+        // The choice halves once the budget is spent: the start is kept,
+        // after all the windows (interleaved) it is owed.
+        let mut session = TuningSession::new(config()).unwrap();
+        drive_changing(&mut session, config().budget);
+        let c = session.confirmation().expect("the choice is not the start");
+        assert_eq!(c.kept, Some(Candidate::Start));
+        assert_eq!(c.windows.len(), 2 * config().confirm_windows);
+        assert!(c.windows.iter().enumerate().all(|(i, w)| w.candidate
+            == if i % 2 == 0 {
+                Candidate::Choice
+            } else {
+                Candidate::Start
+            }));
+        let best = session.best().unwrap();
+        assert_eq!((best.knobs, best.sample), (config().start, 0));
+        assert_eq!(session.speedup_over_start(), Some(1.0));
+    }
+
+    #[test]
+    fn without_confirmation_the_models_choice_is_pinned() {
+        let mut session = TuningSession::new(SessionConfig {
+            confirm_windows: 0,
+            ..config()
+        })
+        .unwrap();
+        drive_changing(&mut session, config().budget);
+        assert!(session.confirmation().is_none());
+        assert!(session.best().unwrap().knobs.hierarchical_allreduce);
     }
 }

@@ -5,7 +5,9 @@
 //! The session's knobs go through the runtime's own knob-change path (the same list of
 //! updates the control socket's `set_knobs` feeds the coordinator), so every rank switches
 //! on the same cycle boundary; the session is fed rank 0's own per-cycle statistics. There
-//! is no disturbance detection here (no eBPF in the job): every window is judged clean.
+//! is no disturbance detection here (no eBPF in the job): every window is judged clean, and
+//! the session copes without a signal (windows scored by the median of three sub-windows,
+//! low outliers discounted by the model, the choice confirmed against the start).
 //!
 //! The optimizer's suggestion (a few ms) runs inline at the cycle boundary after a window
 //! closes: it then falls before the next knobs are applied, so it never lands in a
@@ -84,6 +86,10 @@ impl SelfTuner {
             min_window_us: config.min_window.as_micros() as u64,
             seed: config.seed,
             start: to_tuner(&current),
+            // No eBPF in the job: a window is scored by the median rate of
+            // three runs of its cycles, so a disturbance in part of it does
+            // not decide it.
+            sub_windows: 3,
             ..SessionConfig::default()
         })
         .map_err(|e| e.to_string())?;
@@ -180,7 +186,13 @@ impl SelfTuner {
                         "self-tuning sample");
                 }
             }
-            Ok(Verdict::Remeasure) => {}
+            Ok(Verdict::Remeasure | Verdict::Repeat) => {}
+            Ok(Verdict::Confirmation(i)) => {
+                if let Some(c) = self.session.confirmation() {
+                    tracing::debug!(window = i, candidate = ?c.windows.get(i).map(|w| w.candidate),
+                        kept = ?c.kept, "self-tuning confirmation window");
+                }
+            }
             Err(e) => {
                 tracing::error!(error = %e, "self-tuning could not record a sample; stopping");
                 self.session.stop();
