@@ -343,7 +343,8 @@ fn main() {
         started.elapsed().as_secs_f64()
     );
 
-    // Time suggest() and observe() with 50 observations on the collective space.
+    // Time suggest() and observe() with 50 observations on the collective
+    // space, as a session runs them (safe exploration from a start, robust).
     let space = Space::collective();
     let mut rng = ChaCha8Rng::seed_from_u64(42);
     let mut optimizer = Optimizer::new(
@@ -351,6 +352,7 @@ fn main() {
         OptimizerConfig {
             seed: 42,
             budget: 100,
+            start: Some(CollectiveKnobs::default().to_point()),
             stop_after_rounds: 0,
             ..OptimizerConfig::default()
         },
