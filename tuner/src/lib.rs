@@ -37,6 +37,7 @@ pub mod report;
 pub mod safe;
 pub mod session;
 pub mod space;
+pub mod watch;
 
 pub use optimizer::{
     Best, Exploration, Observation, Optimizer, OptimizerConfig, OptimizerError, StopReason,

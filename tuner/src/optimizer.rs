@@ -94,6 +94,9 @@ pub struct OptimizerConfig {
     pub initial_points: Option<usize>,
     /// How to explore.
     pub exploration: Exploration,
+    /// Points measured right after the start, before the rest of the
+    /// design (e.g. the knobs an earlier session pinned).
+    pub early_points: Vec<Point>,
     /// Discount measurements far below what their neighbours predict
     /// (one-sided: disturbances only slow a job down).
     pub robust: bool,
@@ -119,6 +122,7 @@ impl Default for OptimizerConfig {
             budget: 30,
             initial_points: None,
             exploration: Exploration::default(),
+            early_points: Vec::new(),
             robust: true,
             start: None,
             min_relative_improvement: 1e-3,
@@ -257,16 +261,27 @@ impl Optimizer {
         if let Some(start) = &config.start {
             space.validate(start)?;
         }
+        for p in &config.early_points {
+            space.validate(p)?;
+        }
         let mut design = Vec::new();
         if let Some(start) = &config.start {
             design.push(start.clone());
         }
+        design.extend(config.early_points.iter().cloned());
         let n_design = match (&config.exploration, &config.start) {
             (Exploration::Safe(_), Some(start)) => {
-                design.extend(categorical_variants(&space, start));
+                design.extend(
+                    categorical_variants(&space, start)
+                        .into_iter()
+                        .filter(|p| !config.early_points.contains(p)),
+                );
                 config.initial_points.unwrap_or(design.len())
             }
-            _ => config.initial_points.unwrap_or(space.dims().len() + 2),
+            _ => config
+                .initial_points
+                .unwrap_or(space.dims().len() + 2)
+                .max(design.len()),
         }
         .max(1);
         design.truncate(n_design);

@@ -563,10 +563,11 @@ tr.chosen{{background:#e6f4ea;font-weight:bold}}tr.disturbed{{color:#a33}}\
 }
 
 /// The confirmation of a session's choice against its start, as an HTML
-/// section (`<h2>` and a table of its windows, in the order measured).
-pub fn confirmation_html(c: &crate::session::Confirmation) -> String {
+/// section (`<h2>heading</h2>` and a table of its windows, in the order
+/// measured).
+pub fn confirmation_html(c: &crate::session::Confirmation, heading: &str) -> String {
     use crate::session::Candidate;
-    let mut html = String::from("<h2>Confirmation before pinning</h2>\n");
+    let mut html = format!("<h2>{}</h2>\n", escape(heading));
     let name = |k: Candidate| match k {
         Candidate::Choice => "the choice",
         Candidate::Start => "the start",
@@ -611,6 +612,46 @@ pub fn confirmation_html(c: &crate::session::Confirmation) -> String {
             );
         }
         _ => html.push_str("<p>The confirmation did not finish (the session was stopped).</p>\n"),
+    }
+    html
+}
+
+/// Why a session started and the job's throughput before it (seconds,
+/// bytes/s per watched window), as an HTML section with a line chart.
+pub fn context_html(note: &str, timeline: &[(f64, f64)]) -> String {
+    let mut html = format!("<h2>Why this session</h2>\n<p>{}</p>\n", escape(note));
+    if timeline.len() >= 2 {
+        let (w, h, pad) = (640.0, 200.0, 40.0);
+        let t_max = timeline.iter().map(|p| p.0).fold(0.0, f64::max).max(1e-9);
+        let y_max = timeline.iter().map(|p| p.1).fold(0.0, f64::max).max(1e-9);
+        let points: Vec<String> = timeline
+            .iter()
+            .map(|(t, y)| {
+                format!(
+                    "{:.1},{:.1}",
+                    pad + (w - 2.0 * pad) * t / t_max,
+                    h - pad - (h - 2.0 * pad) * y / y_max
+                )
+            })
+            .collect();
+        let _ = writeln!(
+            html,
+            "<svg width=\"{w}\" height=\"{h}\" role=\"img\" aria-label=\"throughput since the previous pin\">\
+             <polyline fill=\"none\" stroke=\"#1f6feb\" stroke-width=\"2\" points=\"{}\"/>\
+             <text x=\"{pad}\" y=\"{:.0}\" font-size=\"11\">0 s</text>\
+             <text x=\"{:.0}\" y=\"{:.0}\" font-size=\"11\" text-anchor=\"end\">{t_max:.0} s</text>\
+             <text x=\"4\" y=\"{:.0}\" font-size=\"11\">{}</text></svg>",
+            points.join(" "),
+            h - pad / 2.0,
+            w - pad,
+            h - pad / 2.0,
+            pad,
+            format_number(y_max)
+        );
+        html.push_str(
+            "<p>The job's throughput (bytes reduced per second, one point per watched window) \
+             on the knobs the previous session pinned.</p>\n",
+        );
     }
     html
 }

@@ -146,6 +146,12 @@ pub struct SessionConfig {
     pub robust: bool,
     /// Measure the start on two clean windows and keep the faster.
     pub repeat_start: bool,
+    /// Re-check knobs an earlier session pinned (conditions changed since,
+    /// see [`crate::watch`]): they are sample 1, right after the start; if
+    /// they measure at least as fast as the start, they are confirmed
+    /// against it at once and, if they win, kept without tuning again.
+    /// Otherwise the session tunes as usual.
+    pub recheck: Option<CollectiveKnobs>,
 }
 
 impl Default for SessionConfig {
@@ -164,6 +170,7 @@ impl Default for SessionConfig {
             exploration: Exploration::default(),
             robust: true,
             repeat_start: true,
+            recheck: None,
         }
     }
 }
@@ -286,7 +293,7 @@ pub struct ConfirmationWindow {
 /// The comparison of the optimizer's choice with the start before pinning.
 #[derive(Debug, Clone, PartialEq)]
 pub struct Confirmation {
-    /// The optimizer's choice.
+    /// The optimizer's choice (or the knobs being re-checked).
     pub choice: CollectiveKnobs,
     /// Its sample (index into the session's samples).
     pub choice_sample: usize,
@@ -453,7 +460,24 @@ pub struct TuningSession {
     state: State,
     samples: Vec<SessionSample>,
     confirmation: Option<Confirmation>,
+    /// The re-check of `config.recheck` lost (at its sample or its
+    /// confirmation): the session tunes.
+    recheck_lost: bool,
+    /// The re-check's confirmation, once it lost.
+    recheck_confirmation: Option<Confirmation>,
+    context: Option<SessionContext>,
     stopped: bool,
+}
+
+/// Why a session started, for its report (a re-tune after the watch saw the
+/// job's throughput change).
+#[derive(Debug, Clone, PartialEq)]
+pub struct SessionContext {
+    /// One sentence.
+    pub note: String,
+    /// The job's throughput since the previous pin: `(seconds since the
+    /// first window, bytes/s)` per watched window.
+    pub timeline: Vec<(f64, f64)>,
 }
 
 fn check_range(
@@ -558,15 +582,28 @@ impl TuningSession {
             state: State::Done,
             samples: Vec::new(),
             confirmation: None,
+            recheck_lost: false,
+            recheck_confirmation: None,
+            context: None,
             stopped: false,
         };
         let start = session.point_of(&session.config.start);
+        let early_points: Vec<Point> = session
+            .config
+            .recheck
+            .iter()
+            .map(|k| session.point_of(k))
+            .filter(|p| *p != start)
+            .collect();
+        // Re-checking the start itself is just tuning.
+        session.recheck_lost = session.config.recheck.is_some() && early_points.is_empty();
         session.optimizer = Optimizer::new(
             space,
             OptimizerConfig {
                 seed: session.config.seed,
                 budget: session.config.budget,
                 start: Some(start),
+                early_points,
                 exploration: session.config.exploration.clone(),
                 robust: session.config.robust,
                 ..OptimizerConfig::default()
@@ -823,12 +860,48 @@ impl TuningSession {
                 sample: 0,
             });
         }
+        if let Some(Confirmation {
+            kept: Some(Candidate::Choice),
+            choice,
+            choice_sample,
+            choice_median,
+            ..
+        }) = &self.confirmation
+        {
+            return Some(Best {
+                knobs: *choice,
+                predicted_score: choice_median.unwrap_or(f64::NAN),
+                sample: *choice_sample,
+            });
+        }
         let best = self.optimizer.best()?;
         Some(Best {
             knobs: self.samples.get(best.index)?.knobs,
             predicted_score: best.predicted_score,
             sample: best.index,
         })
+    }
+
+    /// The re-check's confirmation when the re-checked knobs lost it (the
+    /// session then tuned again); `None` otherwise.
+    pub fn recheck_confirmation(&self) -> Option<&Confirmation> {
+        self.recheck_confirmation.as_ref()
+    }
+
+    /// Whether this session re-checked earlier knobs and found they no
+    /// longer win (so it tuned again).
+    pub fn recheck_lost(&self) -> bool {
+        self.recheck_lost
+    }
+
+    /// Says why the session started, for its report.
+    pub fn set_context(&mut self, context: SessionContext) {
+        self.context = Some(context);
+    }
+
+    /// Why the session started, if the driver said.
+    pub fn context(&self) -> Option<&SessionContext> {
+        self.context.as_ref()
     }
 
     /// The comparison of the choice with the start before pinning (`None`
@@ -884,7 +957,19 @@ impl TuningSession {
         if self.stopped {
             return State::Done;
         }
-        if !self.optimizer.should_stop() {
+        // Re-check mode: once the start (sample 0) and the re-checked knobs
+        // (sample 1) are in, confirm at once if the latter kept up.
+        let rechecking = self.config.recheck.is_some() && !self.recheck_lost;
+        if rechecking
+            && self.samples.len() >= 2
+            && self.confirmation.is_none()
+            && self.samples[1].score < self.samples[0].score
+        {
+            self.recheck_lost = true;
+        }
+        let rechecking = self.config.recheck.is_some() && !self.recheck_lost;
+        let confirm_now = rechecking && self.samples.len() >= 2;
+        if !confirm_now && !self.optimizer.should_stop() {
             let point = self.optimizer.suggest();
             return State::Applying {
                 purpose: Purpose::Sample,
@@ -898,19 +983,24 @@ impl TuningSession {
             return State::Done;
         }
         if self.confirmation.is_none() {
-            let Some(best) = self.optimizer.best() else {
-                return State::Done;
+            let index = if confirm_now {
+                1
+            } else {
+                let Some(best) = self.optimizer.best() else {
+                    return State::Done;
+                };
+                best.index
             };
-            let Some(choice) = self.samples.get(best.index) else {
+            let Some(choice) = self.samples.get(index) else {
                 return State::Done;
             };
             let start = self.samples.first().map(|s| s.knobs);
-            if best.index == 0 || Some(choice.knobs) == start {
+            if index == 0 || Some(choice.knobs) == start {
                 return State::Done;
             }
             self.confirmation = Some(Confirmation {
                 choice: choice.knobs,
-                choice_sample: best.index,
+                choice_sample: index,
                 windows: Vec::new(),
                 choice_median: None,
                 start_median: None,
@@ -930,6 +1020,12 @@ impl TuningSession {
         if done >= 2 * k || (done % 2 == 0 && confirmation.decisive(choice_sample, start_sample)) {
             if confirmation.kept.is_none() {
                 confirmation.decide();
+            }
+            if confirm_now && confirmation.kept == Some(Candidate::Start) {
+                // The re-checked knobs lost: tune again.
+                self.recheck_lost = true;
+                self.recheck_confirmation = self.confirmation.take();
+                return self.next_apply();
             }
             return State::Done;
         }
@@ -1069,9 +1165,26 @@ pub fn write_report(
     report::write_csv(&frame, create(&files.csv)?)?;
     report::write_parquet(&frame, create(&files.parquet)?)?;
     let mut html = report::render_html(&frame, title)?;
+    let mut sections = String::new();
+    if let Some(c) = session.recheck_confirmation() {
+        sections.push_str(&report::confirmation_html(
+            c,
+            "Re-check of the knobs pinned before (they lost: tuned again)",
+        ));
+    }
     if let Some(c) = session.confirmation() {
-        let at = html.find("<h2>Samples</h2>").unwrap_or(html.len());
-        html.insert_str(at, &report::confirmation_html(c));
+        let heading = if session.config().recheck.is_some() && !session.recheck_lost() {
+            "Re-check of the knobs pinned before"
+        } else {
+            "Confirmation before pinning"
+        };
+        sections.push_str(&report::confirmation_html(c, heading));
+    }
+    let at = html.find("<h2>Samples</h2>").unwrap_or(html.len());
+    html.insert_str(at, &sections);
+    if let Some(context) = session.context() {
+        let at = html.find("<h2>Convergence</h2>").unwrap_or(html.len());
+        html.insert_str(at, &report::context_html(&context.note, &context.timeline));
     }
     std::fs::write(&files.html, html)?;
     Ok(files)
@@ -1557,5 +1670,55 @@ mod tests {
         drive_changing(&mut session, config().budget);
         assert!(session.confirmation().is_none());
         assert!(session.best().unwrap().knobs.hierarchical_allreduce);
+    }
+
+    #[test]
+    fn a_recheck_keeps_knobs_that_still_win_without_tuning_again() {
+        let pinned = CollectiveKnobs {
+            fusion_threshold_bytes: 16 << 20,
+            cycle_time_ms: 2.0,
+            hierarchical_allreduce: true,
+        };
+        let mut session = TuningSession::new(SessionConfig {
+            recheck: Some(pinned),
+            ..config()
+        })
+        .unwrap();
+        let mut job = FakeJob::new(0);
+        drive(&mut session, &mut job, |_, _| None);
+        assert_eq!(
+            session.samples().len(),
+            2,
+            "the start, then the pinned knobs"
+        );
+        assert_eq!(session.samples()[1].knobs, pinned);
+        assert!(!session.recheck_lost());
+        assert_eq!(
+            session.confirmation().unwrap().kept,
+            Some(Candidate::Choice)
+        );
+        assert_eq!(session.best().unwrap().knobs, pinned);
+    }
+
+    #[test]
+    fn a_recheck_that_loses_tunes_again() {
+        let stale = CollectiveKnobs {
+            fusion_threshold_bytes: 0,
+            cycle_time_ms: 50.0,
+            hierarchical_allreduce: false,
+        };
+        let mut session = TuningSession::new(SessionConfig {
+            recheck: Some(stale),
+            ..config()
+        })
+        .unwrap();
+        let mut job = FakeJob::new(0);
+        drive(&mut session, &mut job, |_, _| None);
+        assert!(session.recheck_lost());
+        assert_eq!(session.samples()[1].knobs, stale);
+        assert!(session.samples().len() > 2, "it tuned again");
+        let best = session.best().unwrap();
+        assert_ne!(best.knobs, stale);
+        assert!(FakeJob::rate(&best.knobs) > FakeJob::rate(&config().start));
     }
 }
