@@ -98,6 +98,10 @@ pub struct AutotuneConfig {
     /// beside it (`RINGWATCH_AUTOTUNE_LOG` / `HOROVOD_AUTOTUNE_LOG`); none: the chosen knobs
     /// are only logged.
     pub log: Option<std::path::PathBuf>,
+    /// After pinning, keep watching the job's throughput and, when it moves beyond
+    /// noise, re-check the pinned knobs against the start and tune again if they lost
+    /// (`RINGWATCH_AUTOTUNE_WATCH`, default on).
+    pub watch: bool,
 }
 
 impl Default for AutotuneConfig {
@@ -110,6 +114,7 @@ impl Default for AutotuneConfig {
             min_window: Duration::from_secs(1),
             seed: 0,
             log: None,
+            watch: true,
         }
     }
 }
@@ -133,7 +138,8 @@ fn seconds(v: f64) -> Option<Duration> {
 /// `RINGWATCH_AUTOTUNE` (or Horovod's `HOROVOD_AUTOTUNE`) is true. Reads
 /// `RINGWATCH_AUTOTUNE_WAIT_SECS`, `RINGWATCH_AUTOTUNE_BUDGET`,
 /// `RINGWATCH_AUTOTUNE_WARMUP_CYCLES`, `RINGWATCH_AUTOTUNE_MEASURED_CYCLES`,
-/// `RINGWATCH_AUTOTUNE_MIN_WINDOW_MS`, `RINGWATCH_AUTOTUNE_SEED` and
+/// `RINGWATCH_AUTOTUNE_MIN_WINDOW_MS`, `RINGWATCH_AUTOTUNE_SEED`,
+/// `RINGWATCH_AUTOTUNE_WATCH` and
 /// `RINGWATCH_AUTOTUNE_LOG` / `HOROVOD_AUTOTUNE_LOG` (see [`AutotuneConfig`]).
 pub fn autotune_from(get: &dyn Fn(&str) -> Option<String>) -> Result<Option<AutotuneConfig>> {
     let on = match first_set(get, &["RINGWATCH_AUTOTUNE", "HOROVOD_AUTOTUNE"]) {
@@ -187,6 +193,9 @@ pub fn autotune_from(get: &dyn Fn(&str) -> Option<String>) -> Result<Option<Auto
     }
     if let Some(v) = number(get, &["RINGWATCH_AUTOTUNE_SEED"], "an integer seed")? {
         c.seed = v;
+    }
+    if let Some((name, v)) = first_set(get, &["RINGWATCH_AUTOTUNE_WATCH"]) {
+        c.watch = parse_bool(&name, &v)?;
     }
     c.log = first_set(get, &["RINGWATCH_AUTOTUNE_LOG", "HOROVOD_AUTOTUNE_LOG"])
         .map(|(_, v)| std::path::PathBuf::from(v));

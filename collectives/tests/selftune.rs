@@ -1,7 +1,8 @@
 //! Self-tuning without an agent: a 2 nodes × 2 ranks job (threads over loopback TCP) with
 //! autotune on and no claim tunes itself on rank 0 with a short budget, pins the session's
 //! best knobs on every rank, writes the report, and every result stays bitwise correct
-//! while the knobs change under it.
+//! while the knobs change under it. Then: a job whose throughput changes after the pin
+//! (every rank sleeps between steps) is re-checked by a second session with its own report.
 #![cfg(feature = "autotune")]
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
@@ -34,11 +35,14 @@ struct RankResult {
     knob_sets_seen: usize,
 }
 
+/// With `slow_after_pin`, every rank sleeps between steps once the first session pinned
+/// its knobs, and the run ends once a re-check's report is out.
 fn run_rank(
     rank: usize,
     port: u16,
     dir: std::path::PathBuf,
     log: std::path::PathBuf,
+    slow_after_pin: bool,
 ) -> RankResult {
     let mut c = RuntimeConfig::new(RendezvousConfig {
         rank,
@@ -61,6 +65,7 @@ fn run_rank(
         min_window: Duration::from_millis(60),
         seed: 3,
         log: Some(log),
+        watch: slow_after_pin,
     });
     let rt = Runtime::new(c).unwrap();
     if rank == 0 {
@@ -97,18 +102,32 @@ fn run_rank(
         if seen.last() != Some(&knobs) {
             seen.push(knobs);
         }
-        // Rank 0 says when self-tuning is over; every rank stops on the same step.
-        let done = rank == 0 && rt.self_tune_outcome().is_some();
+        // Rank 0 says where self-tuning is (0 tuning, 1 pinned once, 2 over); every rank
+        // acts on the same step.
+        let phase = match rt.self_tune_outcome() {
+            _ if rank != 0 => 0,
+            None => 0,
+            Some(_) if !slow_after_pin => 2,
+            Some(o) => {
+                let rechecked = o
+                    .report
+                    .as_ref()
+                    .is_some_and(|p| p.to_string_lossy().contains("recheck1"));
+                if rechecked { 2 } else { 1 }
+            }
+        };
         let flag = rt
             .allreduce(
                 &format!("done{step}"),
-                Tensor::from_slice(&[done as i32]),
+                Tensor::from_slice(&[phase]),
                 ReduceOp::Max,
             )
             .unwrap();
         step += 1;
-        if flag.to_vec::<i32>().unwrap()[0] == 1 {
-            break;
+        match flag.to_vec::<i32>().unwrap()[0] {
+            2 => break,
+            1 => std::thread::sleep(Duration::from_millis(60)),
+            _ => {}
         }
         assert!(
             Instant::now() < deadline,
@@ -126,14 +145,17 @@ fn run_rank(
     result
 }
 
-#[test]
-fn a_job_nobody_claims_tunes_itself_pins_the_best_and_writes_the_report() {
+/// Runs the 4 ranks; returns their results, the runtime dir and the report's path.
+fn run_job(
+    name: &str,
+    slow_after_pin: bool,
+) -> (Vec<RankResult>, std::path::PathBuf, std::path::PathBuf) {
     let port = std::net::TcpListener::bind("127.0.0.1:0")
         .unwrap()
         .local_addr()
         .unwrap()
         .port();
-    let dir = std::env::temp_dir().join(format!("rw-selftune-{}", std::process::id()));
+    let dir = std::env::temp_dir().join(format!("rw-{name}-{}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();
     let log = dir.join("reports").join("autotune.csv");
     let (tx, rx) = mpsc::channel();
@@ -141,7 +163,13 @@ fn a_job_nobody_claims_tunes_itself_pins_the_best_and_writes_the_report() {
     for rank in 0..WORLD {
         let (tx, shared) = (tx.clone(), shared.clone());
         std::thread::spawn(move || {
-            let r = run_rank(rank, port, shared.0.clone(), shared.1.clone());
+            let r = run_rank(
+                rank,
+                port,
+                shared.0.clone(),
+                shared.1.clone(),
+                slow_after_pin,
+            );
             tx.send((rank, r)).unwrap();
         });
     }
@@ -152,7 +180,12 @@ fn a_job_nobody_claims_tunes_itself_pins_the_best_and_writes_the_report() {
             .expect("a rank hung or panicked");
         results[rank] = Some(r);
     }
-    let results: Vec<RankResult> = results.into_iter().map(Option::unwrap).collect();
+    (results.into_iter().map(Option::unwrap).collect(), dir, log)
+}
+
+#[test]
+fn a_job_nobody_claims_tunes_itself_pins_the_best_and_writes_the_report() {
+    let (results, dir, log) = run_job("selftune", false);
 
     let outcome = results[0].outcome.clone().expect("rank 0 has the outcome");
     assert_eq!(results[0].state, AutotuneState::Done);
@@ -210,5 +243,37 @@ fn a_job_nobody_claims_tunes_itself_pins_the_best_and_writes_the_report() {
         outcome.best.cycle_time_us,
         "{csv}"
     );
+    std::fs::remove_dir_all(&dir).ok();
+}
+
+#[test]
+fn a_job_whose_throughput_changes_after_the_pin_is_rechecked() {
+    let (results, dir, log) = run_job("recheck", true);
+    let outcome = results[0].outcome.clone().expect("rank 0 has the outcome");
+    assert_eq!(results[0].state, AutotuneState::Done);
+    // The re-check's report is out, beside the first session's.
+    let recheck = outcome
+        .report
+        .clone()
+        .expect("the re-check's report was written");
+    assert_eq!(recheck, log.with_file_name("autotune-recheck1.csv"));
+    assert!(log.exists(), "the first session's report stays");
+    let html = std::fs::read_to_string(recheck.with_extension("html")).unwrap();
+    assert!(html.contains("Why this session"), "{html}");
+    assert!(html.contains("moved from"), "{html}");
+    assert!(
+        html.contains("Re-check of the knobs pinned before"),
+        "{html}"
+    );
+    // Sample 0 of the re-check is the job's start, sample 1 the knobs pinned before.
+    let csv = std::fs::read_to_string(&recheck).unwrap();
+    assert!(csv.lines().count() >= 3, "{csv}");
+    assert_eq!(outcome.start, Knobs::default());
+    // Every rank ends on the re-check's knobs, on the same step; every result was
+    // checked bitwise along the way.
+    for (rank, r) in results.iter().enumerate() {
+        assert_eq!(r.knobs, outcome.best, "rank {rank}");
+        assert_eq!(r.steps, results[0].steps, "rank {rank}");
+    }
     std::fs::remove_dir_all(&dir).ok();
 }

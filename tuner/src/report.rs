@@ -655,3 +655,15 @@ pub fn context_html(note: &str, timeline: &[(f64, f64)]) -> String {
     }
     html
 }
+
+/// A re-check whose knobs lost at their first sample (so no confirmation
+/// ran), as an HTML section.
+pub fn recheck_lost_html(start_score: f64, pinned_score: f64) -> String {
+    format!(
+        "<h2>Re-check of the knobs pinned before (they lost: tuned again)</h2>\n<p>Sample 1 ran \
+         the knobs pinned before at {} bytes/s, below the start's {} (sample 0): they no \
+         longer win, so the session tuned again from the start.</p>\n",
+        format_number(pinned_score),
+        format_number(start_score)
+    )
+}

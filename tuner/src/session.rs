@@ -1180,6 +1180,13 @@ pub fn write_report(
         };
         sections.push_str(&report::confirmation_html(c, heading));
     }
+    if session.config().recheck.is_some()
+        && session.recheck_lost()
+        && session.recheck_confirmation().is_none()
+        && let (Some(start), Some(pinned)) = (session.samples().first(), session.samples().get(1))
+    {
+        sections.push_str(&report::recheck_lost_html(start.score, pinned.score));
+    }
     let at = html.find("<h2>Samples</h2>").unwrap_or(html.len());
     html.insert_str(at, &sections);
     if let Some(context) = session.context() {

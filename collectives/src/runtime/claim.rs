@@ -157,6 +157,20 @@ impl TuningClaims {
     }
 
     #[cfg_attr(not(feature = "autotune"), allow(dead_code))]
+    /// Rank 0 tunes again after its pinned knobs lost a re-check: only from `done`,
+    /// and only while no agent holds the claim.
+    pub fn resume_self_tuning(&self) -> bool {
+        self.with(|i| {
+            if i.state == AutotuneState::Done && i.holder.is_none() {
+                i.state = AutotuneState::SelfTuning;
+                true
+            } else {
+                false
+            }
+        })
+    }
+
+    #[cfg_attr(not(feature = "autotune"), allow(dead_code))]
     /// Self-tuning ended: `done` when it finished, `interrupted` when it was cut short.
     pub fn end_self_tuning(&self, finished: bool) {
         self.with(|i| {
@@ -208,6 +222,13 @@ mod tests {
         c.end_self_tuning(true);
         assert_eq!(c.state(), AutotuneState::Done);
         assert!(!c.begin_self_tuning(start + Duration::from_secs(7)));
+        // A re-check resumes from done, once at a time, and never over an agent's claim.
+        assert!(c.resume_self_tuning());
+        assert_eq!(c.state(), AutotuneState::SelfTuning);
+        assert!(!c.resume_self_tuning());
+        c.end_self_tuning(true);
+        assert!(c.claim(2).granted);
+        assert!(!c.resume_self_tuning(), "an agent holds the tuning");
 
         let c = TuningClaims::new(AutotuneState::Waiting, Some(start));
         assert!(c.claim(1).granted);

@@ -393,7 +393,9 @@ impl Runtime {
                     warned: false,
                     #[cfg(feature = "autotune")]
                     tuner: None,
-                    report_thread: None,
+                    #[cfg(feature = "autotune")]
+                    watcher: None,
+                    report_threads: Vec::new(),
                 }),
                 _ => None,
             },
@@ -711,7 +713,11 @@ struct AutotuneDriver {
     warned: bool,
     #[cfg(feature = "autotune")]
     tuner: Option<selftune::SelfTuner>,
-    report_thread: Option<JoinHandle<()>>,
+    /// After a pin: the watch that starts a re-check when the throughput moves.
+    #[cfg(feature = "autotune")]
+    watcher: Option<selftune::Watcher>,
+    /// Report writers (one per session); joined at shutdown.
+    report_threads: Vec<JoinHandle<()>>,
 }
 
 /// Timeline events of one cycle; builds nothing when disabled.
@@ -852,7 +858,7 @@ impl CycleThread {
                 t.abandon();
                 self.shared.claims.end_self_tuning(false);
             }
-            if let Some(t) = d.report_thread.take() {
+            for t in d.report_threads.drain(..) {
                 let _ = t.join();
             }
         }
@@ -1008,8 +1014,32 @@ impl CycleThread {
                 server.publish_stats(&stats);
             }
             #[cfg(feature = "autotune")]
-            if let Some(t) = self.autotune.as_mut().and_then(|d| d.tuner.as_mut()) {
-                t.observe(&stats);
+            if let Some(d) = self.autotune.as_mut() {
+                if let Some(t) = d.tuner.as_mut() {
+                    t.observe(&stats);
+                } else if let Some(context) = d.watcher.as_mut().and_then(|w| w.observe(&stats)) {
+                    // The pinned knobs' throughput moved: re-check them (and tune again
+                    // if they lost), unless an agent holds the tuning now.
+                    let recheck = d.watcher.take().map(|w| w.recheck_of());
+                    if let Some(recheck) = recheck {
+                        if self.shared.claims.resume_self_tuning() {
+                            match selftune::SelfTuner::recheck(
+                                &d.config, recheck, &d.job_id, context,
+                            ) {
+                                Ok(t) => d.tuner = Some(t),
+                                Err(e) => {
+                                    tracing::error!(error = %e, "cannot start the re-check");
+                                    self.shared.claims.end_self_tuning(false);
+                                }
+                            }
+                        } else {
+                            tracing::info!(
+                                "the throughput changed but the tuning is no longer rank 0's \
+                                 (an agent holds it): no re-check"
+                            );
+                        }
+                    }
+                }
             }
         }
         if !events.list.is_empty() {
@@ -1117,11 +1147,14 @@ impl CycleThread {
                     .as_mut()
                     .is_some_and(|t| t.confirmed(response.knobs, response.cycle));
                 if pinned && let Some(t) = d.tuner.take() {
-                    d.report_thread = t.finish(
+                    let (thread, watcher) = t.finish(
                         response.cycle,
                         self.shared.claims.clone(),
                         self.shared.self_tune.clone(),
                     );
+                    d.report_threads.retain(|t| !t.is_finished());
+                    d.report_threads.extend(thread);
+                    d.watcher = watcher;
                 }
             }
             Ok(response)

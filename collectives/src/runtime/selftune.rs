@@ -20,8 +20,11 @@ use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
 use std::time::Instant;
 
-use tuner::session::{CycleObservation, SessionConfig, Step, TuningSession, Verdict, write_report};
+use tuner::session::{
+    CycleObservation, SessionConfig, SessionContext, Step, TuningSession, Verdict, write_report,
+};
 use tuner::space::CollectiveKnobs;
+use tuner::watch::{Watch, WatchConfig, WatchEvent};
 
 use crate::control::{CycleStats, KnobUpdate, Knobs};
 use crate::knobs::AutotuneConfig;
@@ -74,12 +77,88 @@ pub(crate) struct SelfTuner {
     pending: Pending,
     /// The session is over and `pending` carries the pin of its best knobs.
     pinning: Option<Knobs>,
+    /// 0 for the first session; n for the n-th re-check after the watch saw a change.
+    round: usize,
+}
+
+/// After a pin: watches rank 0's throughput on the pinned knobs (see [`tuner::watch`]).
+pub(crate) struct Watcher {
+    watch: Watch,
+    pinned: Knobs,
+    start: Knobs,
+    round: usize,
+}
+
+impl Watcher {
+    /// One cycle with work; `Some(context)` when the throughput moved beyond noise (the
+    /// caller then starts [`SelfTuner::recheck`]).
+    pub fn observe(&mut self, stats: &CycleStats) -> Option<SessionContext> {
+        let event = self.watch.observe_cycle(&CycleObservation {
+            cycle: stats.cycle,
+            start_unix_us: stats.start_unix_us,
+            duration_us: stats.duration_us,
+            bytes_reduced: stats.bytes_reduced,
+        })?;
+        let WatchEvent::Changed { usual, now } = event else {
+            return None;
+        };
+        tracing::info!(
+            usual_bytes_per_s = usual, now_bytes_per_s = now, pinned = ?self.pinned,
+            "self-tuning: the job's throughput on the pinned knobs changed; re-checking them \
+             against the start"
+        );
+        let first = self.watch.windows().first().map_or(0, |w| w.start_unix_us);
+        Some(SessionContext {
+            note: format!(
+                "After session {} pinned its knobs, the job's throughput on them moved from \
+                 {:.3} GB/s (median of the first watched windows) to {:.3} GB/s (median of the \
+                 latest): conditions changed, so the pinned knobs were re-checked against the \
+                 start.",
+                self.round,
+                usual / 1e9,
+                now / 1e9
+            ),
+            timeline: self
+                .watch
+                .windows()
+                .iter()
+                .map(|w| ((w.end_unix_us.saturating_sub(first)) as f64 / 1e6, w.score))
+                .collect(),
+        })
+    }
+
+    /// The knobs watched, the start they are re-checked against, and the round.
+    pub fn recheck_of(&self) -> (Knobs, Knobs, usize) {
+        (self.pinned, self.start, self.round + 1)
+    }
 }
 
 impl SelfTuner {
     /// A session starting from the knobs in force.
     pub fn start(config: &AutotuneConfig, current: Knobs, job_id: &str) -> Result<Self, String> {
-        let session = TuningSession::new(SessionConfig {
+        Self::new(config, current, None, job_id, 0, None)
+    }
+
+    /// Round `round`: the knobs pinned before (`pinned`) against the job's first knobs
+    /// (`start`), tuning again only if they lost (see `SessionConfig::recheck`).
+    pub fn recheck(
+        config: &AutotuneConfig,
+        (pinned, start, round): (Knobs, Knobs, usize),
+        job_id: &str,
+        context: SessionContext,
+    ) -> Result<Self, String> {
+        Self::new(config, start, Some(pinned), job_id, round, Some(context))
+    }
+
+    fn new(
+        config: &AutotuneConfig,
+        current: Knobs,
+        recheck: Option<Knobs>,
+        job_id: &str,
+        round: usize,
+        context: Option<SessionContext>,
+    ) -> Result<Self, String> {
+        let mut session = TuningSession::new(SessionConfig {
             budget: config.budget,
             warmup_cycles: config.warmup_cycles,
             measured_cycles: config.measured_cycles,
@@ -90,9 +169,13 @@ impl SelfTuner {
             // three runs of its cycles, so a disturbance in part of it does
             // not decide it.
             sub_windows: 3,
+            recheck: recheck.as_ref().map(to_tuner),
             ..SessionConfig::default()
         })
         .map_err(|e| e.to_string())?;
+        if let Some(context) = context {
+            session.set_context(context);
+        }
         let mut tuner = SelfTuner {
             session,
             config: config.clone(),
@@ -100,6 +183,7 @@ impl SelfTuner {
             started: Instant::now(),
             pending: Pending::None,
             pinning: None,
+            round,
         };
         tuner.advance();
         Ok(tuner)
@@ -203,23 +287,68 @@ impl SelfTuner {
 
     /// The session is over and its best knobs are in force from `cycle` on: logs them and
     /// writes the report on a helper thread, which then publishes `outcome` and marks the
-    /// job `done`.
+    /// job `done`. Returns that thread and, when the config says to watch, the watch of
+    /// the pinned knobs.
     pub fn finish(
         self,
         pinned_at_cycle: u64,
         claims: Arc<TuningClaims>,
         outcome: Arc<Mutex<Option<SelfTuneOutcome>>>,
-    ) -> Option<JoinHandle<()>> {
+    ) -> (Option<JoinHandle<()>>, Option<Watcher>) {
         let SelfTuner {
             session,
             config,
             job_id,
             started,
             pinning,
+            round,
             ..
         } = self;
         let start = from_tuner(&session.config().start);
         let best = pinning.unwrap_or(start);
+        let watcher = config.watch.then(|| Watcher {
+            watch: Watch::new(
+                WatchConfig {
+                    measured_cycles: config.measured_cycles,
+                    min_window_us: config.min_window.as_micros() as u64,
+                    ..WatchConfig::default()
+                },
+                pinned_at_cycle,
+            ),
+            pinned: best,
+            start,
+            round,
+        });
+        (
+            Self::report(
+                session,
+                config,
+                job_id,
+                started,
+                best,
+                start,
+                pinned_at_cycle,
+                round,
+                claims,
+                outcome,
+            ),
+            watcher,
+        )
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn report(
+        session: TuningSession,
+        config: AutotuneConfig,
+        job_id: String,
+        started: Instant,
+        best: Knobs,
+        start: Knobs,
+        pinned_at_cycle: u64,
+        round: usize,
+        claims: Arc<TuningClaims>,
+        outcome: Arc<Mutex<Option<SelfTuneOutcome>>>,
+    ) -> Option<JoinHandle<()>> {
         let wall = started.elapsed();
         let mut result = SelfTuneOutcome {
             start,
@@ -231,8 +360,10 @@ impl SelfTuner {
             report: None,
         };
         tracing::info!(
-            job_id, samples = result.samples, ?best, ?start,
+            job_id, round, samples = result.samples, ?best, ?start,
             speedup_over_start = ?result.speedup_over_start,
+            kept = ?session.confirmation().and_then(|c| c.kept),
+            recheck_lost = session.recheck_lost(),
             wall_s = wall.as_secs_f64(),
             "self-tuning done; the best knobs are pinned"
         );
@@ -247,7 +378,7 @@ impl SelfTuner {
                 let result = result.clone();
                 move || {
                     let mut result = result;
-                    match write(&session, &log, &job_id) {
+                    match write(&session, &log, &job_id, round) {
                         Ok(files) => {
                             tracing::info!(csv = %files.0.display(), parquet = %files.1.display(),
                                 html = %files.2.display(), "self-tuning report written");
@@ -291,10 +422,12 @@ fn publish(
 }
 
 /// Writes the report beside `log` (`PATH.csv` -> `PATH.csv`, `PATH.parquet`, `PATH.html`).
+/// Round n > 0 (a re-check) writes `PATH-recheckN.*`.
 fn write(
     session: &TuningSession,
     log: &Path,
     job_id: &str,
+    round: usize,
 ) -> Result<(PathBuf, PathBuf, PathBuf), String> {
     let dir = match log.parent() {
         Some(d) if !d.as_os_str().is_empty() => d.to_path_buf(),
@@ -305,14 +438,19 @@ fn write(
         .ok_or_else(|| format!("RINGWATCH_AUTOTUNE_LOG={} names no file", log.display()))?
         .to_string_lossy()
         .into_owned();
+    let stem = if round == 0 {
+        stem
+    } else {
+        format!("{stem}-recheck{round}")
+    };
     std::fs::create_dir_all(&dir).map_err(|e| format!("creating {}: {e}", dir.display()))?;
-    let files = write_report(
-        session,
-        &dir,
-        &stem,
-        &format!("Self-tuning of job {job_id}"),
-    )
-    .map_err(|e| format!("writing the report {}/{stem}.*: {e}", dir.display()))?;
+    let title = if round == 0 {
+        format!("Self-tuning of job {job_id}")
+    } else {
+        format!("Self-tuning of job {job_id}: re-check {round}")
+    };
+    let files = write_report(session, &dir, &stem, &title)
+        .map_err(|e| format!("writing the report {}/{stem}.*: {e}", dir.display()))?;
     Ok((files.csv, files.parquet, files.html))
 }
 
