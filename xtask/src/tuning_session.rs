@@ -5,7 +5,9 @@
 //! measures in the same run, interleaved round by round, the steps/s of the
 //! runtime defaults, of each session's chosen knobs and of the grid's best
 //! knobs, the way the grid measures a point. Issue 7's goal: a session
-//! reaches ≥ 95% of the grid best within 20 samples.
+//! reaches ≥ 95% of the grid best within 20 samples. Issue 13's: what the
+//! job ran at while it was tuned (collbench's steps/s over every step up to
+//! the pin) as a fraction of the grid best.
 //!
 //! It measures and reports; it never decides anything from hard-coded
 //! numbers and never edits the grid's results.
@@ -93,6 +95,11 @@ struct Session {
     /// the pinned knobs (the last steps), as collbench measured them.
     in_job_first_steps_per_sec: Option<f64>,
     in_job_last_steps_per_sec: Option<f64>,
+    /// The job's steps/s over every step it ran while being tuned (up to the
+    /// pin): what tuning cost it.
+    during_tuning_steps_per_sec: Option<f64>,
+    /// That over the grid best's steps/s (measured later in this run).
+    during_tuning_of_grid_best: Option<f64>,
     report_csv: Option<String>,
     job_wall_s: f64,
 }
@@ -278,6 +285,8 @@ fn session(
             .unwrap_or(f64::NAN),
         in_job_first_steps_per_sec: f64_at("/first/steps_per_sec"),
         in_job_last_steps_per_sec: f64_at("/last/steps_per_sec"),
+        during_tuning_steps_per_sec: f64_at("/during_tuning/steps_per_sec"),
+        during_tuning_of_grid_best: None,
         report_csv: tuned
             .get("report")
             .and_then(|r| r.as_str())
@@ -343,11 +352,13 @@ pub fn run(root: &Path, args: &Args, grid: &tuning_grid::Args) -> Result<()> {
         let log = dir.join(format!("tuning-session-seed{seed}.csv"));
         let s = session(&topology, &collbench, args, seed, &log)?;
         println!(
-            "session seed {seed}: {} samples in {:.1} s -> {}; in-job steps/s first {:.3} last {:.3}",
+            "session seed {seed}: {} samples in {:.1} s -> {}; in-job steps/s first {:.3}, \
+             while tuned {:.3}, last {:.3}",
             s.samples,
             s.session_wall_s,
             describe(&Some(s.chosen)),
             s.in_job_first_steps_per_sec.unwrap_or(f64::NAN),
+            s.during_tuning_steps_per_sec.unwrap_or(f64::NAN),
             s.in_job_last_steps_per_sec.unwrap_or(f64::NAN)
         );
         sessions.push(s);
@@ -395,6 +406,9 @@ pub fn run(root: &Path, args: &Args, grid: &tuning_grid::Args) -> Result<()> {
     drop(topology);
     let medians: Vec<f64> = samples.iter().map(|s| median(s)).collect();
     let (defaults_sps, best_sps) = (medians[0], medians[1]);
+    for s in &mut sessions {
+        s.during_tuning_of_grid_best = s.during_tuning_steps_per_sec.map(|d| d / best_sps);
+    }
     let measured: Vec<Measured> = configs
         .iter()
         .zip(samples)
@@ -442,6 +456,20 @@ pub fn run(root: &Path, args: &Args, grid: &tuning_grid::Args) -> Result<()> {
         "# {meeting} of {} session(s) reach ≥ 95% of the grid best's steps/s",
         chosen.len()
     );
+    for s in &sessions {
+        println!(
+            "# session seed {}: while tuned the job ran at {:.3} steps/s = {:.1}% of the grid best; \
+             its pick: {:.1}%",
+            s.seed,
+            s.during_tuning_steps_per_sec.unwrap_or(f64::NAN),
+            100.0 * s.during_tuning_of_grid_best.unwrap_or(f64::NAN),
+            100.0
+                * chosen
+                    .iter()
+                    .find(|m| m.knobs == Some(s.chosen))
+                    .map_or(f64::NAN, |m| m.ratio_to_grid_best)
+        );
+    }
     let report = Report {
         what: "self-tuning sessions (RINGWATCH_AUTOTUNE=1, no agent) of collbench resnet50 on pretend nodes, vs the runtime defaults and the grid's best knobs",
         nodes,

@@ -735,6 +735,14 @@ fn resnet50(cli: &Cli, run: Resnet50Run) -> Result<()> {
                     "knobs_changed": after.iter().any(|r| r.knobs_before != knobs || r.knobs_after != knobs)})
             })
         });
+        // What the job ran at while it was being tuned: its steps up to the pin.
+        let during = tuned_at.and_then(|t| {
+            let before = &records[..t.min(records.len())];
+            let seconds: f64 = before.iter().map(|r| r.seconds).sum();
+            (!before.is_empty() && seconds > 0.0).then(|| {
+                serde_json::json!({"steps": before.len(), "steps_per_sec": before.len() as f64 / seconds})
+            })
+        });
         let autotune = rt.self_tune_outcome().map(|o| {
             serde_json::json!({"start": o.start, "best": o.best, "samples": o.samples,
                 "session_wall_s": o.wall.as_secs_f64(), "speedup_over_start": o.speedup_over_start,
@@ -749,7 +757,7 @@ fn resnet50(cli: &Cli, run: Resnet50Run) -> Result<()> {
                     "busbw_gbps": algbw * busbw_factor(n),
                     "seconds": total, "first": first, "last": last,
                     "autotune_state": rt.autotune_state().as_str(),
-                    "tuned_after_s": tuned_after_s, "after_tuning": tail,
+                    "tuned_after_s": tuned_after_s, "during_tuning": during, "after_tuning": tail,
                     "self_tuning": autotune, "negotiation": negotiation})
             );
         } else {
