@@ -12,6 +12,7 @@ mod compare;
 mod demo;
 mod hostile;
 mod multinode;
+mod retune;
 mod topology;
 mod tuning_grid;
 mod tuning_session;
@@ -73,6 +74,8 @@ enum Task {
         compare: Box<compare::Args>,
         #[command(flatten)]
         hostile: Box<hostile::Args>,
+        #[command(flatten)]
+        retune: retune::Args,
     },
 }
 
@@ -109,6 +112,12 @@ enum Bench {
     /// prints the table, writes target/bench/hostile.json, fails if any
     /// bound failed. About 6 minutes.
     Hostile,
+    /// A self-tuning job tuned beside CPU hogs that are killed when it pins
+    /// its knobs: does its watch re-check the knobs (and tune again if they
+    /// lost)? Prints when each thing happened and the job's own log lines;
+    /// the reports go to target/bench/retune/, the summary to
+    /// target/bench/retune.json. About 5 minutes.
+    Retune,
 }
 
 fn main() -> std::process::ExitCode {
@@ -125,7 +134,8 @@ fn main() -> std::process::ExitCode {
             session,
             compare,
             hostile,
-        } => bench(which, &grid, &session, &compare, &hostile),
+            retune,
+        } => bench(which, &grid, &session, &compare, &hostile, &retune),
     };
     match result {
         Ok(()) => std::process::ExitCode::SUCCESS,
@@ -415,6 +425,7 @@ fn bench(
     session: &tuning_session::Args,
     compare: &compare::Args,
     hostile: &hostile::Args,
+    retune: &retune::Args,
 ) -> Result<()> {
     match which {
         Bench::Tuner => run("cargo", &["bench", "-p", "tuner", "--bench", "tuner"]),
@@ -453,6 +464,7 @@ fn bench(
         }
         Bench::Compare => compare::run(&root(), compare),
         Bench::Hostile => hostile::run(&root(), hostile),
+        Bench::Retune => retune::run(&root(), retune),
     }
 }
 
