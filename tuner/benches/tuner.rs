@@ -92,54 +92,13 @@ fn hartmann6(x: &[f64]) -> f64 {
 
 // ------------------------------------------- collective throughput landscape
 
-/// Allreduce throughput (GB/s of gradients reduced) of a 2-node × 4-rank job
-/// over a slow inter-node link, shaped like what `collbench` measures:
-/// - fusion: fewer, larger messages amortize per-message latency (diminishing
-///   returns), but one fusion buffer's copy cannot overlap, so very large
-///   thresholds cost a little again; "off" behaves like the tensor size;
-/// - cycle time: short cycles burn coordinator overhead, long ones delay
-///   ready tensors, so there is an interior optimum;
-/// - hierarchical allreduce pays more latency per message but moves 1/4 of
-///   the bytes over the slow link, a large win at low inter-node bandwidth.
-fn collective_throughput(knobs: &CollectiveKnobs) -> f64 {
-    let gradient_bytes: f64 = 256.0 * 1024.0 * 1024.0;
-    let tensor_bytes: f64 = 2.0 * 1024.0 * 1024.0;
-    let threshold = knobs.fusion_threshold_bytes as f64;
-    // Smooth max(threshold, tensor): a message is at least one tensor.
-    let message_bytes = (threshold.powi(4) + tensor_bytes.powi(4)).powf(0.25);
-    let messages = gradient_bytes / message_bytes;
-    let (latency_s, bandwidth) = if knobs.hierarchical_allreduce {
-        (2.0e-3, 3.0e9)
-    } else {
-        (1.0e-3, 1.2e9)
-    };
-    let copy_bubble_s = message_bytes.min(gradient_bytes) / 8.0e9;
-    let step_s = messages * latency_s + gradient_bytes / bandwidth + copy_bubble_s;
-    let c = knobs.cycle_time_ms;
-    let cycle_efficiency = 1.0 / (1.0 + 0.5 / c + 0.02 * c);
-    gradient_bytes / step_s * cycle_efficiency / 1e9
-}
-
+/// Allreduce throughput (GB/s) of a 2-node × 4-rank job over a slow
+/// inter-node link, where hierarchical allreduce wins (see
+/// `cost::hierarchical_flip`).
 fn collective_truth(point: &Point) -> f64 {
-    collective_throughput(
+    cost::hierarchical_flip(
         &CollectiveKnobs::from_point(point).expect("benchmark points come from the space"),
     )
-}
-
-/// The landscape's true optimum by a fine grid (it is smooth and 2-D per
-/// hierarchical setting).
-fn collective_optimum() -> f64 {
-    let space = Space::collective();
-    let mut best = f64::NEG_INFINITY;
-    for h in [0.0, 1.0] {
-        for i in 0..=400 {
-            for j in 0..=400 {
-                let p = space.decode(&[i as f64 / 400.0, j as f64 / 400.0, h]);
-                best = best.max(collective_truth(&p));
-            }
-        }
-    }
-    best
 }
 
 // ---------------------------------------------------------------- driver
@@ -266,7 +225,7 @@ fn main() {
         return;
     }
 
-    let optimum = collective_optimum();
+    let optimum = cost::optimum(cost::hierarchical_flip);
     let problems = vec![
         Problem {
             name: "Branin",

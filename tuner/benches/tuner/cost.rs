@@ -67,7 +67,11 @@ pub fn near_defaults(k: &CollectiveKnobs) -> f64 {
 }
 
 /// Hierarchical allreduce wins far from the defaults (a slow inter-node
-/// link): round one's benchmark landscape.
+/// link): round one's benchmark landscape. Shaped like what `collbench`
+/// measures: fewer, larger messages amortize per-message latency, but one
+/// fusion buffer's copy cannot overlap; short cycles burn coordinator
+/// overhead, long ones delay ready tensors; hierarchical allreduce pays more
+/// latency per message but moves fewer bytes over the slow link.
 pub fn hierarchical_flip(k: &CollectiveKnobs) -> f64 {
     let link = if k.hierarchical_allreduce {
         (2.0e-3, 3.0e9)
