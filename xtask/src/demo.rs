@@ -32,14 +32,13 @@ use crate::topology::{self, Topology};
 /// Since ranks on one node talk through shared memory, at the grid's 4000
 /// the runtime's defaults are near the best (quick grid on the 2-core
 /// machine: best 1.20x and 1.25x the defaults, load average up to 6), so a
-/// demo there shows little. At 2000 the best is 1.41x (4 MiB / 0.5 ms /
-/// hierarchical, 2.17 vs 1.54 steps/s), and fusion and cycle time still
-/// move the hierarchical points by up to 20%, so the tuner has more than
-/// one knob to find; a 20-step measurement takes ~15 s. At 1000 the best
-/// is 1.43x too, but only hierarchical allreduce matters (every
-/// hierarchical point is within 8% of the best) and a step takes twice as
-/// long.
-pub const DEMO_RATE_MBIT: u32 = 2000;
+/// demo there shows little. At 3000 the best is 1.41x (4 MiB / 0.5 ms /
+/// hierarchical, 3.26 vs 2.30 steps/s), and fusion and cycle time still
+/// move the hierarchical points by up to 19%, so the tuner has more than
+/// one knob to find. 2000 gives the same 1.41x with steps a third slower,
+/// and a tuning sample spans several steps (~8 s each there: the demo took
+/// 5 minutes); at 1000 (1.43x) only hierarchical allreduce matters.
+pub const DEMO_RATE_MBIT: u32 = 3000;
 
 /// The demo's flags.
 #[derive(Debug, Clone, clap::Args)]
@@ -419,7 +418,7 @@ fn disturbance_summary(session: &Value) -> Vec<String> {
     }
     if lines.is_empty() {
         lines.push(format!(
-            "{HEAD}no window was judged disturbed (of {} samples)",
+            "{HEAD}no sample's window was judged disturbed (of {} samples)",
             samples.len()
         ));
     }
@@ -582,7 +581,10 @@ mod tests {
         });
         assert_eq!(
             disturbance_summary(&quiet),
-            vec!["disturbed:       no window was judged disturbed (of 2 samples)".to_owned()]
+            vec![
+                "disturbed:       no sample's window was judged disturbed (of 2 samples)"
+                    .to_owned()
+            ]
         );
         let off = json!({
             "disturbance_detection": "off: no eBPF (not root)",
