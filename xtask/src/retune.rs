@@ -64,7 +64,14 @@ pub fn run(root: &Path, args: &Args) -> Result<()> {
     let started = Instant::now();
     crate::run(
         "cargo",
-        &["build", "--release", "-p", "collectives", "--bin", "collbench"],
+        &[
+            "build",
+            "--release",
+            "-p",
+            "collectives",
+            "--bin",
+            "collbench",
+        ],
     )?;
     let collbench = crate::cargo_target_dir(root).join("release/collbench");
     let out = crate::under_root(root, &args.retune_out);
@@ -136,7 +143,10 @@ pub fn run(root: &Path, args: &Args) -> Result<()> {
         if Instant::now() > deadline {
             let _ = job.kill();
             kill_all(&mut hogs);
-            bail!("the job did not end in time; its log: {}", job_log.display());
+            bail!(
+                "the job did not end in time; its log: {}",
+                job_log.display()
+            );
         }
         std::thread::sleep(Duration::from_millis(200));
     };
