@@ -1128,7 +1128,22 @@ pub fn openapi_document() -> serde_json::Value {
                 "speedup_over_start": { "type": ["number", "null"] },
                 "report_id": { "type": ["string", "null"] },
                 "disturbance_detection": { "type": "string", "description": "on, or off with the reason" },
-                "stop_reason": { "type": ["string", "null"] }
+                "stop_reason": { "type": ["string", "null"] },
+                "confirmation": { "description": "the choice against the start on fresh interleaved windows before pinning; null until it starts and when the choice is the start",
+                  "oneOf": [ { "type": "null" }, { "type": "object",
+                    "required": ["choice", "choice_sample", "windows", "choice_median_bytes_per_s", "start_median_bytes_per_s", "required_gain", "kept"],
+                    "properties": {
+                        "choice": knobs, "choice_sample": { "type": "integer" },
+                        "windows": { "type": "array", "items": { "type": "object",
+                            "required": ["candidate", "score_bytes_per_s", "disturbed", "wall_time_s"],
+                            "properties": { "candidate": { "enum": ["choice", "start"] },
+                                "score_bytes_per_s": { "type": "number" },
+                                "disturbed": { "type": ["string", "null"] },
+                                "wall_time_s": { "type": "number" } } } },
+                        "choice_median_bytes_per_s": { "type": ["number", "null"] },
+                        "start_median_bytes_per_s": { "type": ["number", "null"] },
+                        "required_gain": { "type": ["number", "null"] },
+                        "kept": { "enum": ["choice", "start", null] } } } ] }
             }
           },
           "Error": {

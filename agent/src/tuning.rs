@@ -238,6 +238,39 @@ pub struct BestView {
     pub sample: usize,
 }
 
+/// One window of the confirmation before pinning.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+pub struct ConfirmationWindowView {
+    /// `choice` (the optimizer's) or `start` (the job's first knobs).
+    pub candidate: String,
+    /// Bytes reduced per second in the window.
+    pub score_bytes_per_s: f64,
+    /// Why it was disturbed, if it was (kept after one re-measurement).
+    pub disturbed: Option<String>,
+    /// Seconds since the session started.
+    pub wall_time_s: f64,
+}
+
+/// The optimizer's choice against the start on fresh interleaved windows,
+/// before anything is pinned.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+pub struct ConfirmationView {
+    /// The optimizer's choice.
+    pub choice: Knobs,
+    /// Its sample.
+    pub choice_sample: usize,
+    /// The windows, in the order measured.
+    pub windows: Vec<ConfirmationWindowView>,
+    /// Median score of the choice's windows, once decided.
+    pub choice_median_bytes_per_s: Option<f64>,
+    /// Median score of the start's windows, once decided.
+    pub start_median_bytes_per_s: Option<f64>,
+    /// The gain over the start the choice had to show (0.03 = 3%).
+    pub required_gain: Option<f64>,
+    /// `choice` or `start`: what is pinned, once decided.
+    pub kept: Option<String>,
+}
+
 /// The session JSON (Contract C).
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
 pub struct SessionView {
@@ -267,6 +300,10 @@ pub struct SessionView {
     pub disturbance_detection: String,
     /// Why the optimizer stopped (`budget`, `converged`), or `stopped`.
     pub stop_reason: Option<String>,
+    /// The confirmation before pinning (`null` until it starts, and when the
+    /// choice is the start).
+    #[serde(default)]
+    pub confirmation: Option<ConfirmationView>,
 }
 
 /// Milliseconds since the Unix epoch.
@@ -894,6 +931,7 @@ impl Tunings {
                     report_id: None,
                     disturbance_detection: self.disturbance.describe(),
                     stop_reason: None,
+                    confirmation: None,
                 }),
                 stop: Mutex::new(None),
             });
@@ -1386,6 +1424,30 @@ fn update_view(view: &mut SessionView, session: &TuningSession) {
         sample: b.sample,
     });
     view.speedup_over_start = session.speedup_over_start();
+    view.confirmation = session.confirmation().map(|c| {
+        let name = |k: tuner::session::Candidate| match k {
+            tuner::session::Candidate::Choice => "choice".to_owned(),
+            tuner::session::Candidate::Start => "start".to_owned(),
+        };
+        ConfirmationView {
+            choice: to_wire_knobs(&c.choice),
+            choice_sample: c.choice_sample,
+            windows: c
+                .windows
+                .iter()
+                .map(|w| ConfirmationWindowView {
+                    candidate: name(w.candidate),
+                    score_bytes_per_s: w.score,
+                    disturbed: w.disturbed.clone(),
+                    wall_time_s: w.wall_time_s,
+                })
+                .collect(),
+            choice_median_bytes_per_s: c.choice_median,
+            start_median_bytes_per_s: c.start_median,
+            required_gain: c.required_gain,
+            kept: c.kept.map(name),
+        }
+    });
 }
 
 #[cfg(test)]

@@ -336,6 +336,7 @@ pub fn run(root: &Path, args: &Args) -> Result<()> {
             .map_or(0, Vec::len)
     );
     println!("knobs chosen:    {}", describe(&chosen));
+    println!("{}", confirmation_summary(&outcome));
     for line in disturbance_summary(&outcome) {
         println!("{line}");
     }
@@ -422,7 +423,48 @@ fn disturbance_summary(session: &Value) -> Vec<String> {
             samples.len()
         ));
     }
+    let windows = session
+        .pointer("/confirmation/windows")
+        .and_then(Value::as_array)
+        .map(Vec::as_slice)
+        .unwrap_or_default();
+    for (i, w) in windows.iter().enumerate() {
+        if let Some(reason) = w.get("disturbed").and_then(Value::as_str) {
+            let whose = w.get("candidate").and_then(Value::as_str).unwrap_or("?");
+            lines.push(format!(
+                "{MORE}confirmation window {i} ({whose}): disturbed: {reason}"
+            ));
+        }
+    }
     lines
+}
+
+/// The summary's line on the confirmation before pinning: the medians of
+/// the choice's and the start's fresh windows and what was kept.
+fn confirmation_summary(session: &Value) -> String {
+    const HEAD: &str = "confirmation:    ";
+    let Some(c) = session.get("confirmation").filter(|c| !c.is_null()) else {
+        return format!("{HEAD}none (the model's choice was the start)");
+    };
+    let f = |name: &str| c.get(name).and_then(Value::as_f64);
+    let n = c
+        .get("windows")
+        .and_then(Value::as_array)
+        .map_or(0, Vec::len);
+    match (
+        c.get("kept").and_then(Value::as_str),
+        f("choice_median_bytes_per_s"),
+        f("start_median_bytes_per_s"),
+    ) {
+        (Some(kept), Some(choice), Some(start)) if start > 0.0 => format!(
+            "{HEAD}{n} fresh windows, choice {:.3} GB/s vs start {:.3} GB/s ({:.3}x, needed > {:.3}x): kept the {kept}",
+            choice / 1e9,
+            start / 1e9,
+            choice / start,
+            1.0 + f("required_gain").unwrap_or(0.0)
+        ),
+        _ => format!("{HEAD}not finished ({n} windows)"),
+    }
 }
 
 /// Waits for the agent to start tuning the job, prints each sample as it

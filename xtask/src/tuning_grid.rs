@@ -25,13 +25,12 @@ pub const CYCLE_TIME_MIN_MS: f64 = 0.5;
 pub const CYCLE_TIME_MAX_MS: f64 = 50.0;
 
 /// Default inter-node rate of the pretend nodes (Mbit/s each direction).
-/// Measured on the 2-core machine (quick grid, 2 steps per point): at 1000
-/// and 2000 the links bound every step and only hierarchical allreduce
-/// matters (it sends 1/1.5 of the flat ring's bytes across nodes: 1.5x); at
-/// 8000 the 2 shared cores bound it and the grid is mostly noise; at 4000
-/// hierarchical gives ~1.5x, and fusion and cycle time still move
-/// throughput by 10–30%, so every knob matters, as in a real cluster, and a
-/// point takes about 2 s.
+/// Measured on the 2-core machine with shared memory inside a node (quick
+/// grids, 2026-11-24; README "Pretend nodes and the tuning grid"): at 4000
+/// the best point is 1.20–1.25x the runtime defaults; at 3000 and 2000
+/// 1.41x (hierarchical allreduce, with fusion and cycle time moving it by up
+/// to 20%); at 1000 1.43x and only hierarchical matters. The demo uses 3000
+/// (`demo::DEMO_RATE_MBIT`).
 pub const DEFAULT_RATE_MBIT: u32 = 4000;
 
 /// The tuning-grid's flags.
