@@ -55,7 +55,9 @@ fn run_rank(
         connect_timeout: Duration::from_secs(20),
     });
     c.timeout = Duration::from_secs(30);
-    c.control_socket = true;
+    // The re-check runs without a control socket: rank 0 then computes its per-cycle
+    // statistics only for its own tuning and watch.
+    c.control_socket = !slow_after_pin;
     c.runtime_dir = Some(dir);
     c.autotune = Some(AutotuneConfig {
         wait: Duration::from_millis(300),
@@ -68,7 +70,7 @@ fn run_rank(
         watch: slow_after_pin,
     });
     let rt = Runtime::new(c).unwrap();
-    if rank == 0 {
+    if rank == 0 && !slow_after_pin {
         // Before the wait is over, an agent would be welcome.
         let path = rt.control_socket_path().unwrap();
         let client = ControlClient::connect(path, Duration::from_secs(5)).unwrap();

@@ -1,9 +1,11 @@
 //! Watching a job after its knobs are pinned: knobs chosen under one load
 //! must not be kept under another. [`Watch`] takes the job's per-cycle
 //! statistics, scores windows the way a session does, learns the pinned
-//! knobs' usual rate from the first windows, and says when the rate moved
-//! beyond noise (up or down: a load that went away changes which knobs are
-//! best as much as one that came). The driver then re-checks the pinned
+//! knobs' usual rate from the first windows (median of 5), and says when the
+//! median of the latest 5 moved by more than 15% and 3 robust sd of the
+//! first ones (at most 30%: however noisy the windows, a median that moved
+//! that far moved), up or down: a load that went away changes which knobs
+//! are best as much as one that came. The driver then re-checks the pinned
 //! knobs against the start with a session in recheck mode
 //! ([`crate::session::SessionConfig::recheck`]), which tunes again only if
 //! they lost.
@@ -26,8 +28,12 @@ pub struct WatchConfig {
     /// A change smaller than this fraction of the usual rate is never one.
     pub min_change: f64,
     /// A change must also exceed this many robust standard deviations of
-    /// the baseline windows.
+    /// the baseline windows...
     pub noise_sigmas: f64,
+    /// ...but a move of the median by more than this fraction is a change
+    /// however noisy the baseline was (a median of several windows is far
+    /// steadier than one window).
+    pub max_change: f64,
 }
 
 impl Default for WatchConfig {
@@ -35,10 +41,11 @@ impl Default for WatchConfig {
         WatchConfig {
             measured_cycles: 10,
             min_window_us: 1_000_000,
-            baseline_windows: 3,
-            recent_windows: 3,
+            baseline_windows: 5,
+            recent_windows: 5,
             min_change: 0.15,
             noise_sigmas: 3.0,
+            max_change: 0.3,
         }
     }
 }
@@ -156,7 +163,9 @@ impl Watch {
             && scores.len() >= b + r
         {
             let now = median(&scores[scores.len() - r..]);
-            let threshold = self.config.min_change.max(self.config.noise_sigmas * sigma);
+            let threshold = (self.config.noise_sigmas * sigma)
+                .min(self.config.max_change)
+                .max(self.config.min_change);
             if (now - usual).abs() > threshold * usual.abs() {
                 self.changed = true;
                 return Some(WatchEvent::Changed { usual, now });

@@ -116,7 +116,7 @@ enum Bench {
     /// its knobs: does its watch re-check the knobs (and tune again if they
     /// lost)? Prints when each thing happened and the job's own log lines;
     /// the reports go to target/bench/retune/, the summary to
-    /// target/bench/retune.json. About 5 minutes.
+    /// target/bench/retune.json. About 7 minutes (--job-seconds).
     Retune,
 }
 

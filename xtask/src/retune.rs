@@ -2,7 +2,9 @@
 //! under another (issue 13). A self-tuning `collbench resnet50` job (4
 //! local ranks as 2 pretend hosts × 2, `RINGWATCH_AUTOTUNE=1`, no agent)
 //! is tuned while CPU hogs run beside it; once it pins its knobs (its report
-//! appears) the hogs are killed and the job keeps running. Its watch should
+//! appears) the hogs stay `--hogs-linger-seconds` more (the watch learns the
+//! pinned knobs' rate under load), then are killed, and the job keeps
+//! running. Its watch should
 //! see the throughput move, re-check the pinned knobs against the start and
 //! tune again if they lost; the re-check writes `autotune-recheck1.*` with
 //! the throughput since the pin. The bench prints what happened when, the
@@ -25,8 +27,12 @@ pub struct Args {
     /// first tuned.
     #[arg(long, default_value_t = 4)]
     pub hogs: usize,
+    /// retune: seconds the hogs stay after the pin, so that the watch learns
+    /// the pinned knobs' rate under load before the load goes.
+    #[arg(long, default_value_t = 20)]
+    pub hogs_linger_seconds: u64,
     /// retune: how long the job runs in all, seconds.
-    #[arg(long, default_value_t = 300)]
+    #[arg(long, default_value_t = 360)]
     pub job_seconds: u64,
     /// retune: where to write the results (the job's reports and log go
     /// beside it, in retune/).
@@ -117,24 +123,38 @@ pub fn run(root: &Path, args: &Args) -> Result<()> {
         .env("RINGWATCH_AUTOTUNE_WAIT_SECS", "0")
         .env("RINGWATCH_AUTOTUNE_LOG", &log)
         .env("RINGWATCH_CONTROL_SOCKET", "0")
-        .env("RUST_LOG", "collectives=info")
+        .env(
+            "RUST_LOG",
+            "collectives=info,collectives::runtime::selftune=debug",
+        )
         .stdout(std::fs::File::create(&stdout).context("creating the job's stdout file")?)
         .stderr(std::fs::File::create(&job_log).context("creating the job's log file")?)
         .spawn()
         .with_context(|| format!("starting {}", collbench.display()))?;
 
+    // Times are from the job's start (the build before it does not count).
+    let job_started = Instant::now();
     let (mut pinned, mut killed, mut rechecked) = (None, None, None);
-    let deadline = started + Duration::from_secs(args.job_seconds + 180);
+    let deadline = job_started + Duration::from_secs(args.job_seconds + 180);
     let status = loop {
         if let Some(status) = job.try_wait().context("waiting for the job")? {
             break status;
         }
-        let t = started.elapsed().as_secs_f64();
+        let t = job_started.elapsed().as_secs_f64();
         if pinned.is_none() && log.with_extension("html").exists() {
             pinned = Some(t);
+            println!(
+                "# {t:.0} s: the first session pinned its knobs; the hogs leave in {} s",
+                args.hogs_linger_seconds
+            );
+        }
+        if let Some(p) = pinned
+            && killed.is_none()
+            && t >= p + args.hogs_linger_seconds as f64
+        {
             kill_all(&mut hogs);
-            killed = Some(started.elapsed().as_secs_f64());
-            println!("# {t:.0} s: the first session pinned its knobs; the hogs are gone");
+            killed = Some(t);
+            println!("# {t:.0} s: the hogs are gone");
         }
         if rechecked.is_none() && recheck.with_extension("html").exists() {
             rechecked = Some(t);

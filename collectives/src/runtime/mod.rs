@@ -1053,10 +1053,14 @@ impl CycleThread {
         Ok(response.shutdown)
     }
 
-    /// Whether rank 0 runs a self-tuning session now.
+    /// Whether rank 0 runs a self-tuning session now, or watches the knobs one pinned:
+    /// either way it needs the per-cycle statistics.
     fn self_tuning(&self) -> bool {
         #[cfg(feature = "autotune")]
-        return self.autotune.as_ref().is_some_and(|d| d.tuner.is_some());
+        return self
+            .autotune
+            .as_ref()
+            .is_some_and(|d| d.tuner.is_some() || d.watcher.is_some());
         #[cfg(not(feature = "autotune"))]
         false
     }

@@ -99,8 +99,13 @@ impl Watcher {
             duration_us: stats.duration_us,
             bytes_reduced: stats.bytes_reduced,
         })?;
-        let WatchEvent::Changed { usual, now } = event else {
-            return None;
+        let (usual, now) = match event {
+            WatchEvent::Window(w) => {
+                tracing::debug!(score_bytes_per_s = w.score, usual = ?self.watch.usual(),
+                    "self-tuning watch: a window on the pinned knobs");
+                return None;
+            }
+            WatchEvent::Changed { usual, now } => (usual, now),
         };
         tracing::info!(
             usual_bytes_per_s = usual, now_bytes_per_s = now, pinned = ?self.pinned,
