@@ -259,9 +259,28 @@ fn a_short_session_pins_the_reported_best_and_its_report_matches_the_samples() {
     let best_knobs = knobs_of(&best["knobs"]);
     let best_sample = best["sample"].as_u64().unwrap() as usize;
     assert_eq!(knobs_of(&samples[best_sample]["knobs"]), best_knobs);
+    // The speedup is the confirmation's (the choice's fresh windows against the
+    // start's, medians; 1 when the start was kept), or, without one (the choice
+    // was the start), the chosen sample's score over sample 0's.
     let speedup = session["speedup_over_start"].as_f64().unwrap();
-    let expected = samples[best_sample]["score_bytes_per_s"].as_f64().unwrap()
-        / samples[0]["score_bytes_per_s"].as_f64().unwrap();
+    let confirmation = &session["confirmation"];
+    let expected = if confirmation.is_null() {
+        samples[best_sample]["score_bytes_per_s"].as_f64().unwrap()
+            / samples[0]["score_bytes_per_s"].as_f64().unwrap()
+    } else if confirmation["kept"] == "start" {
+        assert_eq!(best_sample, 0, "the start was kept: {confirmation}");
+        1.0
+    } else {
+        assert_eq!(confirmation["kept"], "choice", "{confirmation}");
+        assert_eq!(knobs_of(&confirmation["choice"]), best_knobs);
+        let windows = confirmation["windows"].as_array().unwrap();
+        assert!(
+            windows.len() >= 2 && windows[0]["candidate"] == "choice",
+            "{confirmation}"
+        );
+        confirmation["choice_median_bytes_per_s"].as_f64().unwrap()
+            / confirmation["start_median_bytes_per_s"].as_f64().unwrap()
+    };
     assert!(
         (speedup - expected).abs() < 1e-9 * expected,
         "{speedup} vs {expected}"
@@ -374,7 +393,8 @@ fn killing_the_agent_mid_session_leaves_the_job_running_to_a_clean_finish() {
     let mut job = Job::start(
         &runtime.0,
         &job_id,
-        &["resnet50", "--steps", "40", "--warmup", "1"],
+        // Long enough to outlive two samples (the start alone takes two windows).
+        &["resnet50", "--steps", "100", "--warmup", "1"],
     );
     let mut agent = ApiServer::start(&agent_args(&runtime, &reports), false);
     wait_for_job(&agent, &job_id);
@@ -421,7 +441,7 @@ fn killing_the_agent_mid_session_leaves_the_job_running_to_a_clean_finish() {
         .lines()
         .find_map(|l| serde_json::from_str(l).ok())
         .unwrap_or_else(|| panic!("collbench printed no JSON: {stdout}"));
-    assert_eq!(result["steps"], 40, "{result}");
+    assert_eq!(result["steps"], 100, "{result}");
     assert_eq!(knobs_of(&result["knobs"]), knobs_at_kill, "{result}");
 }
 

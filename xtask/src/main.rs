@@ -75,7 +75,7 @@ enum Task {
         #[command(flatten)]
         hostile: Box<hostile::Args>,
         #[command(flatten)]
-        retune: retune::Args,
+        retune: Box<retune::Args>,
     },
 }
 
