@@ -43,7 +43,10 @@
 //!   `RINGWATCH_AUTOTUNE_SEED` (0), pins the best knobs and writes its report to
 //!   `RINGWATCH_AUTOTUNE_LOG=PATH.csv` (or `HOROVOD_AUTOTUNE_LOG`) plus `PATH.parquet` and
 //!   `PATH.html`. Without an agent there is no disturbance detection: every measured
-//!   window counts as clean.
+//!   window counts as clean, scored by the median of three sub-windows, and the choice is
+//!   confirmed against the start before it is pinned. After the pin rank 0 watches the
+//!   throughput (`RINGWATCH_AUTOTUNE_WATCH`, default on) and re-checks the knobs when it
+//!   moves, writing `PATH-recheckN.*`.
 //!
 //! # Determinism
 //! Every rank gets bit-identical results. Each element's reduction order depends only on
