@@ -79,7 +79,9 @@ fn run_rank(
     let mut seen: Vec<Knobs> = Vec::new();
     let deadline = Instant::now() + Duration::from_secs(120);
     let mut step = 0;
+    let mut first_pin: Option<Instant> = None;
     loop {
+        let work_started = Instant::now();
         let handles: Vec<_> = SIZES
             .iter()
             .enumerate()
@@ -104,8 +106,10 @@ fn run_rank(
         if seen.last() != Some(&knobs) {
             seen.push(knobs);
         }
-        // Rank 0 says where self-tuning is (0 tuning, 1 pinned once, 2 over); every rank
-        // acts on the same step.
+        // Rank 0 says where self-tuning is (0 tuning, or pinned and the watch still
+        // learning the pinned knobs' rate; 1 slow down; 2 over); every rank acts on the same
+        // step. The slowdown waits 5 s after the pin so that the watch's first windows are
+        // at the pinned knobs' own rate.
         let phase = match rt.self_tune_outcome() {
             _ if rank != 0 => 0,
             None => 0,
@@ -115,7 +119,14 @@ fn run_rank(
                     .report
                     .as_ref()
                     .is_some_and(|p| p.to_string_lossy().contains("recheck1"));
-                if rechecked { 2 } else { 1 }
+                let pinned_at = *first_pin.get_or_insert_with(Instant::now);
+                if rechecked {
+                    2
+                } else if pinned_at.elapsed() >= Duration::from_secs(5) {
+                    1
+                } else {
+                    0
+                }
             }
         };
         let flag = rt
@@ -128,7 +139,9 @@ fn run_rank(
         step += 1;
         match flag.to_vec::<i32>().unwrap()[0] {
             2 => break,
-            1 => std::thread::sleep(Duration::from_millis(60)),
+            // After the pin every rank idles twice its step's work, so the throughput
+            // falls to about a third however loaded the machine is.
+            1 => std::thread::sleep((2 * work_started.elapsed()).max(Duration::from_millis(60))),
             _ => {}
         }
         assert!(
