@@ -30,6 +30,18 @@
 //! stays on its current knobs and never tunes itself from there; an agent that sees
 //! `waiting` or `interrupted` in `hello` starts a session on its own.
 //!
+//! # One socket per host
+//! A job spread over several hosts serves one socket on each: the first local rank of every
+//! host serves `<runtime dir>/<job_id>.sock` there, so the agent of every node finds every
+//! job with ranks on it. Its `hello` lists every rank and says which host it speaks for
+//! (`host`) and which rank serves it (`served_by_rank`). Every socket streams its host's
+//! statistics (its serving rank's view of each cycle) and the timeline events of its host's
+//! ranks: the other local ranks send theirs to it (`rank_timeline`). `set_knobs` works on
+//! every socket: a request on another host's socket travels to rank 0 with its rank's next
+//! negotiation request and is answered once in force, as on rank 0's. The tuning claim is
+//! one per job: only rank 0's socket grants it; the others answer `granted: false` naming
+//! rank 0's host, and say `off` in `hello`.
+//!
 //! Compatibility: [`PROTOCOL_VERSION`] changes when a message changes meaning; new optional
 //! fields may be added without a change, so readers must ignore unknown fields.
 //!
@@ -208,8 +220,55 @@ pub struct Hello {
     /// The cycle the job is at.
     pub cycle: u64,
     /// Whether and how the job is auto-tuned (absent from older servers: `off`).
+    /// Only rank 0's socket holds the job's tuning claim; the sockets of other hosts say
+    /// `off` and refuse claims (see the module doc's "One socket per host").
     #[serde(default)]
     pub autotune: AutotuneState,
+    /// The host this socket speaks for: its ranks (those of `ranks` with this `host`) run
+    /// on the machine that serves it. Absent from older servers: rank 0's host.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub host: Option<String>,
+    /// The rank that serves this socket (the first local rank of `host`). Absent from older
+    /// servers: 0.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub served_by_rank: Option<usize>,
+}
+
+impl Hello {
+    /// The host this socket speaks for (rank 0's for servers that do not say).
+    pub fn host(&self) -> &str {
+        match &self.host {
+            Some(host) => host,
+            None => self.ranks.first().map_or("", |r| r.host.as_str()),
+        }
+    }
+
+    /// The rank serving this socket.
+    pub fn served_by_rank(&self) -> usize {
+        self.served_by_rank.unwrap_or(0)
+    }
+
+    /// Whether this socket is rank 0's: the one that holds the job's tuning claim.
+    pub fn is_rank0(&self) -> bool {
+        self.served_by_rank() == 0
+    }
+
+    /// The ranks this socket speaks for: those on its host.
+    pub fn local_ranks(&self) -> impl Iterator<Item = &RankInfo> {
+        let host = self.host().to_owned();
+        self.ranks.iter().filter(move |r| r.host == host)
+    }
+
+    /// Every host of the job, in rank order, each once.
+    pub fn hosts(&self) -> Vec<&str> {
+        let mut hosts: Vec<&str> = Vec::new();
+        for r in &self.ranks {
+            if !hosts.contains(&r.host.as_str()) {
+                hosts.push(&r.host);
+            }
+        }
+        hosts
+    }
 }
 
 /// Statistics of one cycle that did work (cycles with nothing to do are not reported).
@@ -307,6 +366,13 @@ pub enum ServerMessage {
         /// The events, in time order.
         events: Vec<TimelineEvent>,
     },
+    /// To a rank that sends its timeline to its host's socket (`rank_timeline`): whether
+    /// any client wants timeline events now (sent on its first `rank_timeline` and whenever
+    /// it changes), so that ranks build no events nobody reads.
+    TimelineWanted {
+        /// A client is subscribed to the timeline.
+        wanted: bool,
+    },
     /// The last message before the server closes this client, or a refused request.
     Error {
         /// The request it answers, if any.
@@ -353,6 +419,13 @@ pub enum ClientMessage {
         request_id: u64,
         /// The session finished (-> `done`); otherwise -> `interrupted`.
         completed: bool,
+    },
+    /// Timeline events of another rank of this host, sent by that rank (a process of the
+    /// job's own user) to its host's socket, which streams them to its `timeline`
+    /// subscribers with its own. Events of ranks of other hosts are dropped.
+    RankTimeline {
+        /// The events, in time order.
+        events: Vec<TimelineEvent>,
     },
 }
 

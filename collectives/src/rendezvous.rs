@@ -41,6 +41,10 @@ pub struct RendezvousConfig {
     pub job_id: Option<String>,
     /// How long to wait for all ranks (`RINGWATCH_CONNECT_TIMEOUT_SECS`, default 60 s).
     pub connect_timeout: Duration,
+    /// The host name this rank reports in the job's `hello` (`None`: this machine's,
+    /// [`host_name`]). Ranks with the same host share their host's control socket; tests
+    /// use it to play several hosts in one process.
+    pub host: Option<String>,
 }
 
 impl RendezvousConfig {
@@ -55,6 +59,7 @@ impl RendezvousConfig {
             master_port: DEFAULT_MASTER_PORT,
             job_id: None,
             connect_timeout: DEFAULT_CONNECT_TIMEOUT,
+            host: None,
         }
     }
 
@@ -131,6 +136,7 @@ impl RendezvousConfig {
             master_port,
             job_id: get("RINGWATCH_JOB_ID").filter(|v| !v.trim().is_empty()),
             connect_timeout,
+            host: None,
         })
     }
 }
@@ -211,7 +217,7 @@ pub fn rendezvous(cfg: &RendezvousConfig, op_timeout: Duration) -> Result<Rendez
         rank: cfg.rank,
         local_rank: cfg.local_rank,
         local_size: cfg.local_size,
-        host: host_name(),
+        host: cfg.host.clone().unwrap_or_else(host_name),
         pid: std::process::id(),
     };
     if cfg.world_size == 1 {

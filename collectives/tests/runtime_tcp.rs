@@ -58,6 +58,7 @@ fn config(rank: usize, n: usize, local_size: usize, port: u16) -> RuntimeConfig 
         master_port: port,
         job_id: Some(format!("test-{port}")),
         connect_timeout: Duration::from_secs(20),
+        host: None,
     });
     c.timeout = Duration::from_secs(15);
     c
@@ -830,4 +831,116 @@ fn a_cached_tensor_whose_shape_changes_on_one_rank_mid_stream_fails_everywhere_a
             other => panic!("rank {rank}: expected one mismatch at step 6, got {other:?}"),
         }
     }
+}
+
+#[test]
+fn every_host_serves_the_jobs_socket_with_its_ranks_timeline_and_knob_changes_reach_rank_0() {
+    // Two pretend hosts of two ranks each, each with its own runtime dir (its own node).
+    let dir = runtime_dir("hosts");
+    let dirs = [dir.join("host-a"), dir.join("host-b")];
+    for d in &dirs {
+        std::fs::create_dir_all(d).unwrap();
+    }
+    let dirs2 = dirs.clone();
+    let results = run_job(
+        4,
+        2,
+        Duration::from_secs(90),
+        move |c| {
+            let host = c.rendezvous.rank / 2;
+            c.rendezvous.host = Some(["host-a", "host-b"][host].to_owned());
+            c.control_socket = true;
+            c.runtime_dir = Some(dirs2[host].clone());
+        },
+        |rt| {
+            let rank = rt.rank();
+            // Rank 2 serves host-b's socket: its hello, its claim refusal, the timeline of
+            // both its host's ranks (and no other's), a knob change asked for there.
+            let mut client = (rank == 2).then(|| {
+                let path = rt
+                    .control_socket_path()
+                    .expect("host-b's first rank serves");
+                let mut client = ControlClient::connect(path, Duration::from_secs(5)).unwrap();
+                let hello = client.hello().clone();
+                assert_eq!(hello.host.as_deref(), Some("host-b"));
+                assert_eq!(hello.served_by_rank, Some(2));
+                assert_eq!(hello.ranks.len(), 4);
+                assert_eq!(
+                    hello.local_ranks().map(|r| r.rank).collect::<Vec<_>>(),
+                    vec![2, 3]
+                );
+                assert_eq!(hello.hosts(), vec!["host-a", "host-b"]);
+                let refused = client.claim_tuning(Duration::from_secs(5)).unwrap_err();
+                assert!(refused.to_string().contains("host-a"), "{refused}");
+                client.subscribe(false, true).unwrap();
+                client
+            });
+            match rank {
+                0 => {
+                    let path = rt.control_socket_path().expect("rank 0 serves host-a's");
+                    let client = ControlClient::connect(path, Duration::from_secs(5)).unwrap();
+                    assert_eq!(client.hello().host.as_deref(), Some("host-a"));
+                }
+                1 | 3 => assert!(rt.control_socket_path().is_none()),
+                _ => {}
+            }
+            let mut seen = std::collections::BTreeSet::new();
+            let mut applied = None;
+            let deadline = Instant::now() + Duration::from_secs(60);
+            for i in 0.. {
+                let got = rt
+                    .allreduce(
+                        &format!("t{i}"),
+                        Tensor::from_slice(&[rank as i32 + i; 8]),
+                        ReduceOp::Sum,
+                    )
+                    .unwrap();
+                assert_eq!(got.to_vec::<i32>().unwrap(), vec![6 + 4 * i; 8]);
+                let mut done = 1;
+                if let Some(client) = client.as_mut() {
+                    if applied.is_none() {
+                        let (knobs, at) = client
+                            .set_knobs(
+                                KnobUpdate {
+                                    fusion_threshold_bytes: Some(12_345),
+                                    ..Default::default()
+                                },
+                                Duration::from_secs(10),
+                            )
+                            .unwrap();
+                        assert_eq!(knobs.fusion_threshold_bytes, 12_345);
+                        applied = Some(at);
+                    }
+                    while let Some(message) =
+                        client.next_message(Duration::from_millis(20)).unwrap()
+                    {
+                        if let ServerMessage::Timeline { events } = message {
+                            seen.extend(events.iter().map(|e| e.rank));
+                        }
+                    }
+                    assert!(
+                        Instant::now() < deadline,
+                        "host-b's timeline: ranks {seen:?}"
+                    );
+                    done = i32::from(seen.contains(&2) && seen.contains(&3));
+                }
+                // Every rank stops at the same tensor: once rank 2 has seen both.
+                let flag = rt
+                    .allreduce(
+                        &format!("done{i}"),
+                        Tensor::from_slice(&[done]),
+                        ReduceOp::Min,
+                    )
+                    .unwrap();
+                if flag.to_vec::<i32>().unwrap()[0] == 1 {
+                    break;
+                }
+            }
+            // The change asked for on host-b's socket is in force on every rank.
+            assert_eq!(rt.knobs().0.fusion_threshold_bytes, 12_345);
+            seen
+        },
+    );
+    assert_eq!(results[2], [2, 3].into_iter().collect());
+    std::fs::remove_dir_all(&dir).ok();
 }

@@ -53,6 +53,7 @@ fn run_rank(
         master_port: port,
         job_id: Some(format!("selftune-{port}")),
         connect_timeout: Duration::from_secs(20),
+        host: None,
     });
     c.timeout = Duration::from_secs(30);
     // The re-check runs without a control socket: rank 0 then computes its per-cycle

@@ -35,6 +35,7 @@ fn one_rank_job(tag: &str, autotune: Option<AutotuneConfig>) -> (Runtime, PathBu
         master_port: port,
         job_id: Some(format!("claims-{tag}-{port}")),
         connect_timeout: Duration::from_secs(20),
+        host: None,
     });
     c.control_socket = true;
     c.runtime_dir = Some(dir.clone());

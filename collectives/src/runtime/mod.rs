@@ -44,7 +44,7 @@ use cache::{DEFAULT_CACHE_CAPACITY, RankCache};
 use claim::TuningClaims;
 use coordinator::{Coordinator, Item, OpKind, Request, Response, TensorRequest, WireResponse};
 use faults::{FaultChannel, LostRank};
-use server::{ControlServer, ServerState};
+use server::{ControlServer, Feeder, ServerState};
 
 /// The length prefix [`send_frame`] puts before every message.
 const FRAME_HEADER_BYTES: usize = 4;
@@ -337,7 +337,10 @@ impl Runtime {
             }
             None => None,
         };
-        let server = if rank == 0 && config.control_socket {
+        // Every host's first rank serves the job's socket there (rank 0's holds the tuning
+        // claim); the host's other ranks send it their timeline events.
+        let first_on_host = ranks.get(rank).is_none_or(|r| r.local_rank == 0);
+        let server = if first_on_host && config.control_socket {
             let hello = Hello {
                 protocol_version: PROTOCOL_VERSION,
                 job_id: job_id.clone(),
@@ -347,6 +350,8 @@ impl Runtime {
                 knobs: config.knobs,
                 cycle: 0,
                 autotune: claims.state(),
+                host: ranks.get(rank).map(|r| r.host.clone()),
+                served_by_rank: Some(rank),
             };
             match ControlServer::start(
                 config.runtime_dir.clone(),
@@ -366,6 +371,8 @@ impl Runtime {
         } else {
             None
         };
+        let feeder = (!first_on_host && config.control_socket)
+            .then(|| Feeder::new(config.runtime_dir.clone(), &job_id));
         let control_path = server.as_ref().map(|s| s.path().to_path_buf());
         let (finished_tx, finished) = mpsc::channel();
         let mut cycle = CycleThread {
@@ -384,6 +391,7 @@ impl Runtime {
             fusion: AlignedBuf::default(),
             timeline,
             server,
+            feeder,
             warned_fallback: false,
             faults: faults.clone(),
             autotune: match (&config.autotune, rank) {
@@ -698,6 +706,8 @@ struct CycleThread {
     fusion: AlignedBuf,
     timeline: Option<TimelineFile>,
     server: Option<Arc<ControlServer>>,
+    /// A rank that is not its host's first: its timeline goes to the host's socket.
+    feeder: Option<Feeder>,
     warned_fallback: bool,
     faults: Option<Arc<FaultChannel>>,
     /// Rank 0 of a job started with `RINGWATCH_AUTOTUNE=1`.
@@ -915,7 +925,8 @@ impl CycleThread {
         let start_unix_us = now_us();
         let mut events = Events {
             enabled: self.timeline.is_some()
-                || self.server.as_ref().is_some_and(|s| s.wants_timeline()),
+                || self.server.as_ref().is_some_and(|s| s.wants_timeline())
+                || self.feeder.as_mut().is_some_and(|f| f.wants_timeline()),
             rank: self.rank,
             list: Vec::new(),
         };
@@ -1046,6 +1057,13 @@ impl CycleThread {
             if let Some(server) = &self.server {
                 server.publish_timeline(&events.list);
             }
+            if let Some(feeder) = self.feeder.as_mut() {
+                feeder.send(if self.timeline.is_some() {
+                    events.list.clone()
+                } else {
+                    std::mem::take(&mut events.list)
+                });
+            }
             if let Some(t) = &self.timeline {
                 t.write(events.list);
             }
@@ -1163,6 +1181,14 @@ impl CycleThread {
             }
             Ok(response)
         } else {
+            // Knob changes asked for on this host's socket go to rank 0 with the request.
+            let knob_requests = self
+                .server
+                .as_ref()
+                .map(|s| s.take_knob_requests())
+                .unwrap_or_default();
+            let mut request = request;
+            request.knobs.extend(knob_requests.iter().map(|r| r.update));
             let request = encode(&request);
             send_frame(t, 0, &request)?;
             let bytes = recv_frame(t, 0, MAX_FRAME_BYTES)?;
@@ -1177,6 +1203,9 @@ impl CycleThread {
                 FRAME_HEADER_BYTES + request.len(),
                 FRAME_HEADER_BYTES + bytes.len(),
             );
+            if let Some(server) = &self.server {
+                server.confirm(knob_requests, response.knobs, response.cycle);
+            }
             Ok(response)
         }
     }

@@ -1,4 +1,4 @@
-//! Rank 0's control socket server: speaks [`crate::control`]'s protocol to at most
+//! The control socket server of a host's first rank (rank 0's holds the tuning claim): speaks [`crate::control`]'s protocol to at most
 //! [`MAX_CLIENTS`] clients at once (the agent, tools, tests).
 //!
 //! It must never touch the data path: it only reads the shared knob state, queues knob
@@ -21,9 +21,9 @@ use std::thread::JoinHandle;
 use std::time::Duration;
 
 use crate::control::{
-    ClientMessage, ControlError, CycleStats, Hello, KnobUpdate, Knobs, MAX_MESSAGE_BYTES,
-    ServerMessage, TimelineEvent, default_runtime_dir, fallback_runtime_dirs, read_message,
-    socket_path,
+    AutotuneState, ClientMessage, ControlError, CycleStats, Hello, KnobUpdate, Knobs,
+    MAX_MESSAGE_BYTES, ServerMessage, TimelineEvent, default_runtime_dir, fallback_runtime_dirs,
+    read_message, socket_path,
 };
 use crate::error::{CollectiveError, Result};
 use crate::runtime::claim::TuningClaims;
@@ -108,6 +108,9 @@ struct Client {
     wake_writer: Condvar,
     stats: AtomicBool,
     timeline: AtomicBool,
+    /// A rank of this host sending its timeline (`rank_timeline`): told when the timeline
+    /// is wanted.
+    feeder: AtomicBool,
 }
 
 impl Client {
@@ -379,6 +382,7 @@ impl ControlServer {
             wake_writer: Condvar::new(),
             stats: AtomicBool::new(false),
             timeline: AtomicBool::new(false),
+            feeder: AtomicBool::new(false),
         });
         let (knobs, cycle) = self.knob_state();
         let mut hello = self.state.hello.clone();
@@ -469,7 +473,31 @@ impl ControlServer {
                     let was = client.stats.swap(stats, Ordering::AcqRel);
                     adjust(&self.stats_subscribers, was, stats);
                     let was = client.timeline.swap(timeline, Ordering::AcqRel);
-                    adjust(&self.timeline_subscribers, was, timeline);
+                    if adjust(&self.timeline_subscribers, was, timeline) {
+                        self.tell_feeders();
+                    }
+                }
+                Ok(ClientMessage::RankTimeline { events }) => {
+                    if !client.feeder.swap(true, Ordering::AcqRel) {
+                        self.send(
+                            client,
+                            &encode(&ServerMessage::TimelineWanted {
+                                wanted: self.wants_timeline(),
+                            }),
+                        );
+                    }
+                    // Only this host's ranks (a rank of another host has its own socket).
+                    let host = self.state.hello.host();
+                    let local = |rank: usize| {
+                        self.state
+                            .hello
+                            .ranks
+                            .get(rank)
+                            .is_some_and(|r| r.host == host)
+                    };
+                    let events: Vec<TimelineEvent> =
+                        events.into_iter().filter(|e| local(e.rank)).collect();
+                    self.publish_timeline(&events);
                 }
                 Ok(ClientMessage::GetKnobs { request_id }) => {
                     let (knobs, cycle) = self.knob_state();
@@ -490,6 +518,14 @@ impl ControlServer {
                             update: knobs,
                         });
                     }
+                }
+                Ok(ClientMessage::ClaimTuning { request_id }) if !self.state.hello.is_rank0() => {
+                    self.send(client, &encode(&self.not_rank0(request_id)));
+                }
+                Ok(ClientMessage::ReleaseTuning { request_id, .. })
+                    if !self.state.hello.is_rank0() =>
+                {
+                    self.send(client, &encode(&self.not_rank0(request_id)));
                 }
                 Ok(ClientMessage::ClaimTuning { request_id }) => {
                     let answer = self.state.claims.claim(client.id);
@@ -533,6 +569,34 @@ impl ControlServer {
         }
     }
 
+    /// The answer to a claim on a socket that is not rank 0's: the job's one claim is
+    /// held there.
+    fn not_rank0(&self, request_id: u64) -> ServerMessage {
+        let hello = &self.state.hello;
+        let rank0_host = hello.ranks.first().map_or("?", |r| r.host.as_str());
+        ServerMessage::TuningClaim {
+            request_id,
+            granted: false,
+            state: AutotuneState::Off,
+            message: format!(
+                "this socket speaks for host {} (rank {}); job {}'s tuning claim is held \
+                 through rank 0's socket on host {rank0_host}: tune it there (its node's agent)",
+                hello.host(),
+                hello.served_by_rank(),
+                hello.job_id
+            ),
+        }
+    }
+
+    /// Tells every feeding rank whether the timeline is wanted now.
+    fn tell_feeders(&self) {
+        let wanted = self.wants_timeline();
+        self.for_each(
+            |c| c.feeder.load(Ordering::Relaxed),
+            || ServerMessage::TimelineWanted { wanted },
+        );
+    }
+
     fn remove_client(&self, client: &Arc<Client>) {
         if self.state.claims.disconnected(client.id) {
             tracing::warn!(
@@ -546,11 +610,13 @@ impl ControlServer {
             client.stats.swap(false, Ordering::AcqRel),
             false,
         );
-        adjust(
+        if adjust(
             &self.timeline_subscribers,
             client.timeline.swap(false, Ordering::AcqRel),
             false,
-        );
+        ) {
+            self.tell_feeders();
+        }
         client.close();
         if let Ok(mut clients) = self.clients.lock() {
             clients.retain(|c| c.id != client.id);
@@ -658,15 +724,121 @@ impl ControlServer {
     }
 }
 
-fn adjust(counter: &AtomicUsize, was: bool, now: bool) {
+/// Counts a client in or out; true when the count went from 0 to 1 or from 1 to 0.
+fn adjust(counter: &AtomicUsize, was: bool, now: bool) -> bool {
     match (was, now) {
-        (false, true) => {
-            counter.fetch_add(1, Ordering::AcqRel);
+        (false, true) => counter.fetch_add(1, Ordering::AcqRel) == 0,
+        (true, false) => counter.fetch_sub(1, Ordering::AcqRel) == 1,
+        _ => false,
+    }
+}
+
+/// A rank that is not its host's first sends its timeline events to its host's socket
+/// (`rank_timeline`), which streams them with its own. It never blocks the cycle: it
+/// connects at most once a second, writes with a short timeout (a failed write drops the
+/// connection and the cycle's events), and builds events only while the socket says a
+/// client wants them.
+pub(crate) struct Feeder {
+    path: PathBuf,
+    stream: Option<UnixStream>,
+    wanted: Arc<AtomicBool>,
+    last_try: Option<std::time::Instant>,
+}
+
+/// How long a feeder's write may block before it gives up the connection.
+const FEEDER_WRITE_TIMEOUT: Duration = Duration::from_millis(20);
+
+impl Feeder {
+    /// A feeder for the socket of `job_id` in `dir` (the runtime dir the host's first rank
+    /// picks by the same rules).
+    pub fn new(dir: Option<PathBuf>, job_id: &str) -> Self {
+        let dir = dir.unwrap_or_else(default_runtime_dir);
+        Feeder {
+            path: socket_path(&dir, job_id),
+            stream: None,
+            wanted: Arc::new(AtomicBool::new(false)),
+            last_try: None,
         }
-        (true, false) => {
-            counter.fetch_sub(1, Ordering::AcqRel);
+    }
+
+    /// Whether this cycle's events are wanted (connecting first, at most once a second).
+    pub fn wants_timeline(&mut self) -> bool {
+        if self.stream.is_none() {
+            self.connect();
         }
-        _ => {}
+        self.stream.is_some() && self.wanted.load(Ordering::Relaxed)
+    }
+
+    fn connect(&mut self) {
+        let now = std::time::Instant::now();
+        if self
+            .last_try
+            .is_some_and(|t| now.duration_since(t) < Duration::from_secs(1))
+        {
+            return;
+        }
+        self.last_try = Some(now);
+        let Ok(mut stream) = UnixStream::connect(&self.path) else {
+            return;
+        };
+        let Ok(reader) = stream.try_clone() else {
+            return;
+        };
+        if stream
+            .set_write_timeout(Some(FEEDER_WRITE_TIMEOUT))
+            .is_err()
+            || crate::control::write_message(
+                &mut stream,
+                &ClientMessage::RankTimeline { events: Vec::new() },
+            )
+            .is_err()
+        {
+            return;
+        }
+        // The socket's answers (hello, then timeline_wanted as it changes) are read on a
+        // thread of their own; it ends when the connection does.
+        self.wanted.store(false, Ordering::Relaxed);
+        let wanted = self.wanted.clone();
+        let spawned = std::thread::Builder::new()
+            .name("ringwatch-feeder".into())
+            .spawn(move || {
+                let mut reader = reader;
+                while let Ok(message) = read_message::<_, ServerMessage>(&mut reader) {
+                    if let ServerMessage::TimelineWanted { wanted: w } = message {
+                        wanted.store(w, Ordering::Relaxed);
+                    }
+                }
+                wanted.store(false, Ordering::Relaxed);
+            });
+        if spawned.is_ok() {
+            self.stream = Some(stream);
+        }
+    }
+
+    /// Sends one cycle's events; a failed write drops the connection (retried later).
+    pub fn send(&mut self, events: Vec<TimelineEvent>) {
+        let Some(stream) = self.stream.as_mut() else {
+            return;
+        };
+        if !self.wanted.load(Ordering::Relaxed) {
+            return;
+        }
+        if let Err(e) =
+            crate::control::write_message(stream, &ClientMessage::RankTimeline { events })
+        {
+            tracing::debug!(error = %e, "dropping the timeline connection to the host's socket");
+            let _ = stream.shutdown(std::net::Shutdown::Both);
+            self.stream = None;
+            self.wanted.store(false, Ordering::Relaxed);
+        }
+    }
+}
+
+impl Drop for Feeder {
+    fn drop(&mut self) {
+        if let Some(stream) = &self.stream {
+            let _ = stream.shutdown(std::net::Shutdown::Both);
+        }
     }
 }
 
@@ -687,6 +859,8 @@ mod tests {
             knobs: Knobs::default(),
             cycle: 0,
             autotune: AutotuneState::Off,
+            host: None,
+            served_by_rank: None,
         };
         let state = ServerState {
             hello,
