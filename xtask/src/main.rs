@@ -10,6 +10,7 @@ mod api_fuzz;
 mod build_support;
 mod compare;
 mod demo;
+mod deploy;
 mod hostile;
 mod multinode;
 mod retune;
@@ -48,13 +49,18 @@ enum Task {
     /// -D warnings on all targets, every crate's unit and integration tests
     /// (the privileged eBPF tests run when root and skip otherwise),
     /// Schemathesis against the agent's OpenAPI document (pinned from PyPI
-    /// into target/schemathesis), and the UI's end-to-end test in headless
-    /// Chromium.
+    /// into target/schemathesis), the Kubernetes manifest's offline check
+    /// (check-deploy), and the UI's end-to-end test in headless Chromium.
     Test,
     /// Only the test suite's API fuzzing: Schemathesis against
     /// /api/openapi.json of target/debug/ringwatch-agent (built here first),
     /// served with --replay on loopback.
     ApiFuzz,
+    /// Only the test suite's check of the Kubernetes manifest: every
+    /// document of deploy/ringwatch.yaml against the Kubernetes schemas
+    /// (kubernetes-validate, pinned from PyPI into target/kubernetes-validate;
+    /// offline), its invariants, and the check's self-test.
+    CheckDeploy,
     /// ringwatch's main job on this machine (root): the agent, a 2 x 2-rank
     /// collbench job on two pretend nodes with rate-limited links, tuned live
     /// by the agent, the UI's URL while it runs, then the chosen knobs,
@@ -127,6 +133,7 @@ fn main() -> std::process::ExitCode {
         Task::BuildEbpf { out } => build_ebpf(&out),
         Task::Test => test(),
         Task::ApiFuzz => api_fuzz(),
+        Task::CheckDeploy => deploy::run(&root(), &cargo_target_dir(&root())),
         Task::Demo(args) => demo::run(&root(), &args),
         Task::Bench {
             which,
@@ -383,6 +390,7 @@ fn test() -> Result<()> {
         &target_dir,
         &target_dir.join("debug/ringwatch-agent"),
     )?;
+    deploy::run(&root(), &target_dir)?;
     // The timeline viewer in headless Chromium (installs playwright-core from
     // the committed lock file into ui/tests/node_modules on first use).
     // It also loads the page from the real agent (`serve --replay`), built
