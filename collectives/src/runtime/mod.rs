@@ -338,8 +338,13 @@ impl Runtime {
             None => None,
         };
         // Every host's first rank serves the job's socket there (rank 0's holds the tuning
-        // claim); the host's other ranks send it their timeline events.
-        let first_on_host = ranks.get(rank).is_none_or(|r| r.local_rank == 0);
+        // claim); the host's other ranks send it their timeline events. Hosts are told
+        // apart by the host name the ranks report: ranks of one name share one socket
+        // (pretend nodes in network namespaces of one machine share one too).
+        let first_on_host = match ranks.get(rank) {
+            Some(me) => ranks[..rank].iter().all(|r| r.host != me.host),
+            None => true,
+        };
         let server = if first_on_host && config.control_socket {
             let hello = Hello {
                 protocol_version: PROTOCOL_VERSION,
