@@ -12,6 +12,7 @@ mod compare;
 mod demo;
 mod deploy;
 mod hostile;
+mod image;
 mod multinode;
 mod retune;
 mod topology;
@@ -66,6 +67,13 @@ enum Task {
     /// by the agent, the UI's URL while it runs, then the chosen knobs,
     /// steps/s before and after, and the report's path.
     Demo(demo::Args),
+    /// The agent's OCI image, offline: build the agent (release, or
+    /// --debug-binary PATH), stage it with its shared libraries on FROM
+    /// scratch (deploy/Containerfile.local), podman build, print the size.
+    /// --run: run it as the DaemonSet does (least capabilities, --pid=host,
+    /// read-only mounts) and check that it traces a collbench job started
+    /// on the host. Needs root and podman + runc.
+    Image(image::Args),
     /// Benchmarks, each printing a table.
     #[command(after_long_help = compare::HELP)]
     Bench {
@@ -135,6 +143,7 @@ fn main() -> std::process::ExitCode {
         Task::ApiFuzz => api_fuzz(),
         Task::CheckDeploy => deploy::run(&root(), &cargo_target_dir(&root())),
         Task::Demo(args) => demo::run(&root(), &args),
+        Task::Image(args) => image::run(&root(), &cargo_target_dir(&root()), &args),
         Task::Bench {
             which,
             grid,
