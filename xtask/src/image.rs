@@ -114,7 +114,7 @@ pub fn engine_missing() -> Option<String> {
 }
 
 /// Stages the image's build context in `context`: `Containerfile` (a copy of
-/// `containerfile`) and `rootfs/` with `binary` at
+/// `containerfile`) and `rootfs/` with `binary` (its debug info stripped) at
 /// /usr/local/bin/ringwatch-agent, every library `ldd` lists (at the path it
 /// lists, so the loader's default search finds it), the loader, and empty
 /// /tmp, /run and /var/lib/ringwatch/reports.
@@ -129,9 +129,18 @@ pub fn stage_context(binary: &Path, containerfile: &Path, context: &Path) -> Res
     std::fs::copy(containerfile, context.join("Containerfile"))
         .with_context(|| format!("copying {}", containerfile.display()))?;
     let staged = bin_dir.join("ringwatch-agent");
-    // A hard link when the context is on the binary's file system (a debug
-    // binary is ~160 MB); podman build copies it into the image either way.
-    if std::fs::hard_link(binary, &staged).is_err() {
+    // Without its debug info (the release profile keeps line tables: 234 MB
+    // with them, 33 MB without); symbols stay, for backtraces. Where strip
+    // (binutils) is missing, the binary as it is.
+    let stripped = Command::new("strip")
+        .arg("--strip-debug")
+        .arg("-o")
+        .arg(&staged)
+        .arg(binary)
+        .stderr(Stdio::null())
+        .status()
+        .is_ok_and(|s| s.success());
+    if !stripped && std::fs::hard_link(binary, &staged).is_err() {
         std::fs::copy(binary, &staged)
             .with_context(|| format!("copying {} into the context", binary.display()))?;
     }
@@ -543,6 +552,7 @@ fn wait_for<T>(limit: Duration, mut probe: impl FnMut() -> Result<Option<T>>) ->
 struct Socket {
     pids: BTreeSet<u32>,
     recv_q: u64,
+    send_q: u64,
     bytes_acked: u64,
     bytes_received: u64,
 }
@@ -596,6 +606,7 @@ fn tcp_sockets() -> Result<BTreeMap<(String, String), Socket>> {
             Socket {
                 pids,
                 recv_q: fields[1].parse().unwrap_or(0),
+                send_q: fields[2].parse().unwrap_or(0),
                 bytes_acked: 0,
                 bytes_received: 0,
             },
@@ -659,12 +670,32 @@ type Snapshot = BTreeMap<u32, (BTreeSet<(String, String)>, u64, u64, u64, u64)>;
 /// every second).
 fn stopped_snapshot(base: &str, ranks: &BTreeSet<u32>) -> Result<Snapshot> {
     signal_all(ranks, libc::SIGSTOP);
-    // Loopback data in flight lands and is acknowledged (delayed ACKs are
-    // at most 40 ms).
-    std::thread::sleep(Duration::from_millis(500));
-    let sockets = tcp_sockets()?;
+    // Wait until every byte the ranks sent is acknowledged (Send-Q 0 on all
+    // their sockets): then tcp_info's bytes_acked is all they sent.
+    let deadline = Instant::now() + Duration::from_secs(10);
+    let sockets = loop {
+        std::thread::sleep(Duration::from_millis(200));
+        let sockets = tcp_sockets()?;
+        let unacked: u64 = sockets
+            .values()
+            .filter(|s| s.pids.iter().any(|pid| ranks.contains(pid)))
+            .map(|s| s.send_q)
+            .sum();
+        if unacked == 0 {
+            break sockets;
+        }
+        if Instant::now() > deadline {
+            bail!(
+                "the stopped ranks' sockets still hold {unacked} unacknowledged bytes after 10 s"
+            );
+        }
+    };
+    // Three equal reads 1.2 s apart: the view is republished every second,
+    // so an agent slow to drain its ring buffer on a loaded machine is given
+    // two republications to catch up.
     let mut previous: Option<Vec<(u64, u64)>> = None;
-    let deadline = Instant::now() + Duration::from_secs(15);
+    let mut equal_reads = 0;
+    let deadline = Instant::now() + Duration::from_secs(20);
     let agent = loop {
         let (status, processes) = get_json(base, "/api/processes")?;
         if status != 200 {
@@ -675,10 +706,15 @@ fn stopped_snapshot(base: &str, ranks: &BTreeSet<u32>) -> Result<Snapshot> {
             .map(|&pid| agent_tcp(&processes, pid).unwrap_or((0, 0)))
             .collect();
         if previous.as_ref() == Some(&now) {
-            break now;
+            equal_reads += 1;
+            if equal_reads == 2 {
+                break now;
+            }
+        } else {
+            equal_reads = 0;
         }
         if Instant::now() > deadline {
-            bail!("the agent's TCP totals of the stopped ranks kept changing for 15 s: {now:?}");
+            bail!("the agent's TCP totals of the stopped ranks kept changing for 20 s: {now:?}");
         }
         previous = Some(now);
         std::thread::sleep(Duration::from_millis(1200));
@@ -1046,10 +1082,13 @@ pub fn run(root: &Path, target_dir: &Path, args: &Args) -> Result<()> {
     build_image(&context, &args.tag)?;
     let size = image_size(&args.tag)?;
     println!(
-        "image {}: {:.1} MB ({size} bytes; binary {:.1} MB), podman build {:.1} s",
+        "image {}: {:.1} MB ({size} bytes; binary {:.1} MB, {:.1} MB without debug info), \
+         podman build {:.1} s",
         args.tag,
         size as f64 / 1e6,
         std::fs::metadata(&binary).map_or(0.0, |m| m.len() as f64 / 1e6),
+        std::fs::metadata(context.join("rootfs/usr/local/bin/ringwatch-agent"))
+            .map_or(0.0, |m| m.len() as f64 / 1e6),
         build_started.elapsed().as_secs_f64()
     );
     if args.run {
