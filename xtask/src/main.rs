@@ -36,8 +36,9 @@ struct Cli {
 #[derive(Debug, Subcommand)]
 enum Task {
     /// Check the prerequisites of the build and the tests (clang, libbpf
-    /// headers, iproute2, chromium) and install the missing ones with apt-get
-    /// when root on Debian/Ubuntu; otherwise print the exact command to run.
+    /// headers, iproute2, chromium, podman and runc) and install the missing
+    /// ones with apt-get when root on Debian/Ubuntu; otherwise print the
+    /// exact command to run.
     Setup,
     /// Compile ebpf/ringwatch.bpf.c (which includes every ebpf/*.bpf.c) with
     /// clang into one BPF object with BTF (-O2 -g -target bpf).
@@ -253,6 +254,14 @@ const APT_PACKAGES: &[(&str, &str)] = &[
         "chromium",
         "the headless browser of the UI's end-to-end test",
     ),
+    (
+        "podman",
+        "builds and runs the agent's image in its privileged test (`cargo xtask image`)",
+    ),
+    (
+        "runc",
+        "the OCI runtime podman uses here (crun refuses hybrid cgroups)",
+    ),
 ];
 
 /// Whether one of [`APT_PACKAGES`] is installed (checked by what the build
@@ -264,6 +273,7 @@ fn package_present(package: &str) -> bool {
         "libc6-dev" => Path::new("/usr/include/linux/bpf.h").exists(),
         "iproute2" => which("ip") && which("tc"),
         "chromium" => Path::new(&chromium_path()).exists(),
+        "podman" | "runc" => which(package),
         _ => false,
     }
 }
