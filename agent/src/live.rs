@@ -23,6 +23,7 @@ use std::sync::Arc;
 use serde::Serialize;
 use serde_json::{Value, json};
 
+use crate::containers::{self, Container};
 use crate::gpu::Gpus;
 use crate::jobs::JobSnapshot;
 use crate::model::Interval;
@@ -52,11 +53,15 @@ pub struct LiveView {
     pub jobs: Vec<JobSnapshot>,
 }
 
-/// A process snapshot with its name.
+/// A process snapshot with its name and container.
 #[derive(Debug, Clone, Serialize)]
 pub struct NamedProcess {
     /// The process's `comm`.
     pub name: String,
+    /// Its container id and pod uid, where its cgroup names them
+    /// (`container_id`, `pod_uid`; absent when unknown).
+    #[serde(flatten)]
+    pub container: Container,
     /// Its figures.
     #[serde(flatten)]
     pub snapshot: ProcessSnapshot,
@@ -142,6 +147,10 @@ pub struct StateChunk {
 /// intervals that ended since the previous one (except the last
 /// [`ThreadStates::LAG_NS`], whose records may still be on their way out of
 /// the kernel) and forgets chunks that fell out of the window.
+///
+/// It also keeps, across builds, the container of each process shown (read
+/// from /proc once per process, not once per build; see
+/// [`containers::Cache`]).
 #[derive(Debug)]
 pub struct ThreadStates {
     chunks: VecDeque<Arc<StateChunk>>,
@@ -153,6 +162,8 @@ pub struct ThreadStates {
     slices: usize,
     /// Chunks dropped for memory before they left the window.
     pub chunks_dropped: u64,
+    /// The containers of the processes shown.
+    containers: containers::Cache,
 }
 
 impl Default for ThreadStates {
@@ -170,6 +181,7 @@ impl ThreadStates {
             max_slices: (bytes / std::mem::size_of::<StateSlice>()).max(1),
             slices: 0,
             chunks_dropped: 0,
+            containers: containers::Cache::default(),
         }
     }
 
@@ -314,6 +326,25 @@ impl LiveView {
     }
 }
 
+/// The `args` of a watched process's `process_name` metadata: `name` is
+/// `comm (pid N)`, or with its container `comm (pid N, pod 1234abcd…,
+/// container 0a1b2c3d4e5f)`, and the full `container_id` and `pod_uid` are
+/// args of their own.
+fn process_name_args(comm: &str, pid: u32, container: &Container) -> Value {
+    let name = match container.short_label() {
+        Some(label) => format!("{comm} (pid {pid}, {label})"),
+        None => format!("{comm} (pid {pid})"),
+    };
+    let mut args = json!({ "name": name });
+    if let Some(id) = &container.container_id {
+        args["container_id"] = json!(id);
+    }
+    if let Some(uid) = &container.pod_uid {
+        args["pod_uid"] = json!(uid);
+    }
+    args
+}
+
 /// Builds the view of `[now - window, now]` (CLOCK_MONOTONIC ns), after
 /// adding this moment's counter sample (TCP connections, `gpus`) to
 /// `counters`.
@@ -343,9 +374,11 @@ pub fn build(
     };
     let job_ranks: Vec<tracks::JobRanks<'_>> = jobs.iter().map(Into::into).collect();
     let local_ranks = tracks::local_ranks(&job_ranks, &here);
+    states.containers.retain(|pid| pids.contains(&pid));
     for &pid in &pids {
         let name = session.thread_name(pid, pid);
-        let mut args = json!({ "name": format!("{name} (pid {pid})") });
+        let container = states.containers.get(pid, now_ns);
+        let mut args = process_name_args(&name, pid, &container);
         if let Some((job, rank)) = local_ranks.get(&pid) {
             args["job"] = json!(job);
             args["rank"] = json!(rank);
@@ -364,6 +397,7 @@ pub fn build(
         }
         processes.push(NamedProcess {
             name,
+            container,
             snapshot: model.process_snapshot(pid, figures_from_ns, now_ns),
         });
     }
@@ -483,6 +517,26 @@ mod tests {
             .collect();
         v.sort_by(|a, b| a.1.total_cmp(&b.1));
         v
+    }
+
+    #[test]
+    fn a_process_name_carries_its_container_and_pod() {
+        let plain = process_name_args("collbench", 42, &Container::default());
+        assert_eq!(plain, json!({ "name": "collbench (pid 42)" }));
+        let id = "0a1b2c3d4e5f60718293a4b5c6d7e8f90a1b2c3d4e5f60718293a4b5c6d7e8f9";
+        let uid = "1234abcd-5678-4ef0-9abc-def012345678";
+        let container = Container {
+            container_id: Some(id.into()),
+            pod_uid: Some(uid.into()),
+        };
+        assert_eq!(
+            process_name_args("collbench", 42, &container),
+            json!({
+                "name": "collbench (pid 42, pod 1234abcd…, container 0a1b2c3d4e5f)",
+                "container_id": id,
+                "pod_uid": uid,
+            })
+        );
     }
 
     #[test]

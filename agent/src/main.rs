@@ -15,6 +15,7 @@
 #![recursion_limit = "256"]
 
 mod api;
+mod containers;
 mod discovery;
 mod events;
 mod gpu;

@@ -197,6 +197,23 @@ struct ProcessCollector {
     ringbuf_drops: u64,
 }
 
+/// A watched process's labels: `pid`, `comm`, `container_id` and `pod_uid`.
+/// The last two are empty when the process's cgroup names no container or
+/// pod: every series of a family has the same label names, and Prometheus
+/// reads an empty label as an absent one, so `{container_id=""}` selects
+/// the processes outside containers.
+fn process_labels(p: &NamedProcess) -> Labels {
+    vec![
+        ("pid", p.snapshot.pid.to_string()),
+        ("comm", p.name.clone()),
+        (
+            "container_id",
+            p.container.container_id.clone().unwrap_or_default(),
+        ),
+        ("pod_uid", p.container.pod_uid.clone().unwrap_or_default()),
+    ]
+}
+
 fn process_gauge(
     encoder: &mut DescriptorEncoder,
     name: &str,
@@ -204,13 +221,7 @@ fn process_gauge(
     processes: &[NamedProcess],
     value: impl Fn(&NamedProcess) -> Option<f64>,
 ) -> Result<(), std::fmt::Error> {
-    let labels = |p: &NamedProcess| {
-        vec![
-            ("pid", p.snapshot.pid.to_string()),
-            ("comm", p.name.clone()),
-        ]
-    };
-    gauge_family(encoder, name, help, processes, labels, value)
+    gauge_family(encoder, name, help, processes, process_labels, value)
 }
 
 impl prometheus_client::collector::Collector for ProcessCollector {
@@ -380,5 +391,69 @@ impl prometheus_client::collector::Collector for TuningCollector {
             |t| Some(t.samples.iter().filter(|x| x.disturbed.is_some()).count() as f64),
         )?;
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::containers::Container;
+    use crate::timeline::RecordedTrace;
+
+    fn view(processes: Vec<NamedProcess>) -> LiveView {
+        LiveView {
+            processes,
+            timeline: RecordedTrace::from_events(Vec::new(), Some(0.0), "test").unwrap(),
+            states: Vec::new(),
+            job_activities: Vec::new(),
+            ringbuf_drops: 0,
+            jobs: Vec::new(),
+        }
+    }
+
+    fn process(pid: u32, container: Container) -> NamedProcess {
+        NamedProcess {
+            name: "collbench".into(),
+            container,
+            snapshot: crate::model::Model::new(1, 1).process_snapshot(pid, 0, 1),
+        }
+    }
+
+    #[test]
+    fn process_series_carry_the_container_and_pod_empty_when_unknown() {
+        let id = "0a1b2c3d4e5f60718293a4b5c6d7e8f90a1b2c3d4e5f60718293a4b5c6d7e8f9";
+        let uid = "1234abcd-5678-4ef0-9abc-def012345678";
+        let live = view(vec![
+            process(
+                7,
+                Container {
+                    container_id: Some(id.into()),
+                    pod_uid: Some(uid.into()),
+                },
+            ),
+            process(8, Container::default()),
+        ]);
+        let text = render_metrics(
+            &GpuSnapshot {
+                gpus: Vec::new(),
+                unavailable_reason: Some("test".into()),
+            },
+            Some(&live),
+            &[],
+            &[],
+        )
+        .unwrap();
+        assert!(
+            text.contains(&format!(
+                "ringwatch_process_cpu_ratio{{pid=\"7\",comm=\"collbench\",container_id=\"{id}\",pod_uid=\"{uid}\"}} "
+            )),
+            "{text}"
+        );
+        assert!(
+            text.contains(
+                "ringwatch_process_cpu_ratio{pid=\"8\",comm=\"collbench\",container_id=\"\",pod_uid=\"\"} "
+            ),
+            "{text}"
+        );
     }
 }
