@@ -953,7 +953,10 @@ pub fn openapi_document() -> serde_json::Value {
                 "summary": "Processes this agent watches",
                 "responses": {
                     "200": { "description": "the processes", "content": { "application/json": { "schema": {
-                        "type": "object", "required": ["processes"], "properties": { "processes": { "type": "array", "items": { "type": "object" } } }
+                        "type": "object", "required": ["processes"], "properties": { "processes": { "type": "array", "items": { "type": "object", "properties": {
+                            "container_id": { "type": "string", "pattern": "^[0-9a-f]{12,64}$", "description": "the container runtime's id, from the process's cgroup path; absent outside containers" },
+                            "pod_uid": { "type": "string", "format": "uuid", "pattern": "^[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}$", "description": "the Kubernetes pod's uid, from the process's cgroup path; absent outside pods" }
+                        } } } }
                     } } } },
                     "400": bad_request
                 }
