@@ -264,29 +264,54 @@ const MAX_SCANNED: usize = 65_536;
 /// on that namespace's pids. At most 65,536 processes are looked at;
 /// processes that vanish during the scan are skipped. Fails only when the
 /// owner's namespace or `/proc` cannot be read.
-#[allow(dead_code, reason = "the jobs registry maps ranks' pids with it")]
 pub fn host_pids_in_namespace_of(owner_host_pid: u32) -> std::io::Result<HashMap<u32, u32>> {
     scan_namespace(Path::new("/proc"), owner_host_pid, MAX_SCANNED)
 }
 
 /// [`host_pids_in_namespace_of`] over a `/proc`-like tree at `proc`,
-/// looking at `limit` processes at most.
+/// looking at `limit` processes at most. Namespaces are compared by their
+/// `ns/pid` files when the agent may read them (reading another user's
+/// needs `CAP_SYS_PTRACE`); without that, by what every process shows
+/// anyone: the depth of its `NSpid:` line and its cgroup (the processes of
+/// one container, which share its pid namespace).
 fn scan_namespace(proc: &Path, owner: u32, limit: usize) -> std::io::Result<HashMap<u32, u32>> {
     let ns_of = |pid: u32| -> std::io::Result<(u64, u64)> {
         let meta = std::fs::metadata(proc.join(pid.to_string()).join("ns/pid"))?;
         Ok((meta.dev(), meta.ino()))
     };
-    let owner_ns = ns_of(owner)?;
+    let read =
+        |pid: u32, file: &str| std::fs::read_to_string(proc.join(pid.to_string()).join(file));
+    let visible_key = |pid: u32| -> std::io::Result<(usize, String)> {
+        let depth = ns_depth(&read(pid, "status")?).unwrap_or(0);
+        Ok((depth, read(pid, "cgroup")?))
+    };
+    let precise = ns_of(owner);
+    let fallback = match &precise {
+        Ok(_) => None,
+        Err(error)
+            if matches!(
+                error.kind(),
+                std::io::ErrorKind::PermissionDenied | std::io::ErrorKind::NotFound
+            ) =>
+        {
+            Some(visible_key(owner)?)
+        }
+        Err(error) => return Err(std::io::Error::new(error.kind(), error.to_string())),
+    };
     let mut map = HashMap::new();
     let pids = std::fs::read_dir(proc)?
         .filter_map(|entry| entry.ok()?.file_name().to_str()?.parse::<u32>().ok())
         .take(limit);
     for host_pid in pids {
-        if ns_of(host_pid).ok() != Some(owner_ns) {
+        let same = match (&precise, &fallback) {
+            (Ok(owner_ns), _) => ns_of(host_pid).ok().as_ref() == Some(owner_ns),
+            (_, Some(key)) => visible_key(host_pid).ok().as_ref() == Some(key),
+            _ => false,
+        };
+        if !same {
             continue;
         }
-        let Ok(status) = std::fs::read_to_string(proc.join(host_pid.to_string()).join("status"))
-        else {
+        let Ok(status) = read(host_pid, "status") else {
             continue;
         };
         if let Some(ns_pid) = ns_pid_of(&status) {
@@ -294,6 +319,30 @@ fn scan_namespace(proc: &Path, owner: u32, limit: usize) -> std::io::Result<Hash
         }
     }
     Ok(map)
+}
+
+/// How many pid namespaces deep a process is, from its `/proc/<pid>/status`
+/// (the fields of `NSpid:`; 1 in the reader's own namespace).
+fn ns_depth(status: &str) -> Option<usize> {
+    Some(
+        status
+            .lines()
+            .find_map(|line| line.strip_prefix("NSpid:"))?
+            .split_whitespace()
+            .count(),
+    )
+}
+
+/// Whether `pid` (visible in our `/proc`) is in the agent's own pid
+/// namespace: it is as deep as we are (a process we see is in our
+/// namespace or below it). Reads only world-readable `status` files.
+pub fn in_our_pid_namespace(pid: u32) -> std::io::Result<bool> {
+    let depth = |path: &str| -> std::io::Result<Option<usize>> {
+        Ok(ns_depth(&std::fs::read_to_string(path)?))
+    };
+    let ours = depth("/proc/self/status")?;
+    let theirs = depth(&format!("/proc/{pid}/status"))?;
+    Ok(ours.is_some() && ours == theirs)
 }
 
 /// The pid in its own namespace, from a `/proc/<pid>/status`: the last
@@ -616,6 +665,24 @@ mod tests {
         assert_eq!(map, HashMap::from([(102, 102)]));
         assert!(scan_namespace(&root, 999, MAX_SCANNED).is_err());
         assert!(scan_namespace(&root, 100, 1).unwrap().len() <= 1);
+        // Without readable ns/pid files (no CAP_SYS_PTRACE): the same depth
+        // and the same cgroup make a namespace.
+        let visible = |host: u32, nspid: &str, cgroup: &str| {
+            let dir = root.join(host.to_string());
+            std::fs::create_dir_all(&dir).unwrap();
+            std::fs::write(
+                dir.join("status"),
+                format!("Pid:\t{host}\nNSpid:\t{nspid}\n"),
+            )
+            .unwrap();
+            std::fs::write(dir.join("cgroup"), format!("0::{cgroup}\n")).unwrap();
+        };
+        visible(200, "200\t1", "/pod-a");
+        visible(201, "201\t5", "/pod-a");
+        visible(202, "202\t5", "/pod-b");
+        visible(203, "203", "/pod-a");
+        let map = scan_namespace(&root, 201, MAX_SCANNED).unwrap();
+        assert_eq!(map, HashMap::from([(1, 200), (5, 201)]));
         std::fs::remove_dir_all(&root).unwrap();
     }
 

@@ -28,6 +28,7 @@ use collectives::control::{
 };
 use serde::Serialize;
 
+use crate::containers;
 use crate::discovery::{self, PidSource};
 use crate::trust;
 
@@ -115,8 +116,21 @@ pub struct JobSnapshot {
     pub world_size: usize,
     /// Ranks per node (rank 0's node).
     pub local_size: usize,
-    /// Every rank: rank, local rank, host and pid (in its pid namespace).
+    /// Every rank: rank, local rank, host and pid. The pids of this node's
+    /// ranks are host pids (the agent's pid namespace): a rank in a container
+    /// reports its own namespace's pid, which the registry maps (`ns_pids`
+    /// keeps what it said); 0 for a local rank that could not be mapped (not
+    /// watched). Other hosts' pids are as they reported them.
     pub ranks: Vec<RankInfo>,
+    /// The host this socket speaks for (its ranks run on this node).
+    pub host: String,
+    /// The rank that serves this socket (0: the socket that holds the job's
+    /// tuning claim; another: this node's first rank of a multi-node job).
+    pub served_by_rank: usize,
+    /// The pids the local ranks reported, where they differ from their host
+    /// pids (ranks in a container's pid namespace): rank -> reported pid.
+    #[serde(skip_serializing_if = "BTreeMap::is_empty")]
+    pub ns_pids: BTreeMap<usize, u32>,
     /// The knobs in force, as last reported.
     pub knobs: Knobs,
     /// The last cycle the job reported.
@@ -152,6 +166,9 @@ struct Job {
     world_size: usize,
     local_size: usize,
     ranks: Vec<RankInfo>,
+    host: String,
+    served_by_rank: usize,
+    ns_pids: BTreeMap<usize, u32>,
     knobs: Knobs,
     cycle: u64,
     autotune: AutotuneState,
@@ -181,6 +198,9 @@ impl Job {
             world_size: self.world_size,
             local_size: self.local_size,
             ranks: self.ranks.clone(),
+            host: self.host.clone(),
+            served_by_rank: self.served_by_rank,
+            ns_pids: self.ns_pids.clone(),
             knobs: self.knobs,
             cycle: self.cycle,
             autotune: self.autotune,
@@ -244,11 +264,76 @@ impl JobSnapshot {
     /// said `waiting` (RINGWATCH_AUTOTUNE=1) or `interrupted` (an earlier
     /// session broke off).
     pub fn wants_autotune(&self) -> bool {
-        matches!(
-            self.autotune,
-            AutotuneState::Waiting | AutotuneState::Interrupted
-        )
+        self.served_by_rank == 0
+            && matches!(
+                self.autotune,
+                AutotuneState::Waiting | AutotuneState::Interrupted
+            )
     }
+
+    /// The ranks that run on this node (the socket's host), with host pids.
+    pub fn local_ranks(&self) -> impl Iterator<Item = &RankInfo> {
+        self.ranks.iter().filter(|r| r.host == self.host)
+    }
+
+    /// Every host of the job, in rank order, each once.
+    pub fn hosts(&self) -> Vec<&str> {
+        let mut hosts: Vec<&str> = Vec::new();
+        for rank in &self.ranks {
+            if !hosts.contains(&rank.host.as_str()) {
+                hosts.push(&rank.host);
+            }
+        }
+        hosts
+    }
+}
+
+/// Rewrites the pids of `hello`'s local ranks (those of its host) from the
+/// socket server's pid namespace to ours: the ranks report `getpid()` in
+/// their own namespace (a container's), and the kernel told us the server's
+/// pid in ours (`SO_PEERCRED`). Returns the ranks and, for the ranks whose
+/// pid changed, the pid they reported. A local rank that is not found in the
+/// server's namespace gets pid 0 (never watched: its number may be another
+/// process's here), with a log line.
+fn map_local_pids(
+    hello: &collectives::control::Hello,
+    owner: PeerCredentials,
+) -> (Vec<RankInfo>, BTreeMap<usize, u32>) {
+    let mut ranks = hello.ranks.clone();
+    let mut ns_pids = BTreeMap::new();
+    match containers::in_our_pid_namespace(owner.pid) {
+        Ok(true) => return (ranks, ns_pids),
+        Ok(false) => {}
+        // Gone or unreadable: the mapping below finds nothing, and no rank
+        // is watched under a number that may be another process's here.
+        Err(error) => {
+            tracing::warn!(job_id = hello.job_id, owner_pid = owner.pid, %error,
+                "cannot read the job's pid namespace");
+        }
+    }
+    let map = containers::host_pids_in_namespace_of(owner.pid).unwrap_or_else(|error| {
+        tracing::warn!(job_id = hello.job_id, owner_pid = owner.pid, %error,
+            "cannot map the job's pids from its pid namespace");
+        HashMap::new()
+    });
+    let host = hello.host();
+    for rank in ranks.iter_mut().filter(|r| r.host == host) {
+        let reported = rank.pid;
+        let mapped = map.get(&reported).copied().unwrap_or(0);
+        if mapped == 0 {
+            tracing::warn!(
+                job_id = hello.job_id,
+                rank = rank.rank,
+                pid = reported,
+                "a rank's pid is not in its socket server's pid namespace: not watched"
+            );
+        }
+        if mapped != reported {
+            ns_pids.insert(rank.rank, reported);
+            rank.pid = mapped;
+        }
+    }
+    (ranks, ns_pids)
 }
 
 /// A socket that could not be used, remembered so it is logged once and not
@@ -621,6 +706,7 @@ impl Jobs {
             return self.reject(path, inode, &format!("subscribing failed: {error}"));
         }
         let hello = client.hello().clone();
+        let (ranks, ns_pids) = map_local_pids(&hello, owner);
         let stop_reader = Arc::new(AtomicBool::new(false));
         let connection = {
             let mut registry = self.lock();
@@ -646,7 +732,10 @@ impl Jobs {
                     protocol_version: hello.protocol_version,
                     world_size: hello.world_size,
                     local_size: hello.local_size,
-                    ranks: hello.ranks.clone(),
+                    ranks,
+                    host: hello.host().to_owned(),
+                    served_by_rank: hello.served_by_rank(),
+                    ns_pids,
                     knobs: hello.knobs,
                     cycle: hello.cycle,
                     autotune: hello.autotune,
@@ -670,6 +759,8 @@ impl Jobs {
         tracing::info!(
             job_id = hello.job_id,
             socket = %path.display(),
+            host = hello.host(),
+            served_by_rank = hello.served_by_rank(),
             world_size = hello.world_size,
             owner_uid = owner.uid,
             owner_pid = owner.pid,
@@ -749,7 +840,9 @@ fn read_job(
                     ServerMessage::Error { message, .. } => {
                         tracing::warn!(job_id, message, "the job reported an error");
                     }
-                    ServerMessage::Hello(_) | ServerMessage::TuningClaim { .. } => {}
+                    ServerMessage::Hello(_)
+                    | ServerMessage::TuningClaim { .. }
+                    | ServerMessage::TimelineWanted { .. } => {}
                 }
             }
             Err(error) => {
@@ -765,13 +858,11 @@ fn read_job(
     }
 }
 
-/// The pids of the local ranks of every connected job: the ranks whose host
-/// is this machine's host name and whose pid is a live process here (ranks
-/// in other network namespaces of this machine report this host name too;
-/// what BPF needs is a pid in our pid namespace).
+/// The pids of the local ranks of every connected job: the ranks of the host
+/// its socket speaks for (found in this node's runtime dir, so on this node),
+/// by their host pids, each a live process of the job's user.
 pub struct JobPids {
     jobs: Jobs,
-    host: String,
     /// (job, pid) pairs refused and logged already.
     refused: std::collections::HashSet<(String, u32)>,
 }
@@ -781,7 +872,6 @@ impl JobPids {
     pub fn new(jobs: Jobs) -> Self {
         Self {
             jobs,
-            host: host_name(),
             refused: std::collections::HashSet::new(),
         }
     }
@@ -804,8 +894,8 @@ impl PidSource for JobPids {
         let mut pids = Vec::new();
         let jobs = self.jobs.jobs();
         for job in jobs.iter().filter(|job| job.state == JobState::Connected) {
-            for rank in &job.ranks {
-                if rank.host != self.host || !discovery::process_exists(rank.pid) {
+            for rank in job.local_ranks() {
+                if rank.pid == 0 || !discovery::process_exists(rank.pid) {
                     continue;
                 }
                 match trust::check_rank_pid(rank.pid, job.owner_uid) {
@@ -996,6 +1086,8 @@ mod tests {
             knobs: Knobs::default(),
             cycle: 0,
             autotune: Default::default(),
+            host: None,
+            served_by_rank: None,
         };
         let closing = close.clone();
         std::thread::spawn(move || {
@@ -1146,6 +1238,8 @@ mod tests {
             knobs: Knobs::default(),
             cycle: 0,
             autotune: Default::default(),
+            host: None,
+            served_by_rank: None,
         };
         let server = JobOfAnotherUser::start(&dir.0.join("hostile.sock"), 65534, &hello);
         let jobs = Jobs::start(config(&dir.0)).unwrap();

@@ -365,13 +365,9 @@ pub fn build(
     let mut pids: std::collections::BTreeSet<u32> = model.pids().into_iter().collect();
     pids.extend(session.watched().iter().copied());
     let jobs = session.jobs().map(|jobs| jobs.jobs()).unwrap_or_default();
-    // A job's rank is local when it runs on this host under a pid we watch
-    // (or saw) here.
-    let host = crate::jobs::host_name();
-    let here = tracks::Here {
-        host: &host,
-        pids: &pids,
-    };
+    // A job's rank is local when it runs on the host its socket here speaks
+    // for, under a pid we watch (or saw) here.
+    let here = tracks::Here { pids: &pids };
     let job_ranks: Vec<tracks::JobRanks<'_>> = jobs.iter().map(Into::into).collect();
     let local_ranks = tracks::local_ranks(&job_ranks, &here);
     states.containers.retain(|pid| pids.contains(&pid));

@@ -39,31 +39,32 @@ pub fn unix_minus_monotonic_us() -> i64 {
     i64::try_from(offset_ns / 1_000).unwrap_or(i64::MAX)
 }
 
-/// This node, as the job ranks' `hello` names it: its host name, and the
-/// pids the live view has (watched now or seen within retention).
+/// This node: the pids the live view has (watched now or seen within
+/// retention).
 #[derive(Debug, Clone, Copy)]
 pub struct Here<'a> {
-    /// This machine's host name.
-    pub host: &'a str,
     /// Pids with threads or watched here.
     pub pids: &'a BTreeSet<u32>,
 }
 
 impl Here<'_> {
-    /// Whether a rank runs here: on this host, and its pid one of ours (a
-    /// rank on another host may have the same pid number).
-    fn is_local(&self, rank: &RankInfo) -> bool {
-        rank.host == self.host && self.pids.contains(&rank.pid)
+    /// Whether a rank of `job` runs here: on the host the job's socket here
+    /// speaks for, and its (host) pid one of ours (a rank on another host
+    /// may have the same pid number).
+    fn is_local(&self, job: JobRanks<'_>, rank: &RankInfo) -> bool {
+        rank.host == job.host && self.pids.contains(&rank.pid)
     }
 }
 
-/// A job as the tracks need it: its id and its ranks.
+/// A job as the tracks need it: its id, its ranks and this node's host.
 #[derive(Debug, Clone, Copy)]
 pub struct JobRanks<'a> {
     /// The job's id.
     pub job_id: &'a str,
-    /// Every rank (host, pid).
+    /// Every rank (host, pid; host pids for this node's ranks).
     pub ranks: &'a [RankInfo],
+    /// The host the job's socket on this node speaks for.
+    pub host: &'a str,
 }
 
 impl<'a> From<&'a JobSnapshot> for JobRanks<'a> {
@@ -71,6 +72,7 @@ impl<'a> From<&'a JobSnapshot> for JobRanks<'a> {
         Self {
             job_id: &job.job_id,
             ranks: &job.ranks,
+            host: &job.host,
         }
     }
 }
@@ -80,7 +82,7 @@ impl<'a> From<&'a JobSnapshot> for JobRanks<'a> {
 /// name of its own (`<job> rank <n>`).
 fn rank_pid(job: JobRanks<'_>, rank: usize, here: &Here<'_>) -> Value {
     match job.ranks.iter().find(|r| r.rank == rank) {
-        Some(info) if here.is_local(info) => json!(info.pid),
+        Some(info) if here.is_local(job, info) => json!(info.pid),
         _ => json!(format!("{} rank {rank}", job.job_id)),
     }
 }
@@ -91,7 +93,7 @@ pub fn local_ranks(jobs: &[JobRanks<'_>], here: &Here<'_>) -> BTreeMap<u32, (Str
     let mut out = BTreeMap::new();
     for job in jobs {
         for rank in job.ranks {
-            if here.is_local(rank) {
+            if here.is_local(*job, rank) {
                 out.insert(rank.pid, (job.job_id.to_owned(), rank.rank));
             }
         }
@@ -229,7 +231,7 @@ pub fn job_activities(
     };
     let mut out = JobActivities::default();
     for rank in job.ranks {
-        if !here.is_local(rank) {
+        if !here.is_local(job, rank) {
             out.metadata.push(json!({
                 "ph": "M", "name": "process_name", "pid": rank_pid(job, rank.rank, here),
                 "args": { "name": format!("{} rank {} ({} pid {})", job.job_id, rank.rank, rank.host, rank.pid), "job": job.job_id, "rank": rank.rank },
@@ -533,6 +535,7 @@ mod tests {
         JobRanks {
             job_id: "j1",
             ranks,
+            host: "n1",
         }
     }
 
@@ -574,10 +577,7 @@ mod tests {
         let list = ranks(&[(0, 4101, "n1"), (1, 4202, "n2"), (2, 4101, "n2")]);
         let j = job(&list);
         let pids: BTreeSet<u32> = [4101].into();
-        let local = Here {
-            host: "n1",
-            pids: &pids,
-        };
+        let local = Here { pids: &pids };
         let events = vec![
             // Arrival order is not time order across ranks.
             event(1, "grad.w", "ALLREDUCE", Phase::Begin, base + 300),
@@ -640,10 +640,7 @@ mod tests {
         let list = ranks(&[(0, 1, "n1")]);
         let j = job(&list);
         let pids: BTreeSet<u32> = [1].into();
-        let local = Here {
-            host: "n1",
-            pids: &pids,
-        };
+        let local = Here { pids: &pids };
         let events = vec![
             event(0, "t", "ALLREDUCE", Phase::Begin, 100),
             event(0, "t", "ALLREDUCE", Phase::End, 200),
