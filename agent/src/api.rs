@@ -29,6 +29,7 @@ use serde_json::{Value, json};
 use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 use tower_http::limit::RequestBodyLimitLayer;
 
+use crate::cluster::Cluster;
 use crate::gpu::Gpus;
 use crate::jobs::Jobs;
 use crate::live::LiveView;
@@ -43,6 +44,11 @@ use crate::tuning::{Keep, StartError, TuningRequest, Tunings};
 /// What the handlers read. Cheap to clone (everything behind `Arc`).
 #[derive(Clone)]
 pub struct ApiState {
+    /// This node among its peers (`--node-name`, `--peers`, `--peers-dns`).
+    pub cluster: Arc<Cluster>,
+    /// The eBPF figures tuning windows are judged by (with eBPF), also
+    /// answered to peers tuning a multi-node job (`/api/jobs/{id}/load`).
+    pub load_feed: Option<Arc<crate::tuning::LoadFeed>>,
     /// The node's GPUs (NVML), or why there are none.
     pub gpus: Arc<Gpus>,
     /// When the agent started, for `/api/health`.
@@ -388,6 +394,9 @@ pub fn router_with(state: ApiState, limits: TimelineLimits) -> Router {
         .route("/api/jobs", get(jobs))
         .route("/api/processes", get(processes))
         .route("/api/timeline", get(timeline).layer(axum::Extension(slots)))
+        .route("/api/clock", get(clock))
+        .route("/api/jobs/{id}/load", get(job_load))
+        .route("/api/cluster/jobs", get(cluster_jobs))
         .route(
             "/api/jobs/{id}/tuning",
             get(tuning_get).post(tuning_post).delete(tuning_delete),
@@ -416,6 +425,8 @@ async fn health(
         "status": "ok",
         "version": env!("CARGO_PKG_VERSION"),
         "uptime_s": state.started.elapsed().as_secs_f64(),
+        "node": state.cluster.node_name(),
+        "agent_id": state.cluster.agent_id(),
     }))
     .into_response())
 }
@@ -446,7 +457,13 @@ async fn jobs(
     if let Some(registry) = &state.jobs {
         let jobs = registry.jobs();
         if !jobs.is_empty() || state.recorded.is_none() {
-            return Ok(axum::Json(json!({ "jobs": jobs, "source": "live" })).into_response());
+            return Ok(axum::Json(json!({
+                "jobs": jobs,
+                "source": "live",
+                "node": state.cluster.node_name(),
+                "agent_id": state.cluster.agent_id(),
+            }))
+            .into_response());
         }
     }
     if let Some(live) = state.live_view()
@@ -502,6 +519,18 @@ impl TimelineSource {
 /// `max_events`: 1 to this many (the server's own limit caps it further).
 const MAX_EVENTS_PARAM: u64 = 1_000_000_000;
 
+/// Which clock an answer is on, and whose timeline it is.
+#[derive(Debug, Clone, Copy, PartialEq)]
+enum TimelineClock {
+    /// The trace's own clock (the live view's: CLOCK_MONOTONIC µs).
+    Trace,
+    /// CLOCK_REALTIME µs (`clock=unix`): comparable across nodes.
+    Unix,
+    /// Absolute `from`/`to` in CLOCK_REALTIME µs, the answer left on the
+    /// trace's clock (the cluster merge shifts it while it writes).
+    UnixQuery,
+}
+
 async fn timeline(
     State(state): State<ApiState>,
     axum::Extension(slots): axum::Extension<TimelineSlots>,
@@ -509,7 +538,16 @@ async fn timeline(
 ) -> Result<Response, ApiError> {
     reject_unknown(
         &params,
-        &["from", "to", "job", "pid", "downsample", "max_events"],
+        &[
+            "from",
+            "to",
+            "job",
+            "pid",
+            "downsample",
+            "max_events",
+            "scope",
+            "clock",
+        ],
     )?;
     let point = |name: &str| -> Result<Option<TimePoint>, ApiError> {
         params
@@ -553,6 +591,48 @@ async fn timeline(
             }
         },
     };
+    let clock = match params.get("clock").map(String::as_str) {
+        None | Some("trace") => TimelineClock::Trace,
+        Some("unix") => TimelineClock::Unix,
+        Some(other) => {
+            return Err(ApiError::bad_request(format!(
+                "bad clock: {other:?} (trace: the trace's own clock; unix: Unix time in µs)"
+            )));
+        }
+    };
+    match params.get("scope").map(String::as_str) {
+        None | Some("node") => {}
+        Some("cluster") => {
+            return cluster_timeline(&state, &slots, query, &params, limit).await;
+        }
+        Some(other) => {
+            return Err(ApiError::bad_request(format!(
+                "bad scope: {other:?} (node: this agent's; cluster: every node of the job)"
+            )));
+        }
+    }
+    let (answer, slot, _) = local_timeline(&state, &slots, query, limit, clock).await?;
+    let body = SlotBody {
+        rest: Bytes::from(answer),
+        _slot: slot,
+    };
+    Ok((
+        [(header::CONTENT_TYPE, "application/json")],
+        Body::new(body),
+    )
+        .into_response())
+}
+
+/// This agent's timeline answer as JSON bytes, on `clock`, with the slot it
+/// holds while it is sent, and the offset (Unix − trace clock, µs) that
+/// `clock` asked for (`None` for a recorded trace: it stays on its clock).
+async fn local_timeline(
+    state: &ApiState,
+    slots: &TimelineSlots,
+    mut query: TimelineQuery,
+    limit: usize,
+    clock: TimelineClock,
+) -> Result<(Vec<u8>, OwnedSemaphorePermit, Option<f64>), ApiError> {
     // A recorded trace when one was given, else the live view.
     let source = match (state.recorded.clone(), state.live_view()) {
         (Some(trace), _) => TimelineSource::Recorded(trace),
@@ -564,6 +644,23 @@ async fn timeline(
             ));
         }
     };
+    // The live clock is CLOCK_MONOTONIC; Unix times asked for are mapped to
+    // it, and the answer back. A recorded trace stays on its own clock.
+    let offset_us = match (&source, clock) {
+        (TimelineSource::Live(_), TimelineClock::Unix | TimelineClock::UnixQuery) => {
+            Some(crate::tracks::unix_minus_monotonic_us() as f64)
+        }
+        _ => None,
+    };
+    let shift_answer = clock == TimelineClock::Unix;
+    if let Some(offset) = offset_us {
+        let shift = |point: Option<TimePoint>| match point {
+            Some(TimePoint::At(us)) => Some(TimePoint::At(us - offset)),
+            other => other,
+        };
+        query.from = shift(query.from);
+        query.to = shift(query.to);
+    }
     let slot = slots.slots.clone().try_acquire_owned().map_err(|_| {
         ApiError::busy(
             format!(
@@ -582,7 +679,12 @@ async fn timeline(
     // Filtering a large trace is CPU work: keep it off the async workers.
     // The slot goes with the build, then with the body (see TimelineSlots).
     let answer = tokio::task::spawn_blocking(move || {
-        let answer = source.query(&query, limits);
+        let answer = source.query(&query, limits).map(|trace| match offset_us {
+            Some(offset) if shift_answer => {
+                crate::cluster::to_wall_clock(&trace.json, offset).unwrap_or(trace.json)
+            }
+            _ => trace.json,
+        });
         (answer, slot)
     })
     .await
@@ -593,17 +695,7 @@ async fn timeline(
         )
     })?;
     match answer {
-        (Ok(trace), slot) => {
-            let body = SlotBody {
-                rest: Bytes::from(trace.json),
-                _slot: slot,
-            };
-            Ok((
-                [(header::CONTENT_TYPE, "application/json")],
-                Body::new(body),
-            )
-                .into_response())
-        }
+        (Ok(json), slot) => Ok((json, slot, offset_us)),
         (Err(error @ QueryError::TooLarge { .. }), _) => Err(ApiError::new(
             StatusCode::PAYLOAD_TOO_LARGE,
             error.to_string(),
@@ -612,6 +704,341 @@ async fn timeline(
             Err(ApiError::new(StatusCode::NOT_FOUND, error.to_string()))
         }
     }
+}
+
+/// Percent-encodes a query value (job ids and time points are plain, but a
+/// `µs` unit is not ASCII).
+fn query_value(text: &str) -> String {
+    let mut out = String::with_capacity(text.len());
+    for byte in text.bytes() {
+        if byte.is_ascii_alphanumeric() || b"-_.~".contains(&byte) {
+            out.push(byte as char);
+        } else {
+            out.push_str(&format!("%{byte:02X}"));
+        }
+    }
+    out
+}
+
+/// `GET /api/timeline?scope=cluster&job=ID`: this node's part and the part
+/// of every peer that has the job, each on its wall clock, merged on ours.
+async fn cluster_timeline(
+    state: &ApiState,
+    slots: &TimelineSlots,
+    query: TimelineQuery,
+    params: &HashMap<String, String>,
+    limit: usize,
+) -> Result<Response, ApiError> {
+    let Some(job) = query.job.clone() else {
+        return Err(ApiError::bad_request(
+            "scope=cluster needs a job (job=ID): the cluster timeline is one job's",
+        ));
+    };
+    if params.get("clock").is_some_and(|c| c != "unix") {
+        return Err(ApiError::bad_request(
+            "scope=cluster answers on the Unix clock (clock=unix, the default there)",
+        ));
+    }
+    let started = Instant::now();
+    let cluster = state.cluster.clone();
+    // One window for every node: `now-…` is resolved here, on our clock.
+    let now_unix = crate::cluster::unix_now_us();
+    let absolute = |point: Option<TimePoint>| match point {
+        Some(TimePoint::BeforeNow(d)) => Some(TimePoint::At(now_unix - d.as_secs_f64() * 1e6)),
+        other => other,
+    };
+    let mut query = query;
+    query.from = absolute(query.from);
+    query.to = Some(absolute(query.to).unwrap_or(TimePoint::At(now_unix)));
+    let mut nodes = Vec::new();
+    let mut missing = Vec::new();
+    let mut local_hosts = Vec::new();
+    let mut hosts: Vec<String> = Vec::new();
+    if let Some(registry) = &state.jobs
+        && let Some(local) = registry.jobs().into_iter().find(|j| j.job_id == job)
+    {
+        hosts = local.hosts().into_iter().map(str::to_owned).collect();
+        local_hosts.push(local.host.clone());
+    }
+    // The peers that have the job.
+    let answers = cluster
+        .ask_all("/api/jobs", crate::cluster::MAX_SMALL_ANSWER_BYTES)
+        .await;
+    let mut holders = Vec::new();
+    for answer in answers {
+        match &answer.result {
+            Ok(value) => {
+                let theirs = value
+                    .get("jobs")
+                    .and_then(Value::as_array)
+                    .and_then(|jobs| {
+                        jobs.iter()
+                            .find(|j| j.get("job_id").and_then(Value::as_str) == Some(&job))
+                    });
+                if let Some(entry) = theirs {
+                    if hosts.is_empty() {
+                        hosts = crate::cluster::job_hosts(entry);
+                    }
+                    let host = entry.get("host").and_then(Value::as_str).unwrap_or("");
+                    holders.push((answer.clone(), host.to_owned()));
+                }
+            }
+            Err(why) => {
+                missing.push(json!({ "node": answer.addr, "agent": answer.addr, "error": why }))
+            }
+        }
+    }
+    // Each node's part gets an equal share of the events.
+    let per_node = (limit / (holders.len() + 1)).max(1);
+    let mut calls = tokio::task::JoinSet::new();
+    for (answer, host) in holders {
+        let cluster = cluster.clone();
+        let mut path = format!(
+            "/api/timeline?clock=unix&job={}&max_events={per_node}",
+            query_value(&job)
+        );
+        for name in ["pid", "downsample"] {
+            if let Some(value) = params.get(name) {
+                path.push_str(&format!("&{name}={}", query_value(value)));
+            }
+        }
+        let points = [("from", query.from), ("to", query.to)];
+        calls.spawn(async move {
+            let clock = cluster.clock(&answer.addr).await;
+            let result = match clock {
+                Ok(clock) => {
+                    for (name, point) in points {
+                        match point {
+                            // Our Unix time, on the peer's clock.
+                            Some(TimePoint::At(us)) => {
+                                path.push_str(&format!(
+                                    "&{name}={:.0}",
+                                    (us + clock.offset_us).max(0.0)
+                                ));
+                            }
+                            Some(TimePoint::BeforeNow(d)) => {
+                                path.push_str(&format!("&{name}=now-{}us", d.as_micros()));
+                            }
+                            None => {}
+                        }
+                    }
+                    crate::cluster::get_bytes(
+                        &answer.addr,
+                        &path,
+                        cluster_timeout(&cluster),
+                        cluster.max_timeline_bytes(),
+                    )
+                    .await
+                    .map(|trace| (clock, trace))
+                }
+                Err(e) => Err(format!("clock: {e}")),
+            };
+            (answer, host, result)
+        });
+    }
+    let holders_count = calls.len();
+    // This node's part, while the peers build theirs.
+    match local_timeline(
+        state,
+        slots,
+        query.clone(),
+        per_node,
+        TimelineClock::UnixQuery,
+    )
+    .await
+    {
+        Ok((json, _slot, offset)) => nodes.push(crate::cluster::NodeTrace {
+            node: cluster.node_name().to_owned(),
+            agent: "self".into(),
+            clock: crate::cluster::ClockEstimate {
+                offset_us: 0.0,
+                uncertainty_us: 0.0,
+            },
+            shift_us: offset.unwrap_or(0.0),
+            trace: json,
+        }),
+        // The job has no ranks here: only peers answer.
+        Err(error) if error.status == StatusCode::NOT_FOUND => {}
+        Err(error) => return Err(error),
+    }
+    if nodes.is_empty() && holders_count == 0 && missing.is_empty() {
+        return Err(ApiError::new(
+            StatusCode::NOT_FOUND,
+            format!("no agent of this cluster knows job {job:?}"),
+        ));
+    }
+    while let Some(joined) = calls.join_next().await {
+        let Ok((answer, host, result)) = joined else {
+            continue;
+        };
+        let node = answer.node.clone().unwrap_or_else(|| answer.addr.clone());
+        match result {
+            Ok((clock, trace)) => {
+                local_hosts.push(host);
+                nodes.push(crate::cluster::NodeTrace {
+                    node,
+                    agent: answer.addr,
+                    clock,
+                    shift_us: -clock.offset_us,
+                    trace,
+                });
+            }
+            Err(why) => missing
+                .push(json!({ "node": node, "agent": answer.addr, "host": host, "error": why })),
+        }
+    }
+    for host in &hosts {
+        if !local_hosts.contains(host)
+            && !missing
+                .iter()
+                .any(|m| m.get("host").and_then(Value::as_str) == Some(host))
+        {
+            missing.push(json!({ "host": host, "error": "no reachable agent speaks for this host of the job" }));
+        }
+    }
+    nodes.sort_by(|a, b| a.node.cmp(&b.node));
+    let mut extra = serde_json::Map::new();
+    extra.insert("job".into(), json!(job));
+    if let Some(error) = cluster.dns_error() {
+        extra.insert("peers_dns_error".into(), json!(error));
+    }
+    let max_bytes = slots.limits.max_bytes;
+    let merged = tokio::task::spawn_blocking(move || {
+        extra.insert(
+            "gather_ms".into(),
+            json!(started.elapsed().as_secs_f64() * 1e3),
+        );
+        crate::cluster::merge_timelines(&nodes, missing, limit, max_bytes, extra)
+    })
+    .await
+    .map_err(|e| {
+        ApiError::new(
+            StatusCode::INTERNAL_SERVER_ERROR,
+            format!("merging failed: {e}"),
+        )
+    })?;
+    Ok(([(header::CONTENT_TYPE, "application/json")], merged).into_response())
+}
+
+/// A peer timeline call's deadline: a timeline takes longer to build than a
+/// small answer.
+fn cluster_timeout(cluster: &crate::cluster::Cluster) -> std::time::Duration {
+    cluster.timeout() * 5
+}
+
+/// The longest window `/api/jobs/{id}/load` answers for.
+const MAX_LOAD_WINDOW_US: u64 = 600_000_000;
+
+/// `GET /api/jobs/{id}/load?from_unix_us=&to_unix_us=`: what the job's
+/// ranks on this node went through in a window (run-queue waits, TCP
+/// retransmits, from eBPF): what a peer tuning the job judges the window
+/// by on this node. Waits (a little) until the figures cover the window.
+async fn job_load(
+    State(state): State<ApiState>,
+    Path(id): Path<String>,
+    ApiQuery(params): ApiQuery,
+) -> Result<Response, ApiError> {
+    reject_unknown(&params, &["from_unix_us", "to_unix_us"])?;
+    let time = |name: &str| -> Result<u64, ApiError> {
+        let text = params
+            .get(name)
+            .ok_or_else(|| ApiError::bad_request(format!("{name} is required (Unix µs)")))?;
+        text.parse::<u64>()
+            .ok()
+            .filter(|n| n.to_string() == *text)
+            .ok_or_else(|| ApiError::bad_request(format!("bad {name}: {text:?} (Unix µs, digits)")))
+    };
+    let (from, to) = (time("from_unix_us")?, time("to_unix_us")?);
+    if from >= to || to - from > MAX_LOAD_WINDOW_US {
+        return Err(ApiError::bad_request(format!(
+            "from_unix_us must be before to_unix_us, at most {} s apart",
+            MAX_LOAD_WINDOW_US / 1_000_000
+        )));
+    }
+    let Some(feed) = state.load_feed.clone() else {
+        return Err(ApiError::new(
+            StatusCode::SERVICE_UNAVAILABLE,
+            "this agent has no eBPF figures (it runs without eBPF, or without --jobs)",
+        ));
+    };
+    let job = state
+        .jobs
+        .as_ref()
+        .and_then(|registry| registry.jobs().into_iter().find(|j| j.job_id == id))
+        .ok_or_else(|| {
+            ApiError::new(StatusCode::NOT_FOUND, format!("no job {id:?} on this node"))
+        })?;
+    let pids: std::collections::BTreeSet<u32> = job
+        .local_ranks()
+        .filter(|r| r.pid != 0)
+        .map(|r| r.pid)
+        .collect();
+    let deadline = Instant::now() + std::time::Duration::from_millis(1_500);
+    while !feed.covers(to) && Instant::now() < deadline {
+        tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+    }
+    if !feed.covers(to) {
+        return Err(ApiError::busy(
+            "this node's eBPF figures do not reach the window's end yet",
+            1,
+        ));
+    }
+    let load = feed.window(&pids, from, to).ok_or_else(|| {
+        ApiError::new(
+            StatusCode::SERVICE_UNAVAILABLE,
+            "no eBPF figures for this window",
+        )
+    })?;
+    let mut answer = serde_json::to_value(&load).unwrap_or(Value::Null);
+    answer["node"] = json!(state.cluster.node_name());
+    answer["job_id"] = json!(id);
+    answer["host"] = json!(job.host);
+    Ok(axum::Json(answer).into_response())
+}
+
+/// `GET /api/clock`: this agent's clocks, for peers' offset estimates.
+async fn clock(
+    State(state): State<ApiState>,
+    ApiQuery(params): ApiQuery,
+) -> Result<Response, ApiError> {
+    reject_unknown(&params, &[])?;
+    let unix_minus_monotonic = crate::tracks::unix_minus_monotonic_us();
+    Ok(axum::Json(json!({
+        "unix_us": crate::cluster::unix_now_us(),
+        "unix_minus_monotonic_us": unix_minus_monotonic,
+        "node": state.cluster.node_name(),
+        "agent_id": state.cluster.agent_id(),
+    }))
+    .into_response())
+}
+
+/// `GET /api/cluster/jobs`: this agent's jobs and every peer's, per job.
+async fn cluster_jobs(
+    State(state): State<ApiState>,
+    ApiQuery(params): ApiQuery,
+) -> Result<Response, ApiError> {
+    reject_unknown(&params, &[])?;
+    let local: Vec<Value> = state
+        .jobs
+        .as_ref()
+        .map(|registry| {
+            registry
+                .jobs()
+                .iter()
+                .filter_map(|job| serde_json::to_value(job).ok())
+                .collect()
+        })
+        .unwrap_or_default();
+    let answers = state
+        .cluster
+        .ask_all("/api/jobs", crate::cluster::MAX_SMALL_ANSWER_BYTES)
+        .await;
+    let mut merged = crate::cluster::merge_jobs(state.cluster.node_name(), &local, &answers);
+    merged["peers_asked"] = json!(answers.len());
+    if let Some(error) = state.cluster.dns_error() {
+        merged["peers_dns_error"] = json!(error);
+    }
+    Ok(axum::Json(merged).into_response())
 }
 
 fn tunings(state: &ApiState) -> Result<&Arc<Tunings>, ApiError> {
@@ -969,7 +1396,9 @@ pub fn openapi_document() -> serde_json::Value {
                     { "name": "job", "in": "query", "schema": { "type": "string" }, "description": "only this job's ranks (404 when the timeline has no such job)" },
                     { "name": "pid", "in": "query", "schema": { "type": "string" }, "description": "only this process (a number, or a name like gpu0)" },
                     { "name": "max_events", "in": "query", "schema": { "type": "string", "pattern": "^([1-9][0-9]{0,8}|1000000000)$" }, "description": "at most this many events, 1 to 1000000000 (digits, no leading zero) (capped by the server's --timeline-event-limit)" },
-                    { "name": "downsample", "in": "query", "schema": { "type": "string", "enum": ["true", "false", "1", "0"] }, "description": "over the event limit, keep every job activity, counter and NCCL call and the longest thread-state slices (metadata.downsampled says what was dropped) instead of answering 413" }
+                    { "name": "downsample", "in": "query", "schema": { "type": "string", "enum": ["true", "false", "1", "0"] }, "description": "over the event limit, keep every job activity, counter and NCCL call and the longest thread-state slices (metadata.downsampled says what was dropped) instead of answering 413" },
+                    { "name": "clock", "in": "query", "schema": { "type": "string", "enum": ["trace", "unix"], "default": "trace" }, "description": "unix: timestamps (and absolute from/to) in Unix µs, this agent's CLOCK_MONOTONIC mapped to CLOCK_REALTIME (metadata.clock says so), comparable across nodes; a recorded trace stays on its own clock" },
+                    { "name": "scope", "in": "query", "schema": { "type": "string", "enum": ["node", "cluster"], "default": "node" }, "description": "cluster (needs job): this node's part and that of every peer agent that has the job, each peer's wall-clock offset estimated from round trips and applied, merged in time order on this agent's Unix clock; process ids become <node>/<pid>. metadata.nodes gives each node's clock_offset_us and clock_uncertainty_us; metadata.missing names the nodes or hosts that did not answer (metadata.partial)" }
                 ],
                 "responses": {
                     "200": { "description": "a Chrome trace", "content": { "application/json": { "schema": {
@@ -992,6 +1421,70 @@ pub fn openapi_document() -> serde_json::Value {
                     "503": { "description": "no timeline source, or as many answers as the agent builds at once are being built or sent (then Retry-After says when to come back)",
                         "headers": { "Retry-After": { "description": "seconds, when busy", "schema": { "type": "string", "pattern": "^[0-9]+$" } } },
                         "content": { "application/json": { "schema": error } } }
+                }
+            } },
+            "/api/jobs/{id}/load": {
+                "parameters": [ { "name": "id", "in": "path", "required": true, "schema": { "type": "string", "minLength": 1 }, "description": "the job's id" } ],
+                "get": {
+                    "summary": "What the job's ranks on this node went through in a window (eBPF run-queue waits and TCP retransmits): how a peer agent tuning a multi-node job judges the window on this node",
+                    "parameters": [
+                        { "name": "from_unix_us", "in": "query", "required": true, "schema": { "type": "string", "pattern": "^(0|[1-9][0-9]{0,19})$" }, "description": "window start, Unix µs on this agent's clock" },
+                        { "name": "to_unix_us", "in": "query", "required": true, "schema": { "type": "string", "pattern": "^(0|[1-9][0-9]{0,19})$" }, "description": "window end, Unix µs; after from_unix_us, at most 600 s later" }
+                    ],
+                    "responses": {
+                        "200": { "description": "the load", "content": { "application/json": { "schema": {
+                            "type": "object", "required": ["span_s", "pids", "node", "job_id", "host"],
+                            "properties": {
+                                "span_s": { "type": "number" },
+                                "pids": { "type": "array", "items": { "type": "object", "required": ["pid", "run_queue_ns", "retransmits"] } },
+                                "node": { "type": "string" }, "job_id": { "type": "string" }, "host": { "type": "string" }
+                            }
+                        } } } },
+                        "400": bad_request,
+                        "404": { "description": "no such job on this node", "content": { "application/json": { "schema": error } } },
+                        "503": { "description": "no eBPF figures here, or not yet up to the window's end (Retry-After)",
+                            "headers": { "Retry-After": { "description": "seconds", "schema": { "type": "string", "pattern": "^[0-9]+$" } } },
+                            "content": { "application/json": { "schema": error } } }
+                    }
+                }
+            },
+            "/api/clock": { "get": {
+                "summary": "This agent's clocks (for peers' clock-offset estimates)",
+                "responses": {
+                    "200": { "description": "the clocks", "content": { "application/json": { "schema": {
+                        "type": "object", "required": ["unix_us", "unix_minus_monotonic_us", "node", "agent_id"],
+                        "properties": {
+                            "unix_us": { "type": "number", "description": "CLOCK_REALTIME, µs" },
+                            "unix_minus_monotonic_us": { "type": "integer", "description": "CLOCK_REALTIME − CLOCK_MONOTONIC, µs: maps the live timeline's clock to Unix time" },
+                            "node": { "type": "string" },
+                            "agent_id": { "type": "string" }
+                        }
+                    } } } },
+                    "400": bad_request
+                }
+            } },
+            "/api/cluster/jobs": { "get": {
+                "summary": "Every job this agent or its peers know, per job: which node speaks for which host, and which hosts no reachable agent speaks for",
+                "responses": {
+                    "200": { "description": "the jobs", "content": { "application/json": { "schema": {
+                        "type": "object", "required": ["node", "jobs", "missing_peers", "peers_asked"],
+                        "properties": {
+                            "node": { "type": "string" },
+                            "peers_asked": { "type": "integer", "minimum": 0 },
+                            "peers_dns_error": { "type": "string" },
+                            "missing_peers": { "type": "array", "items": { "type": "object", "required": ["agent", "error"] } },
+                            "jobs": { "type": "array", "items": { "type": "object",
+                                "required": ["job_id", "hosts", "nodes", "missing_hosts", "complete"],
+                                "properties": {
+                                    "job_id": { "type": "string" },
+                                    "hosts": { "type": "array", "items": { "type": "string" } },
+                                    "nodes": { "type": "array", "items": { "type": "object", "required": ["node", "agent", "host", "ranks"] } },
+                                    "missing_hosts": { "type": "array", "items": { "type": "string" } },
+                                    "complete": { "type": "boolean" }
+                                } } }
+                        }
+                    } } } },
+                    "400": bad_request
                 }
             } },
             "/api/jobs/{id}/tuning": {
@@ -1230,6 +1723,14 @@ mod tests {
             })
             .collect();
         let state = ApiState {
+            cluster: crate::cluster::Cluster::new(crate::cluster::ClusterConfig {
+                node_name: "test-node".into(),
+                peers: Vec::new(),
+                peers_dns: None,
+                timeout: std::time::Duration::from_secs(1),
+                max_timeline_bytes: 1 << 20,
+            }),
+            load_feed: None,
             gpus: Gpus::shared(),
             started: Instant::now(),
             recorded: Some(Arc::new(
@@ -1352,6 +1853,40 @@ mod tests {
             assert_eq!(error["error"]["status"], status, "{method} {uri}: {error}");
             assert!(error["error"]["message"].is_string(), "{error}");
         }
+    }
+
+    #[tokio::test]
+    async fn cluster_questions_are_checked_and_answered_without_peers() {
+        let app = app(3, TimelineLimits::default());
+        for (uri, status) in [
+            ("/api/timeline?scope=cluster", 400),
+            ("/api/timeline?scope=galaxy&job=j", 400),
+            ("/api/timeline?clock=tai", 400),
+            ("/api/timeline?scope=cluster&job=j&clock=trace", 400),
+            // No agent of this (peerless) cluster knows the job.
+            ("/api/timeline?scope=cluster&job=nope", 404),
+            ("/api/jobs/j/load", 400),
+            ("/api/jobs/j/load?from_unix_us=5&to_unix_us=2", 400),
+            ("/api/jobs/j/load?from_unix_us=1&to_unix_us=2&x=1", 400),
+            ("/api/jobs/j/load?from_unix_us=1&to_unix_us=2", 503),
+        ] {
+            let response = send(&app, "GET", uri, Body::empty()).await;
+            assert_eq!(response.status().as_u16(), status, "{uri}");
+        }
+        let clock = json_of(send(&app, "GET", "/api/clock", Body::empty()).await).await;
+        assert_eq!(clock["node"], "test-node");
+        let unix = clock["unix_us"].as_f64().unwrap();
+        assert!(
+            (unix - crate::cluster::unix_now_us()).abs() < 60e6,
+            "{clock}"
+        );
+        let jobs = json_of(send(&app, "GET", "/api/cluster/jobs", Body::empty()).await).await;
+        assert_eq!(jobs["jobs"], json!([]));
+        assert_eq!(jobs["peers_asked"], 0);
+        // A recorded trace stays on its own clock: clock=unix moves nothing.
+        let trace =
+            json_of(send(&app, "GET", "/api/timeline?clock=unix", Body::empty()).await).await;
+        assert_eq!(trace["traceEvents"][0]["ts"], 0.0, "{trace}");
     }
 
     #[tokio::test]

@@ -15,6 +15,7 @@
 #![recursion_limit = "256"]
 
 mod api;
+mod cluster;
 mod containers;
 mod discovery;
 mod events;
@@ -80,7 +81,7 @@ enum Command {
     Gpus,
     /// Run as the node daemon: serve the HTTP API, the timeline viewer and
     /// Prometheus metrics until SIGINT/SIGTERM.
-    Serve(serve::ServeArgs),
+    Serve(Box<serve::ServeArgs>),
     /// Tune a job's collective knobs through a running agent (`serve
     /// --jobs`): start a session and print each sample as it comes, then the
     /// chosen knobs, the speedup over the start and the report. Ctrl-C stops
@@ -103,7 +104,7 @@ fn main() -> std::process::ExitCode {
                     Some(Command::Watch(args)) => watch::run(args).await,
                     Some(Command::Top(args)) => top::run(args).await,
                     Some(Command::Gpus) => print_gpus(),
-                    Some(Command::Serve(args)) => serve::run(args).await,
+                    Some(Command::Serve(args)) => serve::run(*args).await,
                     Some(Command::Tune(args)) => tune::run(args).await,
                     None => watch::run(cli.watch).await,
                 }

@@ -16,6 +16,7 @@ use clap::Args;
 use tokio::signal::unix::{SignalKind, signal};
 
 use crate::api::{ApiState, Auth, router};
+use crate::cluster::{Cluster, ClusterConfig};
 use crate::gpu::Gpus;
 use crate::http::{self, HttpLimits};
 use crate::live;
@@ -104,10 +105,50 @@ pub struct ServeArgs {
     #[arg(long, default_value = "30s", value_parser = humantime::parse_duration, env = "RINGWATCH_REQUEST_TIMEOUT")]
     pub request_timeout: std::time::Duration,
 
+    /// This node's name, as the cluster answers name it (a DaemonSet passes
+    /// `spec.nodeName`). Default: the host name.
+    #[arg(long, env = "RINGWATCH_NODE_NAME")]
+    pub node_name: Option<String>,
+
+    /// The other agents of the cluster, `host:port,…`: job-wide answers
+    /// (`/api/cluster/jobs`, `/api/timeline?scope=cluster`, tuning windows of
+    /// multi-node jobs) ask them. Read-only calls, each with --peer-timeout.
+    #[arg(
+        long,
+        env = "RINGWATCH_PEERS",
+        value_delimiter = ',',
+        value_name = "HOST:PORT"
+    )]
+    pub peers: Vec<String>,
+
+    /// A DNS name that resolves to every agent (a headless Service), with
+    /// the agents' port, e.g. `ringwatch-agents.ringwatch.svc.cluster.local:9477`;
+    /// resolved again every 30 s. This agent's own address among them is
+    /// recognised and skipped.
+    #[arg(long, env = "RINGWATCH_PEERS_DNS", value_name = "NAME:PORT")]
+    pub peers_dns: Option<String>,
+
+    /// Deadline of one call to a peer, e.g. `2s`: a slower or dead peer makes
+    /// a cluster answer partial (and named), never late.
+    #[arg(long, default_value = "2s", value_parser = humantime::parse_duration, env = "RINGWATCH_PEER_TIMEOUT")]
+    pub peer_timeout: std::time::Duration,
+
     /// What to watch live (optional: without targets the API serves GPUs and
     /// --replay only).
     #[command(flatten)]
     pub targets: TargetArgs,
+}
+
+/// Checks `host:port` peer addresses before anything starts.
+fn check_peer_addr(flag: &str, addr: &str) -> Result<()> {
+    let ok = addr
+        .rsplit_once(':')
+        .is_some_and(|(host, port)| !host.is_empty() && port.parse::<u16>().is_ok_and(|p| p > 0));
+    if ok {
+        Ok(())
+    } else {
+        anyhow::bail!("{flag} {addr:?}: expected HOST:PORT (e.g. node-1:9477)")
+    }
 }
 
 /// Runs until SIGINT or SIGTERM.
@@ -198,8 +239,34 @@ pub async fn run(args: ServeArgs) -> Result<()> {
         }
         None => None,
     };
+    for peer in &args.peers {
+        check_peer_addr("--peers", peer)?;
+    }
+    if let Some(name) = &args.peers_dns {
+        check_peer_addr("--peers-dns", name)?;
+    }
+    let cluster = Cluster::new(ClusterConfig {
+        node_name: args
+            .node_name
+            .clone()
+            .filter(|n| !n.trim().is_empty())
+            .unwrap_or_else(crate::jobs::host_name),
+        peers: args.peers.clone(),
+        peers_dns: args.peers_dns.clone(),
+        timeout: args.peer_timeout,
+        // A peer's part of a cluster timeline: one answer's budget.
+        max_timeline_bytes: 64 << 20,
+    });
+    if cluster.has_peers() {
+        tracing::info!(node = cluster.node_name(), peers = ?args.peers, peers_dns = ?args.peers_dns, "cluster peers configured");
+    }
+    if let Some(tunings) = &tunings {
+        tunings.set_cluster(cluster.clone(), tokio::runtime::Handle::current());
+    }
     let tunings_on = tunings.is_some();
     let state = ApiState {
+        cluster: cluster.clone(),
+        load_feed: (ebpf_off.is_none() && session.is_some()).then(|| feed.clone()),
         gpus: gpus.clone(),
         started: Instant::now(),
         recorded,
