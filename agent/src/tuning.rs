@@ -24,6 +24,7 @@ use tuner::session::{
 };
 use tuner::space::CollectiveKnobs;
 
+use crate::cluster::Cluster;
 use crate::jobs::{JobSnapshot, JobState, Jobs};
 use crate::reports::{ReportMeta, Reports, report_id};
 
@@ -345,7 +346,7 @@ pub const RUN_QUEUE_FACTOR: f64 = 3.0;
 pub const MIN_USUAL_WINDOWS: usize = 3;
 
 /// What one process of the job did during a window (from eBPF).
-#[derive(Debug, Clone, Copy, PartialEq)]
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
 pub struct PidLoad {
     /// The process.
     pub pid: u32,
@@ -356,7 +357,7 @@ pub struct PidLoad {
 }
 
 /// The job's processes during one window.
-#[derive(Debug, Clone, PartialEq)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct WindowLoad {
     /// Seconds the figures cover (about the window).
     pub span_s: f64,
@@ -616,7 +617,7 @@ impl LoadFeed {
 
     /// Whether the feed has read the model past `unix_us` (µs since the
     /// Unix epoch).
-    fn covers(&self, unix_us: u64) -> bool {
+    pub fn covers(&self, unix_us: u64) -> bool {
         let data = self.lock();
         data.covered_until_ns != 0
             && i128::from(data.covered_until_ns)
@@ -787,6 +788,16 @@ pub struct Tunings {
     disturbance: Disturbance,
     limits: TuningLimits,
     sessions: Mutex<BTreeMap<String, Arc<Handle>>>,
+    /// The agent's peers, and the runtime their calls run on: a multi-node
+    /// job's windows are judged on every node.
+    cluster: Mutex<Option<(Arc<Cluster>, tokio::runtime::Handle)>>,
+}
+
+/// A node of a multi-node job whose agent judges the job's windows there.
+struct PeerNode {
+    addr: String,
+    node: String,
+    usual: Vec<WindowRates>,
 }
 
 impl Tunings {
@@ -803,7 +814,102 @@ impl Tunings {
             disturbance,
             limits,
             sessions: Mutex::new(BTreeMap::new()),
+            cluster: Mutex::new(None),
         }
+    }
+
+    /// Judges multi-node jobs' windows on every node too, asking `cluster`'s
+    /// peers (calls run on `runtime`).
+    pub fn set_cluster(&self, cluster: Arc<Cluster>, runtime: tokio::runtime::Handle) {
+        if let Ok(mut slot) = self.cluster.lock() {
+            *slot = Some((cluster, runtime));
+        }
+    }
+
+    /// The agents of `job`'s other hosts (those that list it), when it has
+    /// other hosts and this agent has peers.
+    fn peer_nodes(&self, job: &JobSnapshot) -> Vec<PeerNode> {
+        if job.hosts().len() < 2 {
+            return Vec::new();
+        }
+        let Some((cluster, runtime)) = self.cluster.lock().ok().and_then(|c| c.clone()) else {
+            return Vec::new();
+        };
+        if !cluster.has_peers() {
+            tracing::info!(
+                job_id = job.job_id,
+                hosts = ?job.hosts(),
+                "a multi-node job, but this agent has no peers (--peers, --peers-dns): only \
+                 this node's ranks are judged"
+            );
+            return Vec::new();
+        }
+        let answers =
+            runtime.block_on(cluster.ask_all("/api/jobs", crate::cluster::MAX_SMALL_ANSWER_BYTES));
+        let mut nodes = Vec::new();
+        for answer in answers {
+            let lists_job = answer.result.as_ref().ok().is_some_and(|v| {
+                v.get("jobs")
+                    .and_then(serde_json::Value::as_array)
+                    .is_some_and(|jobs| {
+                        jobs.iter().any(|j| {
+                            j.get("job_id").and_then(serde_json::Value::as_str)
+                                == Some(job.job_id.as_str())
+                        })
+                    })
+            });
+            if lists_job {
+                nodes.push(PeerNode {
+                    node: answer.node.clone().unwrap_or_else(|| answer.addr.clone()),
+                    addr: answer.addr,
+                    usual: Vec::new(),
+                });
+            } else if let Err(why) = &answer.result {
+                tracing::warn!(
+                    peer = answer.addr,
+                    why,
+                    "a peer did not answer: its node's windows are not judged"
+                );
+            }
+        }
+        tracing::info!(
+            job_id = job.job_id,
+            nodes = ?nodes.iter().map(|n| n.node.as_str()).collect::<Vec<_>>(),
+            "the job's windows are judged on these nodes too"
+        );
+        nodes
+    }
+
+    /// One peer's verdict on a window: its node's load (asked on its clock),
+    /// judged against that node's usual rates.
+    fn judge_on_peer(&self, peer: &mut PeerNode, job_id: &str, window: &Window) -> Option<String> {
+        let (cluster, runtime) = self.cluster.lock().ok().and_then(|c| c.clone())?;
+        let answer = runtime.block_on(async {
+            let clock = cluster.clock(&peer.addr).await?;
+            let shift = |us: u64| (us as f64 + clock.offset_us).max(0.0) as u64;
+            let path = format!(
+                "/api/jobs/{job_id}/load?from_unix_us={}&to_unix_us={}",
+                shift(window.start_unix_us),
+                shift(window.end_unix_us)
+            );
+            crate::cluster::get_json(&peer.addr, &path, cluster.timeout() * 2, 1 << 20).await
+        });
+        let load: WindowLoad = match answer.and_then(|v| {
+            serde_json::from_value(v).map_err(|e| format!("its load answer is malformed: {e}"))
+        }) {
+            Ok(load) => load,
+            Err(why) => {
+                tracing::info!(
+                    node = peer.node,
+                    why,
+                    "no figures from this node for the window: judged without them"
+                );
+                return None;
+            }
+        };
+        let reason = disturbance_reason(&load, &peer.usual);
+        peer.usual.push(load.rates());
+        reason.map(|r| format!("node {}: {r}", peer.node))
     }
 
     /// The reports directory.
@@ -1075,14 +1181,18 @@ impl Tunings {
 
         let started = Instant::now();
         // The job's ranks on this node (eBPF sees only those).
-        let host = crate::jobs::host_name();
         let pids: BTreeSet<u32> = job
-            .ranks
-            .iter()
-            .filter(|r| r.host == host)
+            .local_ranks()
+            .filter(|r| r.pid != 0)
             .map(|r| r.pid)
             .collect();
         let mut usual: Vec<WindowRates> = Vec::new();
+        // The job's other nodes (a multi-node job, with peers), judged there.
+        let mut peers = if matches!(self.disturbance, Disturbance::Ebpf(_)) {
+            self.peer_nodes(job)
+        } else {
+            Vec::new()
+        };
         let mut last_work = Instant::now();
         let mut stopped: Option<Keep> = None;
         loop {
@@ -1129,7 +1239,19 @@ impl Tunings {
                     let Some(window) = session.observe_cycle(&observation) else {
                         continue;
                     };
-                    let disturbed = self.judge_window(&window, &pids, &mut usual);
+                    let mut disturbed = self.judge_window(&window, &pids, &mut usual);
+                    if !peers.is_empty() {
+                        // Every node's verdict, each named.
+                        let mut reasons: Vec<String> = disturbed
+                            .take()
+                            .map(|r| format!("node {}: {r}", self.node_name()))
+                            .into_iter()
+                            .collect();
+                        for peer in &mut peers {
+                            reasons.extend(self.judge_on_peer(peer, job_id, &window));
+                        }
+                        disturbed = (!reasons.is_empty()).then(|| reasons.join("; "));
+                    }
                     let wall_time_s = started.elapsed().as_secs_f64();
                     let verdict = session
                         .judge(&window, disturbed.clone(), wall_time_s)
@@ -1218,6 +1340,15 @@ impl Tunings {
         view.state = state;
         tracing::info!(state = ?state, report = view.report_id.as_deref().unwrap_or("none"), speedup = view.speedup_over_start, "tuning session ended");
         Ok(())
+    }
+
+    /// This node's name among its peers.
+    fn node_name(&self) -> String {
+        self.cluster
+            .lock()
+            .ok()
+            .and_then(|c| c.as_ref().map(|(c, _)| c.node_name().to_owned()))
+            .unwrap_or_else(crate::jobs::host_name)
     }
 
     /// eBPF's verdict on a window; also keeps the run-queue baseline.
