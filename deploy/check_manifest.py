@@ -41,7 +41,7 @@ K8S_VERSIONS = ("1.30.0", "1.37.0")
 
 # Capabilities the agent may be given (deploy/CAPABILITIES.md measures which
 # it needs). SYS_ADMIN is never one of them: it is nearly root's all.
-ALLOWED_CAPABILITIES = {"BPF", "PERFMON", "SYS_RESOURCE", "SYS_PTRACE", "DAC_READ_SEARCH"}
+ALLOWED_CAPABILITIES = {"BPF", "PERFMON", "DAC_OVERRIDE", "SYS_RESOURCE", "SYS_PTRACE", "DAC_READ_SEARCH"}
 
 AGENT_CONTAINER = "agent"
 RUNTIME_DIR = "/run/ringwatch"

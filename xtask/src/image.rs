@@ -44,15 +44,15 @@ pub const DEFAULT_TAG: &str = "localhost/ringwatch-agent:dev";
 /// measured on kernel 6.18 (deploy/CAPABILITIES.md): BPF and PERFMON load and
 /// attach the BTF tracepoint programs; DAC_OVERRIDE connects to the control
 /// socket of a job of another user (connect(2) wants write permission on the
-/// socket, and a job's socket is its owner's, mode 0755); SYS_PTRACE stats
-/// `/proc/<pid>/ns/pid` of a job's socket server to map its ranks' pids from
-/// its pid namespace (a ptrace-mode access check: another user's process, or
-/// root's with more capabilities than the agent, answers EACCES). Not needed:
-/// SYS_RESOURCE (BPF memory is charged to the memory cgroup since 5.11, not
-/// to RLIMIT_MEMLOCK), DAC_READ_SEARCH (the other /proc files the agent reads
-/// are world-readable). NCCL uprobes would need SYS_ADMIN as well: they are
-/// left out (`--probes sched,tcp`).
-pub const LEAST_CAPS: &[&str] = &["BPF", "PERFMON", "DAC_OVERRIDE", "SYS_PTRACE"];
+/// socket, and a job's socket is its owner's, mode 0755). Not needed:
+/// SYS_PTRACE (the agent tells a job's pid namespace from the world-readable
+/// NSpid depth and cgroup when it may not read `/proc/<pid>/ns/pid`; it was
+/// needed while it read only that), SYS_RESOURCE (BPF memory is charged to
+/// the memory cgroup since 5.11, not to RLIMIT_MEMLOCK), DAC_READ_SEARCH (the
+/// other /proc files the agent reads are world-readable). NCCL uprobes would
+/// need SYS_ADMIN (and SYS_PTRACE for `/proc/<pid>/root`): they are left out
+/// (`--probes sched,tcp`).
+pub const LEAST_CAPS: &[&str] = &["BPF", "PERFMON", "DAC_OVERRIDE"];
 
 /// The probe groups the least-privilege container attaches: NCCL's uprobes
 /// need CAP_SYS_ADMIN on kernels with "perf: Require CAP_SYS_ADMIN for
