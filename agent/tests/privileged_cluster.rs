@@ -443,14 +443,25 @@ fn a_job_in_its_own_pid_namespace_is_watched_by_its_host_pids() {
     let dir = std::env::temp_dir().join(format!("ringwatch-pidns-{}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();
     let display = dir.display().to_string();
-    let agent = ApiServer::start(&["--jobs", "--no-autotune", "--runtime-dir", &display], false);
+    let agent = ApiServer::start(
+        &["--jobs", "--no-autotune", "--runtime-dir", &display],
+        false,
+    );
     let job_id = format!("pidns-{}", std::process::id());
     // A container's view: the job's pids are its namespace's (1, 2, …).
     let launcher = Ranks(vec![
         Command::new("unshare")
             .args(["--pid", "--fork", "--kill-child", "--mount-proc"])
             .arg(collbench())
-            .args(["-n", "2", "sweep", "--min-bytes", "65536", "--max-bytes", "65536"])
+            .args([
+                "-n",
+                "2",
+                "sweep",
+                "--min-bytes",
+                "65536",
+                "--max-bytes",
+                "65536",
+            ])
             .args(["--iters", "1000000000"])
             .env("RINGWATCH_RUNTIME_DIR", &dir)
             .env("RINGWATCH_JOB_ID", &job_id)
@@ -463,7 +474,9 @@ fn a_job_in_its_own_pid_namespace_is_watched_by_its_host_pids() {
         let (_, answer) = agent.get_json("/api/jobs");
         job_of(&answer, &job_id).cloned()
     });
-    let ns_pids = job["ns_pids"].as_object().expect("the reported pids are kept");
+    let ns_pids = job["ns_pids"]
+        .as_object()
+        .expect("the reported pids are kept");
     let ranks = job["ranks"].as_array().unwrap();
     assert_eq!(ranks.len(), 2);
     let mut host_pids = BTreeSet::new();
