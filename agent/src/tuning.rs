@@ -71,7 +71,11 @@ fn full_update(knobs: &Knobs) -> KnobUpdate {
 #[serde(deny_unknown_fields)]
 pub struct BoundsRequest {
     /// Fusion threshold range in bytes.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[serde(
+        default,
+        skip_serializing_if = "Option::is_none",
+        deserialize_with = "whole::pair"
+    )]
     pub fusion_threshold_bytes: Option<[u64; 2]>,
     /// Cycle time range in ms.
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -83,7 +87,11 @@ pub struct BoundsRequest {
 #[serde(deny_unknown_fields)]
 pub struct FixedRequest {
     /// Fixed fusion threshold in bytes.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[serde(
+        default,
+        skip_serializing_if = "Option::is_none",
+        deserialize_with = "whole::one"
+    )]
     pub fusion_threshold_bytes: Option<u64>,
     /// Fixed cycle time in ms.
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -93,24 +101,86 @@ pub struct FixedRequest {
     pub hierarchical_allreduce: Option<bool>,
 }
 
+/// Whole numbers as JSON Schema counts them: `154985.0` is the integer
+/// 154985 (clients that write every number as a float send it so), and
+/// `1.5` or `-1` is refused, naming the value.
+mod whole {
+    use serde::de::Error;
+    use serde::{Deserialize, Deserializer};
+
+    fn to_u64<E: Error>(n: &serde_json::Number) -> Result<u64, E> {
+        n.as_u64()
+            .or_else(|| {
+                // serde_json's float parsing may land one unit in the last
+                // place off the text's value (4085693372319842.0 reads as
+                // …841.5): within that, the text was whole.
+                n.as_f64()
+                    .filter(|f| {
+                        (f - f.round()).abs() <= f.abs() * f64::EPSILON
+                            && (0.0..18_446_744_073_709_551_616.0).contains(f)
+                    })
+                    .map(|f| f.round() as u64)
+            })
+            .ok_or_else(|| E::custom(format!("{n} is not a whole number of 0 or more")))
+    }
+
+    pub fn one<'de, D: Deserializer<'de>>(d: D) -> Result<Option<u64>, D::Error> {
+        Option::<serde_json::Number>::deserialize(d)?
+            .map(|n| to_u64(&n))
+            .transpose()
+    }
+
+    pub fn size<'de, D: Deserializer<'de>>(d: D) -> Result<Option<usize>, D::Error> {
+        one(d)?
+            .map(|n| usize::try_from(n).map_err(|_| D::Error::custom(format!("{n} is too large"))))
+            .transpose()
+    }
+
+    pub fn pair<'de, D: Deserializer<'de>>(d: D) -> Result<Option<[u64; 2]>, D::Error> {
+        Option::<[serde_json::Number; 2]>::deserialize(d)?
+            .map(|[a, b]| Ok([to_u64(&a)?, to_u64(&b)?]))
+            .transpose()
+    }
+}
+
 /// `POST /api/jobs/{id}/tuning`'s body; every field is optional.
 #[derive(Debug, Clone, Default, Serialize, Deserialize, PartialEq)]
 #[serde(deny_unknown_fields)]
 pub struct TuningRequest {
     /// Samples (optimizer observations), default 20.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[serde(
+        default,
+        skip_serializing_if = "Option::is_none",
+        deserialize_with = "whole::size"
+    )]
     pub budget: Option<usize>,
     /// Cycles with work skipped after knobs are applied, default 3.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[serde(
+        default,
+        skip_serializing_if = "Option::is_none",
+        deserialize_with = "whole::one"
+    )]
     pub warmup_cycles: Option<u64>,
     /// Cycles with work per measured window (at least), default 10.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[serde(
+        default,
+        skip_serializing_if = "Option::is_none",
+        deserialize_with = "whole::one"
+    )]
     pub measured_cycles: Option<u64>,
     /// Shortest measured window in ms, default 1000.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[serde(
+        default,
+        skip_serializing_if = "Option::is_none",
+        deserialize_with = "whole::one"
+    )]
     pub min_window_ms: Option<u64>,
     /// Seed of the optimizer, default 0.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[serde(
+        default,
+        skip_serializing_if = "Option::is_none",
+        deserialize_with = "whole::one"
+    )]
     pub seed: Option<u64>,
     /// Narrower ranges.
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -1584,6 +1654,27 @@ fn update_view(view: &mut SessionView, session: &TuningSession) {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn whole_numbers_written_as_floats_are_whole_numbers() {
+        let request: TuningRequest = serde_json::from_str(
+            r#"{"seed": 4085693372319842.0, "budget": 20.0, "warmup_cycles": 3,
+                "bounds": {"fusion_threshold_bytes": [1024.0, 2048]},
+                "fixed": {"fusion_threshold_bytes": 4096.0}}"#,
+        )
+        .unwrap();
+        assert_eq!(request.seed, Some(4_085_693_372_319_842));
+        assert_eq!(request.budget, Some(20));
+        assert_eq!(
+            request.bounds.unwrap().fusion_threshold_bytes,
+            Some([1024, 2048])
+        );
+        assert_eq!(request.fixed.unwrap().fusion_threshold_bytes, Some(4096));
+        for bad in [r#"{"budget": 1.5}"#, r#"{"seed": -1}"#, r#"{"seed": "7"}"#] {
+            let error = serde_json::from_str::<TuningRequest>(bad).unwrap_err();
+            assert!(!error.to_string().is_empty(), "{bad}");
+        }
+    }
 
     fn load(span_s: f64, pids: &[(u32, u64, u64)]) -> WindowLoad {
         WindowLoad {
