@@ -728,7 +728,12 @@ class Viewer {
   liveUrl() {
     const q = new URLSearchParams();
     q.set('from', 'now-' + Math.round(this.live.windowUs / 1e6) + 's');
-    if (this.filter.startsWith('job:')) q.set('job', this.filter.slice(4));
+    if (this.filter.startsWith('job:')) {
+      // A job's view is the whole job: every node's agent that has its ranks
+      // (the agent merges them on its clock and names a node it misses).
+      q.set('job', this.filter.slice(4));
+      q.set('scope', 'cluster');
+    }
     else if (this.filter.startsWith('pid:')) q.set('pid', this.filter.slice(4));
     // A busy job's last seconds can hold more thread states than one answer
     // may carry: ask the agent to keep the longest ones (it says so) rather

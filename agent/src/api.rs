@@ -735,6 +735,20 @@ async fn cluster_timeline(
             "scope=cluster answers for one job: name it (job=ID; GET /api/cluster/jobs lists them)",
         ));
     };
+    if state.recorded.is_some() {
+        // A recorded trace is this agent's alone, on its own clock.
+        let (answer, slot, _) =
+            local_timeline(state, slots, query, limit, TimelineClock::Trace).await?;
+        let body = SlotBody {
+            rest: Bytes::from(answer),
+            _slot: slot,
+        };
+        return Ok((
+            [(header::CONTENT_TYPE, "application/json")],
+            Body::new(body),
+        )
+            .into_response());
+    }
     let started = Instant::now();
     let cluster = state.cluster.clone();
     // One window for every node: `now-…` is resolved here, on our clock.
