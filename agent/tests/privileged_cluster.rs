@@ -104,12 +104,19 @@ fn ip(args: &[&str]) {
     assert!(status.success(), "ip {args:?}");
 }
 
+/// A free port below the kernel's ephemeral range (32768 and up): one the
+/// kernel handed out and gave back can go to any outgoing connection of the
+/// tests running beside this one before the job binds it.
 fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
+    let seed = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
         .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
+        .subsec_nanos()
+        ^ std::process::id().wrapping_mul(2_654_435_761);
+    (0..64u32)
+        .map(|i| 20_000 + (seed.wrapping_add(i.wrapping_mul(7_919)) % 12_000) as u16)
+        .find(|&port| std::net::TcpListener::bind(("127.0.0.1", port)).is_ok())
+        .expect("a free port in 20000..32000")
 }
 
 /// The job's ranks, killed on drop.
@@ -215,7 +222,11 @@ fn two_agents_see_a_two_node_job_whole_and_answer_without_each_other() {
     for dir in &dirs {
         std::fs::create_dir_all(dir).unwrap();
     }
-    let ports = [free_port(), free_port()];
+    let first = free_port();
+    let second = std::iter::repeat_with(free_port)
+        .find(|&p| p != first)
+        .unwrap();
+    let ports = [first, second];
     let agents: Vec<ApiServer> = (0..2)
         .map(|n| {
             let listen = format!("127.0.0.1:{}", ports[n]);

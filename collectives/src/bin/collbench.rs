@@ -229,7 +229,21 @@ fn interrupt_on_signal() -> Result<()> {
     Ok(())
 }
 
+/// A port for rank 0's rendezvous, below the kernel's ephemeral range
+/// (32768 and up by default): a port the kernel handed out and this process
+/// gave back can be taken by any outgoing connection before rank 0 binds it,
+/// and jobs started side by side (tests) open many.
 fn free_port() -> Result<u16> {
+    let seed = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.subsec_nanos())
+        ^ std::process::id().wrapping_mul(2_654_435_761);
+    for i in 0..64u32 {
+        let port = 20_000 + (seed.wrapping_add(i.wrapping_mul(7_919)) % 12_000) as u16;
+        if TcpListener::bind(("127.0.0.1", port)).is_ok() {
+            return Ok(port);
+        }
+    }
     Ok(TcpListener::bind("127.0.0.1:0")?.local_addr()?.port())
 }
 

@@ -111,6 +111,11 @@ struct Client {
     /// A rank of this host sending its timeline (`rank_timeline`): told when the timeline
     /// is wanted.
     feeder: AtomicBool,
+    /// The peer is another rank of this host (its own slots; only it, or this
+    /// process itself, may send `rank_timeline`).
+    rank_peer: bool,
+    /// The peer is this very process (ranks played by threads, in tests).
+    same_process: bool,
 }
 
 impl Client {
@@ -319,12 +324,24 @@ impl ControlServer {
             }
             match stream {
                 Ok(stream) => {
-                    let connected = self.clients.lock().map(|c| c.len()).unwrap_or(0);
+                    // The host's other ranks (sending their timeline) have slots of
+                    // their own: clients never crowd them out, nor they the clients.
+                    let rank_peer = self.is_local_rank(&stream);
+                    let connected = self
+                        .clients
+                        .lock()
+                        .map(|c| c.iter().filter(|c| c.rank_peer == rank_peer).count())
+                        .unwrap_or(0);
+                    let limit = if rank_peer {
+                        self.state.hello.local_ranks().count()
+                    } else {
+                        MAX_CLIENTS
+                    };
                     if let Err(why) = client_allowed(&stream) {
                         self.refuse_stranger(stream, &why);
-                    } else if connected >= MAX_CLIENTS {
+                    } else if connected >= limit {
                         self.refuse(stream, connected);
-                    } else if let Err(e) = self.clone().add_client(stream) {
+                    } else if let Err(e) = self.clone().add_client(stream, rank_peer) {
                         tracing::warn!(error = %e, "could not serve a control client");
                     }
                 }
@@ -372,7 +389,21 @@ impl ControlServer {
         let _ = stream.shutdown(std::net::Shutdown::Both);
     }
 
-    fn add_client(self: Arc<Self>, stream: UnixStream) -> std::io::Result<()> {
+    /// Whether the process at the other end is another rank of this host (its pid, as
+    /// the kernel gives it in this namespace, is one the job's `hello` lists for this
+    /// host: ranks of one host share a pid namespace with their first rank).
+    fn is_local_rank(&self, stream: &UnixStream) -> bool {
+        let Ok(peer) = crate::control::peer_credentials(stream) else {
+            return false;
+        };
+        let hello = &self.state.hello;
+        peer.pid != std::process::id()
+            && hello
+                .local_ranks()
+                .any(|r| r.pid == peer.pid && r.rank != hello.served_by_rank())
+    }
+
+    fn add_client(self: Arc<Self>, stream: UnixStream, rank_peer: bool) -> std::io::Result<()> {
         // Bounds how long the writer may block on a client that does not read.
         stream.set_write_timeout(Some(CLIENT_WRITE_TIMEOUT))?;
         let client = Arc::new(Client {
@@ -383,6 +414,9 @@ impl ControlServer {
             stats: AtomicBool::new(false),
             timeline: AtomicBool::new(false),
             feeder: AtomicBool::new(false),
+            rank_peer,
+            same_process: crate::control::peer_credentials(&stream)
+                .is_ok_and(|p| p.pid == std::process::id()),
         });
         let (knobs, cycle) = self.knob_state();
         let mut hello = self.state.hello.clone();
@@ -476,6 +510,25 @@ impl ControlServer {
                     if adjust(&self.timeline_subscribers, was, timeline) {
                         self.tell_feeders();
                     }
+                }
+                Ok(ClientMessage::RankTimeline { .. })
+                    if !(client.rank_peer || client.same_process) =>
+                {
+                    tracing::warn!(
+                        client = client.id,
+                        "a client that is not a rank of this host sent timeline events; \
+                         closing it"
+                    );
+                    self.send(
+                        client,
+                        &encode(&ServerMessage::Error {
+                            request_id: None,
+                            message: "only the job's ranks on this host may send timeline \
+                                      events; closing this connection"
+                                .into(),
+                        }),
+                    );
+                    return;
                 }
                 Ok(ClientMessage::RankTimeline { events }) => {
                     if !client.feeder.swap(true, Ordering::AcqRel) {
