@@ -208,7 +208,7 @@ fn two_agents_see_a_two_node_job_whole_and_answer_without_each_other() {
     if skip_unless_privileged() {
         return;
     }
-    for tool in ["ip", "unshare", "tc"] {
+    for tool in ["ip", "unshare", "tc", "chrt", "taskset"] {
         if Command::new(tool).arg("-V").output().is_err()
             && Command::new(tool).arg("--version").output().is_err()
         {
@@ -349,7 +349,7 @@ fn two_agents_see_a_two_node_job_whole_and_answer_without_each_other() {
     // ranks: agent 0 learns it from agent 1, and the window is measured
     // again with node 1 named.
     let tuning = format!("/api/jobs/{job_id}/tuning");
-    let (status, _, body) = agents[0].send("POST", &tuning, &[], r#"{"budget": 30}"#);
+    let (status, _, body) = agents[0].send("POST", &tuning, &[], r#"{"budget": 60}"#);
     assert_eq!(status, 201, "{body}");
     wait_until(
         Duration::from_secs(90),
@@ -359,23 +359,32 @@ fn two_agents_see_a_two_node_job_whole_and_answer_without_each_other() {
             (session["samples"].as_array()?.len() >= 4).then_some(())
         },
     );
-    let hogs = Ranks(
-        (0..2)
-            .map(|_| {
-                Command::new("taskset")
-                    .args(["-c", "1", "sh", "-c", "while :; do :; done"])
-                    .spawn()
-                    .unwrap()
-            })
-            .collect(),
-    );
+    // A real-time hog on node 1's CPU: node 1's ranks (pinned there) wait
+    // on the run queue most of every second (RT throttling leaves them 5%),
+    // however loaded the machine already is; nothing else is pinned there.
+    let hogs = Ranks(vec![
+        Command::new("chrt")
+            .args([
+                "-f",
+                "10",
+                "taskset",
+                "-c",
+                "1",
+                "sh",
+                "-c",
+                "while :; do :; done",
+            ])
+            .spawn()
+            .unwrap(),
+    ]);
     let named = wait_until(
         Duration::from_secs(90),
         "a window re-measured naming node 1",
         || {
             let (_, session) = agents[0].get_json(&tuning);
             let text = session.to_string();
-            (text.contains("node node-1:")).then_some(session)
+            // The hog's signature (retransmits may name a node on their own).
+            (text.contains("node node-1: run-queue wait")).then_some(session)
         },
     );
     drop(hogs);
