@@ -14,29 +14,24 @@
 // The OpenAPI document is one `json!` literal, deeper than the default limit.
 #![recursion_limit = "256"]
 
+// The folders follow the flow: observe (kernel -> model), jobs (control
+// sockets -> registry), cluster (node -> cluster), publish (model ->
+// answers), api (answers -> HTTP), tune (the advisor), cli (the commands).
 mod api;
+mod cli;
 mod cluster;
-mod containers;
-mod discovery;
-mod events;
-mod gpu;
-mod http;
 mod jobs;
-mod live;
-mod lock;
-mod metrics;
-mod model;
-mod probes;
-mod reports;
-mod serve;
-mod session;
-mod timeline;
-mod top;
-mod tracks;
-mod trust;
+mod observe;
+mod publish;
 mod tune;
-mod tuning;
-mod watch;
+
+// Each stage's modules by their own names (`crate::model`, `crate::live`, …).
+use api::http;
+use cli::{serve, top, watch};
+use jobs::trust;
+use observe::{containers, discovery, events, lock, model, probes, session};
+use publish::{gpu, live, metrics, timeline, tracks};
+use tune::{reports, tuning};
 
 use anyhow::Result;
 use clap::{Parser, Subcommand};
@@ -87,7 +82,7 @@ enum Command {
     /// chosen knobs, the speedup over the start and the report. Ctrl-C stops
     /// the session (the job stays on the best knobs found). `--status` and
     /// `--stop` show or stop a session.
-    Tune(tune::TuneArgs),
+    Tune(tune::cli::TuneArgs),
 }
 
 fn main() -> std::process::ExitCode {
@@ -105,7 +100,7 @@ fn main() -> std::process::ExitCode {
                     Some(Command::Top(args)) => top::run(args).await,
                     Some(Command::Gpus) => print_gpus(),
                     Some(Command::Serve(args)) => serve::run(*args).await,
-                    Some(Command::Tune(args)) => tune::run(args).await,
+                    Some(Command::Tune(args)) => tune::cli::run(args).await,
                     None => watch::run(cli.watch).await,
                 }
             })

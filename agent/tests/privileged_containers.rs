@@ -10,7 +10,7 @@
 
 mod common;
 #[allow(dead_code)]
-#[path = "../src/containers.rs"]
+#[path = "../src/observe/containers.rs"]
 mod containers;
 
 use std::io::{BufRead, BufReader};

@@ -98,7 +98,7 @@ function near(a, b, tol, msg) { if (!(Math.abs(a - b) <= tol)) throw new Error(`
     assert(c.max === 7 && c.min === 0, 'scale');
   });
   await check('parser: the live agent\'s job tracks (a thread per tensor, remote ranks on named pids) group job → rank', async () => {
-    // The shapes agent/src/tracks.rs writes (see ui/README.md).
+    // The shapes agent/src/publish/tracks.rs writes (see ui/README.md).
     const r = parse(JSON.stringify([
       { ph: 'M', name: 'process_name', pid: 4101, args: { name: 'collbench (pid 4101)', job: 'j1', rank: 0 } },
       { ph: 'M', name: 'process_name', pid: 'j1 rank 1', args: { name: 'j1 rank 1 (n2 pid 77)', job: 'j1', rank: 1 } },

@@ -29,12 +29,12 @@ use anyhow::{Context, Result, bail};
 use serde::Serialize;
 use serde_json::{Value, json};
 
-/// The agent's default per-job timeline cap (`agent/src/jobs.rs`): 16 MiB of events.
+/// The agent's default per-job timeline cap (`agent/src/jobs/mod.rs`): 16 MiB of events.
 const JOB_TIMELINE_CAP_MIB: u64 = 16;
 /// The agent's default connection cap (`--max-connections`).
 const AGENT_MAX_CONNECTIONS: u64 = 256;
 /// Timeline answers the agent builds at once, and the bytes one may hold
-/// (`agent/src/api.rs`, `TimelineLimits::default`).
+/// (`agent/src/api/mod.rs`, `TimelineLimits::default`).
 const TIMELINE_MAX_CONCURRENT: u64 = 4;
 const TIMELINE_ANSWER_MIB: u64 = 64;
 /// How much timeline the agent's live view keeps (`--timeline-window` default, 60 s):

@@ -29,6 +29,8 @@ use serde_json::{Value, json};
 use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 use tower_http::limit::RequestBodyLimitLayer;
 
+pub mod http;
+
 use crate::cluster::Cluster;
 use crate::gpu::Gpus;
 use crate::jobs::Jobs;
@@ -1298,9 +1300,9 @@ async fn openapi(ApiQuery(params): ApiQuery) -> Result<Response, ApiError> {
 
 // The timeline viewer (ui/), embedded at build time: the agent serves it
 // with no files beside the binary and nothing fetched from elsewhere.
-const UI_INDEX: &str = include_str!("../../ui/index.html");
-const UI_SCRIPT: &str = include_str!("../../ui/viewer.js");
-const UI_STYLE: &str = include_str!("../../ui/viewer.css");
+const UI_INDEX: &str = include_str!("../../../ui/index.html");
+const UI_SCRIPT: &str = include_str!("../../../ui/viewer.js");
+const UI_STYLE: &str = include_str!("../../../ui/viewer.css");
 
 fn static_file(content_type: &'static str, body: &'static str) -> Response {
     (

@@ -28,12 +28,13 @@ use collectives::control::{
 };
 use serde::Serialize;
 
+pub mod trust;
+
 use crate::containers;
 use crate::discovery::{self, PidSource};
-use crate::trust;
 
 #[cfg(test)]
-#[path = "../tests/common/procs.rs"]
+#[path = "../../tests/common/procs.rs"]
 mod test_procs;
 
 /// How the registry looks for jobs and how much it keeps.
