@@ -838,7 +838,11 @@ async fn cluster_timeline(
                         &answer.addr,
                         &path,
                         cluster_timeout(&cluster),
-                        cluster.max_timeline_bytes(),
+                        // A node's share of events is about 150 bytes each:
+                        // a peer sending far more is cut off (and named), so
+                        // the answers held for the merge stay near 512 bytes
+                        // an event over all nodes, whatever peers send.
+                        (per_node as u64 * 512).clamp(1 << 20, cluster.max_timeline_bytes()),
                     )
                     .await
                     .map(|trace| (clock, trace))
