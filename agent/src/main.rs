@@ -1,15 +1,17 @@
 //! `ringwatch-agent`: the node daemon of ringwatch.
 //!
-//! The pipeline runs one way: `discovery` (what to watch; `jobs` finds the
-//! jobs' control sockets and names their ranks' pids) → `probes` (load
-//! and attach BPF) → `events` (decode ring-buffer records) → `model`
-//! (bounded per-thread and per-connection series) → the commands that show
-//! it (`watch`, `top`); `session` wires them together, `lock` keeps one
-//! agent per node; `api` (with `timeline`, `metrics`, `gpu`) serves what
-//! the agent knows over HTTP (`serve`); `tuning` runs tuning sessions over
-//! the jobs' control sockets and `reports` keeps their reports; `tune` is
-//! the CLI for them. The agent only observes and advises: it is never on a
-//! job's data path, and a job keeps running if the agent dies.
+//! The pipeline runs one way, a folder per stage: `observe` (`discovery`
+//! decides what to watch, `probes` loads and attaches BPF, `events` decodes
+//! ring-buffer records into the bounded series of `model`; `session` wires
+//! them, `lock` keeps one agent per node, `containers` names each process's
+//! container and pod) → `jobs` (the jobs' control sockets, each speaking
+//! for one host, their ranks mapped to host pids) → `cluster` (the other
+//! agents: peers, clock offsets, job-wide merges) → `publish` (the live
+//! view, timelines, metrics, GPUs) → `api` (HTTP); `tune` runs tuning
+//! sessions over the jobs' control sockets and keeps their reports; `cli`
+//! holds the commands (`serve`, `watch`, `top`). The agent only observes
+//! and advises: it is never on a job's data path, and a job keeps running
+//! if the agent dies.
 
 // The OpenAPI document is one `json!` literal, deeper than the default limit.
 #![recursion_limit = "256"]

@@ -871,6 +871,38 @@ mod tests {
     }
 
     #[tokio::test]
+    async fn peers_come_from_the_list_and_the_dns_name_and_this_agent_is_skipped() {
+        let cluster = Cluster::new(ClusterConfig {
+            node_name: "n0".into(),
+            peers: vec!["10.0.0.9:9477".into()],
+            peers_dns: Some("localhost:9477".into()),
+            timeout: Duration::from_secs(2),
+            max_timeline_bytes: 1 << 20,
+        });
+        let peers = cluster.peers().await;
+        assert!(peers.contains(&"10.0.0.9:9477".to_owned()), "{peers:?}");
+        assert!(
+            peers
+                .iter()
+                .any(|p| p == "127.0.0.1:9477" || p == "[::1]:9477"),
+            "localhost resolves: {peers:?}"
+        );
+        // An address found to be this agent (its agent_id answered) is skipped.
+        cluster.lock().own_addrs.insert("10.0.0.9:9477".into());
+        assert!(!cluster.peers().await.contains(&"10.0.0.9:9477".to_owned()));
+        // A name that does not resolve keeps the last answer and says why.
+        let broken = Cluster::new(ClusterConfig {
+            node_name: "n0".into(),
+            peers: Vec::new(),
+            peers_dns: Some("no-such-agents.invalid:9477".into()),
+            timeout: Duration::from_secs(2),
+            max_timeline_bytes: 1 << 20,
+        });
+        assert!(broken.peers().await.is_empty());
+        assert!(broken.dns_error().is_some());
+    }
+
+    #[tokio::test]
     async fn a_dead_peer_is_an_error_within_the_deadline_not_a_hang() {
         // A listener that accepts and never answers.
         let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
