@@ -179,6 +179,19 @@ fn wait_until<T>(limit: Duration, what: &str, mut check: impl FnMut() -> Option<
     }
 }
 
+/// Waits until `agent` watches every one of `pids` (its /api/processes).
+fn wait_watched(agent: &ApiServer, pids: &BTreeSet<u64>) {
+    wait_until(Duration::from_secs(30), "the pids are watched", || {
+        let (_, answer) = agent.get_json("/api/processes");
+        let watched: BTreeSet<u64> = answer["processes"]
+            .as_array()?
+            .iter()
+            .filter_map(|p| p["pid"].as_u64())
+            .collect();
+        pids.is_subset(&watched).then_some(())
+    });
+}
+
 fn job_of<'a>(answer: &'a Value, job_id: &str) -> Option<&'a Value> {
     answer["jobs"]
         .as_array()?
@@ -285,15 +298,7 @@ fn two_agents_see_a_two_node_job_whole_and_answer_without_each_other() {
             .map(u64::from)
             .collect();
         assert_eq!(local, expected, "node {n}'s ranks are its own processes");
-        wait_until(Duration::from_secs(30), "the ranks are watched", || {
-            let (_, answer) = agent.get_json("/api/processes");
-            let watched: BTreeSet<u64> = answer["processes"]
-                .as_array()?
-                .iter()
-                .filter_map(|p| p["pid"].as_u64())
-                .collect();
-            expected.is_subset(&watched).then_some(())
-        });
+        wait_watched(agent, &expected);
     }
     // Both jobs views agree on the whole job.
     let (status, merged) = agents[0].get_json("/api/cluster/jobs");
@@ -508,15 +513,7 @@ fn a_job_in_its_own_pid_namespace_is_watched_by_its_host_pids() {
         assert_eq!(ns_pid(host), Some(reported), "{job:#}");
         host_pids.insert(host);
     }
-    wait_until(Duration::from_secs(30), "the host pids are watched", || {
-        let (_, answer) = agent.get_json("/api/processes");
-        let watched: BTreeSet<u64> = answer["processes"]
-            .as_array()?
-            .iter()
-            .filter_map(|p| p["pid"].as_u64())
-            .collect();
-        host_pids.is_subset(&watched).then_some(())
-    });
+    wait_watched(&agent, &host_pids);
     drop(launcher);
     drop(agent);
     let _ = std::fs::remove_dir_all(&dir);

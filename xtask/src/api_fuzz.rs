@@ -13,7 +13,7 @@
 //! its lock, reports and runtime directory of its own under `target/`.
 
 use std::io::{BufRead, BufReader};
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::process::{Child, Command, Stdio};
 use std::sync::mpsc;
 use std::time::Duration;
@@ -32,7 +32,14 @@ const TOKEN: &str = "xtask-api-fuzz-token";
 /// Runs Schemathesis against the agent at `agent` (a built
 /// `ringwatch-agent`), from the workspace at `root`.
 pub fn run(root: &Path, target_dir: &Path, agent: &Path) -> Result<()> {
-    let st = install(root, target_dir)?;
+    let st = crate::venv::pinned(
+        root,
+        target_dir,
+        "xtask/api-fuzz/requirements.txt",
+        "schemathesis",
+        "schemathesis",
+    )?
+    .join("bin/st");
     let work = target_dir.join("api-fuzz");
     let _ = std::fs::remove_dir_all(&work);
     for dir in ["runtime", "reports"] {
@@ -85,63 +92,7 @@ pub fn run(root: &Path, target_dir: &Path, agent: &Path) -> Result<()> {
     Ok(())
 }
 
-fn path_str(path: &Path) -> Result<&str> {
-    path.to_str()
-        .with_context(|| format!("{} is not UTF-8", path.display()))
-}
-
-/// Makes (or reuses) the virtual environment with the pinned
-/// Schemathesis; returns its `st`.
-fn install(root: &Path, target_dir: &Path) -> Result<PathBuf> {
-    let requirements = root.join("xtask/api-fuzz/requirements.txt");
-    let pins = std::fs::read_to_string(&requirements)
-        .with_context(|| format!("reading {}", requirements.display()))?;
-    let venv = target_dir.join("schemathesis");
-    let st = venv.join("bin/st");
-    let installed = venv.join("installed-requirements.txt");
-    if st.is_file() && std::fs::read_to_string(&installed).is_ok_and(|done| done == pins) {
-        return Ok(st);
-    }
-    eprintln!(
-        "xtask: installing schemathesis from PyPI into {} (pinned in {})",
-        venv.display(),
-        requirements.display()
-    );
-    let python = ["python3", "python"]
-        .into_iter()
-        .find(|p| crate::which(p))
-        .context("the API fuzzing needs Python 3 (python3 with venv and pip)")?;
-    if crate::run(python, &["-m", "venv", "--clear", path_str(&venv)?]).is_err() {
-        // Debian's python3 makes venvs only with python3-venv installed.
-        eprintln!("xtask: `{python} -m venv` failed; trying Debian's python3 with python3-venv");
-        crate::ensure_packages(
-            &[("python3-venv", "virtual environments for Schemathesis")],
-            |_| {
-                Command::new("/usr/bin/python3")
-                    .args(["-c", "import ensurepip"])
-                    .status()
-                    .is_ok_and(|s| s.success())
-            },
-        )?;
-        crate::run(
-            "/usr/bin/python3",
-            &["-m", "venv", "--clear", path_str(&venv)?],
-        )?;
-    }
-    let pip = venv.join("bin/pip");
-    crate::run(
-        path_str(&pip)?,
-        &[
-            "install",
-            "--quiet",
-            "--disable-pip-version-check",
-            "--requirement",
-            path_str(&requirements)?,
-        ],
-    )?;
-    std::fs::write(&installed, pins).with_context(|| format!("writing {}", installed.display()))?;
-    Ok(st)
-}
+use crate::venv::path_str;
 
 /// The agent under test; stopped (SIGTERM, then SIGKILL) on drop.
 struct Agent {

@@ -18,6 +18,7 @@ mod retune;
 mod topology;
 mod tuning_grid;
 mod tuning_session;
+mod venv;
 
 use std::path::{Path, PathBuf};
 use std::process::Command;
