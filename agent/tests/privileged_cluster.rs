@@ -413,7 +413,9 @@ fn two_agents_see_a_two_node_job_whole_and_answer_without_each_other() {
     let started = Instant::now();
     let (status, trace) = agents[0].get_json(&path);
     assert_eq!(status, 200, "{trace:#}");
-    assert!(started.elapsed() < Duration::from_secs(10));
+    // A hang guard, not a timing: the dead peer is refused at once, and each
+    // peer call has --peer-timeout (1 s).
+    assert!(started.elapsed() < Duration::from_secs(60));
     let metadata = &trace["metadata"];
     assert_eq!(metadata["partial"], true, "{metadata:#}");
     let missing = metadata["missing"].to_string();
