@@ -240,7 +240,10 @@ impl Cache {
 
 /// The inode of `pid`'s pid namespace (`/proc/<pid>/ns/pid`): two processes
 /// are in the same pid namespace when these are equal.
-#[allow(dead_code, reason = "ground truth for the tests; the agent compares namespaces in scan_namespace")]
+#[allow(
+    dead_code,
+    reason = "ground truth for the tests; the agent compares namespaces in scan_namespace"
+)]
 pub fn pid_namespace(pid: u32) -> std::io::Result<u64> {
     Ok(std::fs::metadata(format!("/proc/{pid}/ns/pid"))?.ino())
 }
