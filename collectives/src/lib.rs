@@ -18,7 +18,8 @@
 //!
 //! # Configuration (environment)
 //! - Launcher: `RANK`, `WORLD_SIZE`, `LOCAL_RANK`, `LOCAL_SIZE` (or `LOCAL_WORLD_SIZE`),
-//!   `MASTER_ADDR` (default 127.0.0.1), `MASTER_PORT` (default 29500); Open MPI's
+//!   `MASTER_ADDR` (default 127.0.0.1), `MASTER_PORT` (default 29500; `RINGWATCH_MASTER_PORT`
+//!   wins, for a job whose torch.distributed store holds `MASTER_PORT`); Open MPI's
 //!   `OMPI_COMM_WORLD_{RANK,SIZE,LOCAL_RANK,LOCAL_SIZE}` too. `RINGWATCH_JOB_ID` names the job.
 //! - Knobs: `RINGWATCH_FUSION_THRESHOLD` (bytes, default 64 MiB), `RINGWATCH_CYCLE_TIME_MS`
 //!   (default 1), `RINGWATCH_HIERARCHICAL_ALLREDUCE` (default off); Horovod's

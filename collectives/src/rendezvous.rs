@@ -35,7 +35,8 @@ pub struct RendezvousConfig {
     pub local_size: usize,
     /// Host of rank 0 (`MASTER_ADDR`, default 127.0.0.1).
     pub master_addr: String,
-    /// Port rank 0 listens on for rendezvous (`MASTER_PORT`, default 29500).
+    /// Port rank 0 listens on for rendezvous (`RINGWATCH_MASTER_PORT`, else `MASTER_PORT`,
+    /// default 29500).
     pub master_port: u16,
     /// The job's id (`RINGWATCH_JOB_ID`); if rank 0 has none, it makes one up.
     pub job_id: Option<String>,
@@ -111,10 +112,10 @@ impl RendezvousConfig {
         }
         let local_rank =
             num(&["LOCAL_RANK", "OMPI_COMM_WORLD_LOCAL_RANK"])?.unwrap_or(rank % local_size);
-        let master_port = match num(&["MASTER_PORT"])? {
+        let master_port = match num(&["RINGWATCH_MASTER_PORT", "MASTER_PORT"])? {
             None => DEFAULT_MASTER_PORT,
             Some(p) => u16::try_from(p)
-                .map_err(|_| CollectiveError::Config(format!("MASTER_PORT={p} is not a port")))?,
+                .map_err(|_| CollectiveError::Config(format!("master port {p} is not a port")))?,
         };
         let connect_timeout = match get("RINGWATCH_CONNECT_TIMEOUT_SECS") {
             None => DEFAULT_CONNECT_TIMEOUT,
@@ -365,7 +366,8 @@ fn serve_rendezvous(
     let err = |message: String| CollectiveError::Rendezvous { rank: 0, message };
     let listener = TcpListener::bind(("0.0.0.0", cfg.master_port)).map_err(|e| {
         err(format!(
-            "cannot listen on MASTER_PORT={}: {e} (is another job using it?)",
+            "cannot listen on port {} (RINGWATCH_MASTER_PORT or MASTER_PORT): {e} \
+             (is another job, or torch.distributed's store, using it?)",
             cfg.master_port
         ))
     })?;
@@ -551,6 +553,13 @@ mod tests {
             1
         );
         assert!(RendezvousConfig::from_vars(&vars(&[("RANK", "2"), ("WORLD_SIZE", "2")])).is_err());
+        // A job that also runs torch.distributed (its store on MASTER_PORT) moves ours.
+        let c = RendezvousConfig::from_vars(&vars(&[
+            ("MASTER_PORT", "1234"),
+            ("RINGWATCH_MASTER_PORT", "1240"),
+        ]))
+        .unwrap();
+        assert_eq!(c.master_port, 1240);
     }
 
     #[test]

@@ -131,12 +131,95 @@ impl AlignedBuf {
     }
 }
 
-/// A dense tensor: dtype, shape (row-major) and its bytes.
-#[derive(Clone, Debug, PartialEq)]
+/// Memory a tensor borrows from its caller (a framework's tensor, e.g. PyTorch's), read and
+/// written in place, with the object that keeps it alive. See [`Tensor::from_external`].
+pub struct ExternalBuf {
+    ptr: std::ptr::NonNull<u8>,
+    len: usize,
+    /// Dropped with the tensor, after the runtime's last access to `ptr`.
+    _owner: Box<dyn Send>,
+}
+
+// SAFETY: `from_external`'s contract gives the tensor exclusive use of the memory until it
+// is dropped, so moving it to the runtime's thread moves that exclusive use with it.
+unsafe impl Send for ExternalBuf {}
+
+impl ExternalBuf {
+    fn as_slice(&self) -> &[u8] {
+        // SAFETY: `from_external`'s contract: valid for `len` bytes, used by nobody else.
+        unsafe { std::slice::from_raw_parts(self.ptr.as_ptr(), self.len) }
+    }
+
+    fn as_mut_slice(&mut self) -> &mut [u8] {
+        // SAFETY: as above, and `&mut self` makes this the only view.
+        unsafe { std::slice::from_raw_parts_mut(self.ptr.as_ptr(), self.len) }
+    }
+}
+
+/// Where a tensor's bytes live.
+enum Storage {
+    /// A buffer of the runtime's own.
+    Owned(AlignedBuf),
+    /// The caller's memory, used in place (no copy in, no copy out).
+    External(ExternalBuf),
+}
+
+impl Storage {
+    fn as_slice(&self) -> &[u8] {
+        match self {
+            Storage::Owned(b) => b.as_slice(),
+            Storage::External(b) => b.as_slice(),
+        }
+    }
+
+    fn as_mut_slice(&mut self) -> &mut [u8] {
+        match self {
+            Storage::Owned(b) => b.as_mut_slice(),
+            Storage::External(b) => b.as_mut_slice(),
+        }
+    }
+}
+
+/// A dense tensor: dtype, shape (row-major) and its bytes, either its own or (see
+/// [`Tensor::from_external`]) borrowed from the caller. Cloning copies the bytes into a
+/// tensor of its own.
 pub struct Tensor {
     dtype: DType,
     shape: Vec<usize>,
-    data: AlignedBuf,
+    data: Storage,
+}
+
+impl Clone for Tensor {
+    fn clone(&self) -> Self {
+        Tensor {
+            dtype: self.dtype,
+            shape: self.shape.clone(),
+            data: Storage::Owned(AlignedBuf::from_bytes(self.as_bytes())),
+        }
+    }
+}
+
+impl PartialEq for Tensor {
+    fn eq(&self, other: &Self) -> bool {
+        self.dtype == other.dtype
+            && self.shape == other.shape
+            && self.as_bytes() == other.as_bytes()
+    }
+}
+
+impl std::fmt::Debug for Tensor {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let storage = match self.data {
+            Storage::Owned(_) => "owned",
+            Storage::External(_) => "external",
+        };
+        f.debug_struct("Tensor")
+            .field("dtype", &self.dtype)
+            .field("shape", &self.shape)
+            .field("bytes", &self.byte_len())
+            .field("storage", &storage)
+            .finish()
+    }
 }
 
 impl Tensor {
@@ -149,7 +232,7 @@ impl Tensor {
         Some(Tensor {
             dtype: T::DTYPE,
             shape: shape.to_vec(),
-            data: AlignedBuf::from_bytes(bytemuck::cast_slice(data)),
+            data: Storage::Owned(AlignedBuf::from_bytes(bytemuck::cast_slice(data))),
         })
     }
 
@@ -158,7 +241,7 @@ impl Tensor {
         Tensor {
             dtype: T::DTYPE,
             shape: vec![data.len()],
-            data: AlignedBuf::from_bytes(bytemuck::cast_slice(data)),
+            data: Storage::Owned(AlignedBuf::from_bytes(bytemuck::cast_slice(data))),
         }
     }
 
@@ -171,8 +254,49 @@ impl Tensor {
         Some(Tensor {
             dtype,
             shape: shape.to_vec(),
-            data,
+            data: Storage::Owned(data),
         })
+    }
+
+    /// A tensor over the caller's memory, which the runtime reads its input from and writes
+    /// its result to in place (allreduce and broadcast; allgather returns a tensor of its
+    /// own). `owner` is dropped with the tensor: hand it whatever keeps the memory alive
+    /// (for PyTorch, a reference to the tensor). `None` unless `len` matches shape and dtype.
+    ///
+    /// # Safety
+    /// `ptr` must be valid for reads and writes of `len` bytes until `owner` is dropped, and
+    /// nothing else may read or write those bytes while the returned tensor (or a result
+    /// made from it) lives. A `len` of 0 never touches `ptr`.
+    pub unsafe fn from_external(
+        dtype: DType,
+        shape: &[usize],
+        ptr: *mut u8,
+        len: usize,
+        owner: Box<dyn Send>,
+    ) -> Option<Self> {
+        let count: usize = shape.iter().product();
+        if count.checked_mul(dtype.size()) != Some(len) {
+            return None;
+        }
+        let ptr = match std::ptr::NonNull::new(ptr) {
+            Some(p) => p,
+            None if len == 0 => std::ptr::NonNull::dangling(),
+            None => return None,
+        };
+        Some(Tensor {
+            dtype,
+            shape: shape.to_vec(),
+            data: Storage::External(ExternalBuf {
+                ptr,
+                len,
+                _owner: owner,
+            }),
+        })
+    }
+
+    /// Whether the bytes are the caller's (see [`Tensor::from_external`]).
+    pub fn is_external(&self) -> bool {
+        matches!(self.data, Storage::External(_))
     }
 
     /// The element type.
@@ -197,7 +321,7 @@ impl Tensor {
 
     /// Size in bytes.
     pub fn byte_len(&self) -> usize {
-        self.data.len()
+        self.as_bytes().len()
     }
 
     /// The bytes.
@@ -218,9 +342,12 @@ impl Tensor {
         Some(bytemuck::pod_collect_to_vec(self.as_bytes()))
     }
 
-    /// Takes the underlying buffer.
+    /// Takes the underlying buffer (a copy, for a tensor over the caller's memory).
     pub fn into_buf(self) -> AlignedBuf {
-        self.data
+        match self.data {
+            Storage::Owned(b) => b,
+            Storage::External(b) => AlignedBuf::from_bytes(b.as_slice()),
+        }
     }
 }
 

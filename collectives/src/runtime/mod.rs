@@ -185,6 +185,30 @@ impl Handle {
             .unwrap_or(Err(CollectiveError::ShutDown { rank: self.rank }))
     }
 
+    /// Waits at most `timeout` for the result, keeping the handle when it is not there yet
+    /// (`None`), so that a caller can wake up in between (a Python front end checks for
+    /// Ctrl-C). After a `Some`, the handle is spent: a further call reports a shut-down.
+    pub fn wait_for(&mut self, timeout: Duration) -> Option<Result<Tensor>> {
+        match self.rx.recv_timeout(timeout) {
+            Ok(r) => Some(r),
+            Err(mpsc::RecvTimeoutError::Timeout) => None,
+            Err(mpsc::RecvTimeoutError::Disconnected) => {
+                Some(Err(CollectiveError::ShutDown { rank: self.rank }))
+            }
+        }
+    }
+
+    /// The result if it is there, without waiting (`None`: still running).
+    pub fn try_wait(&mut self) -> Option<Result<Tensor>> {
+        match self.rx.try_recv() {
+            Ok(r) => Some(r),
+            Err(mpsc::TryRecvError::Empty) => None,
+            Err(mpsc::TryRecvError::Disconnected) => {
+                Some(Err(CollectiveError::ShutDown { rank: self.rank }))
+            }
+        }
+    }
+
     /// Waits at most `timeout` for the result.
     pub fn wait_timeout(self, timeout: Duration) -> Result<Tensor> {
         match self.rx.recv_timeout(timeout) {

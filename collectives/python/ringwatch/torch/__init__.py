@@ -1,0 +1,360 @@
+"""PyTorch on the ringwatch runtime, in Horovod's two lines.
+
+    import ringwatch.torch as rw
+
+    rw.init()                                   # torchrun / mpirun / MPI operator variables
+    model = torchvision.models.resnet18()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01 * rw.size())
+    opt = rw.DistributedOptimizer(opt, named_parameters=model.named_parameters())
+    rw.broadcast_parameters(model.state_dict(), root_rank=0)
+    for x, y in loader:
+        opt.zero_grad()
+        loss_fn(model(x), y).backward()         # gradients allreduced as they are produced
+        opt.step()                              # waits for them, then steps
+
+Tensors are CPU tensors of float32, float64, float16, bfloat16, int32 or int64. A
+contiguous tensor is handed to the runtime in place (no copy in or out; the GIL is released
+while the runtime works); a non-contiguous one is refused with a message saying so.
+
+The knobs (``RINGWATCH_FUSION_THRESHOLD``, ``RINGWATCH_CYCLE_TIME_MS``,
+``RINGWATCH_HIERARCHICAL_ALLREDUCE`` or Horovod's ``HOROVOD_*``), the control socket the
+ringwatch agent watches, the timeline and autotune (``RINGWATCH_AUTOTUNE=1`` or
+``HOROVOD_AUTOTUNE=1``) behave as for any ringwatch job.
+
+Rendezvous: rank 0 listens on ``RINGWATCH_MASTER_PORT``, by default ``MASTER_PORT + 1``
+(``MASTER_PORT`` itself is torch.distributed's store under torchrun or
+``init_process_group``), at ``MASTER_ADDR``.
+"""
+
+import atexit
+import os
+import threading
+import queue
+import itertools
+
+import torch
+
+from ringwatch import _native
+from ringwatch._native import (
+    MismatchError,
+    NotInitializedError,
+    RankFailedError,
+    RingwatchError,
+)
+
+__all__ = [
+    "init", "shutdown", "is_initialized", "rank", "size", "local_rank", "local_size",
+    "job_id", "knobs", "set_knobs",
+    "Sum", "Average", "Min", "Max",
+    "allreduce", "allreduce_", "allreduce_async", "allreduce_async_",
+    "allgather", "allgather_async", "broadcast", "broadcast_", "broadcast_async",
+    "broadcast_async_", "synchronize", "poll", "Handle",
+    "broadcast_parameters", "broadcast_optimizer_state", "DistributedOptimizer",
+    "ddp_comm_hook",
+    "RingwatchError", "MismatchError", "RankFailedError", "NotInitializedError",
+]
+
+#: Reductions for ``op=``.
+Sum = "sum"
+Average = "average"
+Min = "min"
+Max = "max"
+
+_DTYPES = {
+    torch.float32: "float32",
+    torch.float64: "float64",
+    torch.float16: "float16",
+    torch.bfloat16: "bfloat16",
+    torch.int32: "int32",
+    torch.int64: "int64",
+}
+
+_unnamed = itertools.count()
+_unnamed_lock = threading.Lock()
+
+
+def init():
+    """Joins the job: rendezvous with the other ranks (``RANK``/``WORLD_SIZE``/
+    ``LOCAL_RANK``/``LOCAL_SIZE`` or ``LOCAL_WORLD_SIZE``, or Open MPI's
+    ``OMPI_COMM_WORLD_*``; none of them: a job of one rank). Waits up to
+    ``RINGWATCH_CONNECT_TIMEOUT_SECS`` (60) for the others. Calling it again does nothing."""
+    port = os.environ.get("RINGWATCH_MASTER_PORT")
+    if port is None or not port.strip():
+        base = os.environ.get("MASTER_PORT", "").strip() or "29500"
+        try:
+            port = int(base) + 1
+        except ValueError:
+            raise ValueError(f"MASTER_PORT={base!r} is not a number") from None
+    try:
+        port = int(port)
+    except ValueError:
+        raise ValueError(f"RINGWATCH_MASTER_PORT={port!r} is not a number") from None
+    if not 0 < port < 65536:
+        raise ValueError(
+            f"the rendezvous port {port} is not a port (RINGWATCH_MASTER_PORT, else MASTER_PORT + 1)"
+        )
+    _native.init(master_port=port)
+    atexit.register(_shutdown_at_exit)
+
+
+def _shutdown_at_exit():
+    try:
+        _native.shutdown()
+    except Exception:  # noqa: BLE001 - nothing to report to at interpreter exit
+        pass
+
+
+def shutdown():
+    """Leaves the job (waits, up to the peer timeout, for the other ranks to leave too)."""
+    _native.shutdown()
+
+
+def is_initialized():
+    return _native.is_initialized()
+
+
+def rank():
+    """This process's rank in the job."""
+    return _native.rank()
+
+
+def size():
+    """Ranks in the job."""
+    return _native.size()
+
+
+def local_rank():
+    """This rank's place among the ranks on its node."""
+    return _native.local_rank()
+
+
+def local_size():
+    """Ranks on this node."""
+    return _native.local_size()
+
+
+def job_id():
+    """The job's id, as the ringwatch agent and its control socket name it."""
+    return _native.job_id()
+
+
+def knobs():
+    """The knobs in force: ``fusion_threshold`` (bytes), ``cycle_time_ms``,
+    ``hierarchical_allreduce``, ``since_cycle``, ``autotune``."""
+    return _native.knobs()
+
+
+def set_knobs(fusion_threshold=None, cycle_time_ms=None, hierarchical_allreduce=None):
+    """Asks for knobs; rank 0 applies them on every rank at the next cycle boundary."""
+    _native.set_knobs(fusion_threshold, cycle_time_ms, hierarchical_allreduce)
+
+
+class Handle:
+    """A collective in flight; :func:`synchronize` returns its result."""
+
+    __slots__ = ("_native", "_tensor", "_kind", "_dtype")
+
+    def __init__(self, native, tensor, kind):
+        self._native = native
+        self._tensor = tensor
+        self._kind = kind
+        self._dtype = tensor.dtype
+
+    @property
+    def name(self):
+        return self._native.name
+
+    def __repr__(self):
+        return f"<ringwatch Handle {self._kind} '{self.name}'>"
+
+
+def _name(prefix, name):
+    if name is not None:
+        if not isinstance(name, str) or not name:
+            raise ValueError(f"name must be a non-empty string, not {name!r}")
+        return name
+    with _unnamed_lock:
+        return f"{prefix}.noname.{next(_unnamed)}"
+
+
+def _check(tensor, name, what):
+    if not isinstance(tensor, torch.Tensor):
+        raise TypeError(f"{what} of '{name}': expected a torch.Tensor, got {type(tensor).__name__}")
+    if tensor.device.type != "cpu":
+        raise ValueError(
+            f"{what} of '{name}': the tensor is on {tensor.device}; ringwatch reduces CPU "
+            "tensors (GPU tensors need the runtime's cuda feature): move it with .cpu()"
+        )
+    if tensor.layout != torch.strided:
+        raise ValueError(f"{what} of '{name}': {tensor.layout} tensors are not supported")
+    if not tensor.is_contiguous():
+        raise ValueError(
+            f"{what} of '{name}': the tensor is not contiguous (shape {tuple(tensor.shape)}, "
+            f"strides {tensor.stride()}); ringwatch works on the tensor's memory in place, "
+            "so pass tensor.contiguous()"
+        )
+    dtype = _DTYPES.get(tensor.dtype)
+    if dtype is None:
+        raise TypeError(
+            f"{what} of '{name}': dtype {tensor.dtype} is not supported "
+            "(float32, float64, float16, bfloat16, int32, int64)"
+        )
+    return dtype
+
+
+def _submit(kind, tensor, name, op=Average, root=0):
+    dtype = _check(tensor, name, kind)
+    native = _native.enqueue(
+        kind,
+        name,
+        dtype,
+        list(tensor.shape),
+        tensor.data_ptr(),
+        tensor.numel() * tensor.element_size(),
+        tensor,
+        op,
+        root,
+    )
+    return Handle(native, tensor, kind)
+
+
+def allreduce_async_(tensor, name=None, op=Average):
+    """Starts an in-place allreduce of ``tensor`` (same name, shape and dtype on every
+    rank); :func:`synchronize` returns ``tensor``, holding the result."""
+    return _submit("allreduce", tensor, _name("allreduce", name), op=op)
+
+
+def allreduce_async(tensor, name=None, op=Average):
+    """Starts an allreduce into a copy of ``tensor``, which is left as it is."""
+    return allreduce_async_(_copy(tensor), name=name, op=op)
+
+
+def allreduce_(tensor, name=None, op=Average):
+    """Allreduces ``tensor`` in place (default op: Average, as Horovod) and returns it."""
+    return synchronize(allreduce_async_(tensor, name=name, op=op))
+
+
+def allreduce(tensor, name=None, op=Average):
+    """Returns the allreduce of ``tensor`` (default op: Average, as Horovod) as a new tensor."""
+    return synchronize(allreduce_async(tensor, name=name, op=op))
+
+
+def allgather_async(tensor, name=None):
+    """Starts an allgather: the ranks' tensors concatenated along the first dimension
+    (which may differ across ranks; the others must not)."""
+    return _submit("allgather", tensor, _name("allgather", name))
+
+
+def allgather(tensor, name=None):
+    """Returns the ranks' tensors concatenated along the first dimension."""
+    return synchronize(allgather_async(tensor, name=name))
+
+
+def broadcast_async_(tensor, root_rank, name=None):
+    """Starts an in-place broadcast: every rank's ``tensor`` gets ``root_rank``'s values."""
+    return _submit("broadcast", tensor, _name("broadcast", name), root=_root(root_rank))
+
+
+def broadcast_async(tensor, root_rank, name=None):
+    """Starts a broadcast into a copy of ``tensor``, which is left as it is."""
+    return broadcast_async_(_copy(tensor), root_rank, name=name)
+
+
+def broadcast_(tensor, root_rank, name=None):
+    """Broadcasts ``root_rank``'s ``tensor`` into every rank's ``tensor``; returns it."""
+    return synchronize(broadcast_async_(tensor, root_rank, name=name))
+
+
+def broadcast(tensor, root_rank, name=None):
+    """Returns ``root_rank``'s ``tensor`` on every rank, as a new tensor."""
+    return synchronize(broadcast_async(tensor, root_rank, name=name))
+
+
+def _root(root_rank):
+    if isinstance(root_rank, bool) or not isinstance(root_rank, int) or root_rank < 0:
+        raise ValueError(f"root_rank must be a rank (an int >= 0), not {root_rank!r}")
+    return root_rank
+
+
+def _copy(tensor):
+    if not isinstance(tensor, torch.Tensor):
+        raise TypeError(f"expected a torch.Tensor, got {type(tensor).__name__}")
+    with torch.no_grad():
+        return tensor.detach().clone(memory_format=torch.contiguous_format)
+
+
+def poll(handle):
+    """Whether ``handle``'s result is there (:func:`synchronize` will not block)."""
+    return handle._native.poll()
+
+
+def synchronize(handle):
+    """Waits for ``handle`` and returns its result. Raises :class:`MismatchError` when the
+    ranks submitted the tensor differently, :class:`RankFailedError` when a rank died or
+    stopped answering (within ``RINGWATCH_TIMEOUT_SECS``, never a hang)."""
+    if not isinstance(handle, Handle):
+        raise TypeError(f"synchronize expects a ringwatch Handle, got {type(handle).__name__}")
+    out = handle._native.wait()
+    if out is None:
+        return handle._tensor
+    buf, shape = out
+    if len(buf) == 0:
+        return torch.empty(shape, dtype=handle._dtype)
+    return torch.frombuffer(buf, dtype=handle._dtype).reshape(shape)
+
+
+def broadcast_parameters(params, root_rank=0):
+    """Overwrites every rank's parameters with ``root_rank``'s, in place: ``params`` is a
+    ``model.state_dict()``, a dict of tensors or an iterable of ``(name, tensor)`` (such as
+    ``model.named_parameters()``). Tensors are broadcast together, fused by the runtime."""
+    if isinstance(params, dict):
+        items = sorted(params.items())
+    else:
+        items = list(params)
+    handles = []
+    for name, p in items:
+        if p is None:
+            continue
+        if not isinstance(p, torch.Tensor):
+            raise TypeError(f"broadcast_parameters: '{name}' is a {type(p).__name__}, not a tensor")
+        with torch.no_grad():
+            handles.append(broadcast_async_(p.data, root_rank, name=f"broadcast.{name}"))
+    for h in handles:
+        synchronize(h)
+
+
+class _Completer:
+    """One daemon thread that waits for handles (without the GIL) and completes futures:
+    how an asynchronous result reaches code that wants a ``torch.futures.Future``."""
+
+    def __init__(self):
+        self._queue = queue.SimpleQueue()
+        self._thread = None
+        self._lock = threading.Lock()
+
+    def submit(self, handle, future, transform):
+        with self._lock:
+            if self._thread is None or not self._thread.is_alive():
+                self._thread = threading.Thread(
+                    target=self._run, name="ringwatch-completer", daemon=True
+                )
+                self._thread.start()
+        self._queue.put((handle, future, transform))
+
+    def _run(self):
+        while True:
+            handle, future, transform = self._queue.get()
+            try:
+                result = transform(synchronize(handle))
+            except BaseException as e:  # noqa: BLE001 - handed to whoever waits on the future
+                future.set_exception(e)
+            else:
+                future.set_result(result)
+
+
+_completer = _Completer()
+
+
+# Last: they use the functions above.
+from ringwatch.torch.optimizer import DistributedOptimizer, broadcast_optimizer_state  # noqa: E402
+from ringwatch.torch.ddp import ddp_comm_hook  # noqa: E402

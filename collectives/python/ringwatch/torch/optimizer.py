@@ -1,0 +1,165 @@
+"""Horovod's ``DistributedOptimizer`` on the ringwatch runtime: every gradient is allreduced
+as soon as backward produces it (a hook on its accumulator), so the runtime's cycle time and
+tensor fusion shape a training step exactly as they do Horovod's."""
+
+import collections
+import contextlib
+import io
+
+import torch
+
+import ringwatch.torch as rw
+
+
+class _DistributedOptimizer(torch.optim.Optimizer):
+    """Mixed into the wrapped optimizer's own class (see :func:`DistributedOptimizer`), so
+    that ``isinstance`` checks, LR schedulers and ``state_dict`` keep working."""
+
+    def __init__(self, params, named_parameters, op, backward_passes_per_step):
+        super(self.__class__, self).__init__(params)
+        if backward_passes_per_step < 1:
+            raise ValueError(
+                f"backward_passes_per_step must be at least 1, not {backward_passes_per_step}"
+            )
+        params = [p for group in self.param_groups for p in group["params"]]
+        if named_parameters is not None:
+            named = list(named_parameters)
+            counts = collections.Counter(name for name, _ in named)
+            twice = sorted(name for name, n in counts.items() if n > 1)
+            if twice:
+                raise ValueError(f"named_parameters names these more than once: {twice}")
+            names = {id(p): name for name, p in named}
+            unnamed = sum(1 for p in params if id(p) not in names)
+            if unnamed:
+                raise ValueError(
+                    f"named_parameters does not name {unnamed} of the optimizer's "
+                    f"{len(params)} parameters: pass model.named_parameters() of the model "
+                    "whose parameters the optimizer updates"
+                )
+        else:
+            names = {id(p): f"param.{i}" for i, p in enumerate(params)}
+        self._rw_names = {id(p): f"allreduce.{names[id(p)]}" for p in params}
+        self._rw_params = [p for p in params if p.requires_grad]
+        self._rw_op = op
+        self._rw_passes = backward_passes_per_step
+        self._rw_delay = {id(p): backward_passes_per_step for p in self._rw_params}
+        self._rw_handles = {}
+        self._rw_synchronized = False
+        self._rw_grad_accs = []
+        if rw.size() > 1:
+            self._rw_register_hooks()
+
+    def _rw_register_hooks(self):
+        for p in self._rw_params:
+            # The gradient accumulator of `p`: its hooks run once `p.grad` is final for this
+            # backward pass (Horovod's way; works on every torch version).
+            grad_acc = p.expand_as(p).grad_fn.next_functions[0][0]
+            grad_acc.register_hook(self._rw_make_hook(p))
+            self._rw_grad_accs.append(grad_acc)
+
+    def _rw_make_hook(self, p):
+        def hook(*_):
+            key = id(p)
+            if key in self._rw_handles:
+                raise RuntimeError(
+                    "a gradient was computed more than backward_passes_per_step="
+                    f"{self._rw_passes} times before step(): raise backward_passes_per_step "
+                    "to accumulate gradients locally"
+                )
+            self._rw_delay[key] -= 1
+            if self._rw_delay[key] == 0:
+                self._rw_handles[key] = self._rw_allreduce(p)
+
+        return hook
+
+    def _rw_allreduce(self, p):
+        if p.grad is None:
+            # Unused on this rank in this step, but maybe not on others: all ranks must
+            # submit the same tensors, so it counts as a zero gradient (as in Horovod).
+            p.grad = torch.zeros_like(p, memory_format=torch.contiguous_format)
+        grad = p.grad
+        buf = grad if grad.is_contiguous() else grad.contiguous()
+        return p, buf, rw.allreduce_async_(buf, name=self._rw_names[id(p)], op=self._rw_op)
+
+    def synchronize(self):
+        """Waits until every gradient is allreduced (``step()`` calls it; call it yourself
+        before clipping gradients, and ``step()`` will not wait again)."""
+        if rw.size() > 1:
+            for p in self._rw_params:
+                if id(p) not in self._rw_handles:
+                    self._rw_handles[id(p)] = self._rw_allreduce(p)
+            handles, self._rw_handles = self._rw_handles, {}
+            for p, buf, handle in handles.values():
+                rw.synchronize(handle)
+                if buf is not p.grad:
+                    p.grad.copy_(buf)
+            for p in self._rw_params:
+                self._rw_delay[id(p)] = self._rw_passes
+        self._rw_synchronized = True
+
+    @contextlib.contextmanager
+    def skip_synchronize(self):
+        """Horovod's spelling of "``synchronize()`` was called already": ``step()`` inside
+        does not wait for gradients again."""
+        self._rw_synchronized = True
+        yield
+
+    def step(self, closure=None):
+        if not self._rw_synchronized:
+            self.synchronize()
+        self._rw_synchronized = False
+        return super(self.__class__, self).step(closure)
+
+    def zero_grad(self, *args, **kwargs):
+        if self._rw_handles:
+            raise RuntimeError(
+                "zero_grad() while gradients are being allreduced: call step() or "
+                "synchronize() first"
+            )
+        return super(self.__class__, self).zero_grad(*args, **kwargs)
+
+
+def DistributedOptimizer(optimizer, named_parameters=None, op=None, backward_passes_per_step=1):
+    """Wraps ``optimizer`` so that gradients are averaged over all ranks (``op``, default
+    ``rw.Average``) while backward runs; ``step()`` waits for them, then steps. Pass
+    ``named_parameters=model.named_parameters()`` so that tensors carry their names (in the
+    timeline and the agent's view). With ``backward_passes_per_step=N`` gradients of N
+    backward passes are summed locally before one allreduce."""
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        raise TypeError(f"expected a torch.optim.Optimizer, got {type(optimizer).__name__}")
+    cls = type(
+        optimizer.__class__.__name__,
+        (optimizer.__class__,),
+        dict(_DistributedOptimizer.__dict__),
+    )
+    return cls(
+        optimizer.param_groups,
+        named_parameters,
+        rw.Average if op is None else op,
+        backward_passes_per_step,
+    )
+
+
+def broadcast_optimizer_state(optimizer, root_rank=0):
+    """Gives every rank ``root_rank``'s optimizer state (hyperparameters and buffers such
+    as momentum), whatever the optimizer: the root's ``state_dict()`` travels serialized."""
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        raise TypeError(f"expected a torch.optim.Optimizer, got {type(optimizer).__name__}")
+    payload = torch.zeros(0, dtype=torch.int64)
+    if rw.rank() == root_rank:
+        out = io.BytesIO()
+        torch.save(optimizer.state_dict(), out)
+        data = out.getvalue()
+        data += b"\0" * (-len(data) % 8)
+        payload = torch.frombuffer(bytearray(data), dtype=torch.int64)
+    length = rw.broadcast_(
+        torch.tensor([payload.numel()], dtype=torch.int64),
+        root_rank,
+        name="broadcast.optimizer_state.length",
+    )
+    if rw.rank() != root_rank:
+        payload = torch.zeros(int(length[0]), dtype=torch.int64)
+    rw.broadcast_(payload, root_rank, name="broadcast.optimizer_state")
+    if rw.rank() != root_rank:
+        state = torch.load(io.BytesIO(payload.numpy().tobytes()))
+        optimizer.load_state_dict(state)

@@ -1,0 +1,492 @@
+//! `ringwatch._native`: the collective runtime as a Python extension module.
+//!
+//! This is the thin layer under `ringwatch.torch` (the package in `../ringwatch/`): one
+//! [`Runtime`] per process, tensors handed over as raw CPU memory (a pointer and a length the
+//! Python side takes from a contiguous tensor) and used in place, and the GIL released
+//! whenever the runtime works or is waited on. Everything else (knobs, autotune, the control
+//! socket, the timeline, faults) is the runtime's own behaviour.
+//!
+//! # Invariants
+//! - The memory of an enqueued tensor stays alive until the runtime is done with it: the
+//!   Python object that owns it travels with the tensor ([`Tensor::from_external`]'s owner)
+//!   and is released only when the runtime drops it.
+//! - No call waits with the GIL held, and no wait is uninterruptible: waits wake every
+//!   [`SIGNAL_POLL`] to let Python raise `KeyboardInterrupt`.
+//! - Errors surface as Python exceptions carrying the runtime's message (which names the
+//!   tensor and the ranks); nothing from Python reaches an `unwrap`.
+
+use std::os::raw::c_int;
+use std::sync::{Mutex, MutexGuard};
+use std::time::Duration;
+
+use collectives::control::KnobUpdate;
+use collectives::tensor::AlignedBuf;
+use collectives::{CollectiveError, DType, ReduceOp, Runtime, RuntimeConfig, Tensor};
+use pyo3::create_exception;
+use pyo3::exceptions::{PyRuntimeError, PyTypeError, PyValueError};
+use pyo3::ffi;
+use pyo3::prelude::*;
+use pyo3::types::PyDict;
+
+create_exception!(
+    _native,
+    RingwatchError,
+    PyRuntimeError,
+    "A collective failed (the runtime's message names the tensor and ranks)."
+);
+create_exception!(
+    _native,
+    MismatchError,
+    RingwatchError,
+    "A tensor was submitted differently on different ranks (shape, dtype, op, root)."
+);
+create_exception!(
+    _native,
+    RankFailedError,
+    RingwatchError,
+    "Another rank died, stopped answering or broke its link; the job cannot go on."
+);
+create_exception!(
+    _native,
+    NotInitializedError,
+    RingwatchError,
+    "ringwatch is not initialized (call init() first) or was shut down."
+);
+
+/// How often a wait wakes up to let Python deliver signals (Ctrl-C).
+const SIGNAL_POLL: Duration = Duration::from_millis(100);
+
+/// The process's runtime; `None` before `init()` and after `shutdown()`.
+static RUNTIME: Mutex<Option<Runtime>> = Mutex::new(None);
+
+fn runtime() -> PyResult<MutexGuard<'static, Option<Runtime>>> {
+    RUNTIME
+        .lock()
+        .map_err(|_| RingwatchError::new_err("ringwatch's runtime state is poisoned"))
+}
+
+/// Runs `f` on the runtime, or raises `NotInitializedError`.
+fn with_runtime<T>(f: impl FnOnce(&Runtime) -> PyResult<T>) -> PyResult<T> {
+    let guard = runtime()?;
+    match guard.as_ref() {
+        Some(rt) => f(rt),
+        None => Err(NotInitializedError::new_err(
+            "ringwatch is not initialized: call ringwatch.torch.init() first",
+        )),
+    }
+}
+
+fn to_py(e: CollectiveError) -> PyErr {
+    let message = e.to_string();
+    match e {
+        CollectiveError::Mismatch { .. } => MismatchError::new_err(message),
+        CollectiveError::Link { .. }
+        | CollectiveError::PeerTimeout { .. }
+        | CollectiveError::RankLost { .. }
+        | CollectiveError::RankSilent { .. } => RankFailedError::new_err(message),
+        CollectiveError::InvalidTensor { .. } => PyValueError::new_err(message),
+        _ => RingwatchError::new_err(message),
+    }
+}
+
+fn dtype_from(name: &str) -> PyResult<DType> {
+    Ok(match name {
+        "float32" => DType::F32,
+        "float64" => DType::F64,
+        "float16" => DType::F16,
+        "bfloat16" => DType::BF16,
+        "int32" => DType::I32,
+        "int64" => DType::I64,
+        other => {
+            return Err(PyTypeError::new_err(format!(
+                "ringwatch has no dtype {other:?} (float32, float64, float16, bfloat16, int32, int64)"
+            )));
+        }
+    })
+}
+
+fn op_from(name: &str) -> PyResult<ReduceOp> {
+    Ok(match name {
+        "sum" => ReduceOp::Sum,
+        "average" => ReduceOp::Average,
+        "min" => ReduceOp::Min,
+        "max" => ReduceOp::Max,
+        other => {
+            return Err(PyValueError::new_err(format!(
+                "no reduction {other:?} (sum, average, min, max)"
+            )));
+        }
+    })
+}
+
+/// Starts this process's rank: rendezvous from the launcher's variables (torchrun, mpirun,
+/// the MPI operator), knobs and autotune from `RINGWATCH_*` / `HOROVOD_*`. `master_port`
+/// overrides the rendezvous port. A second call while running does nothing.
+#[pyfunction]
+#[pyo3(signature = (master_port=None))]
+fn init(py: Python<'_>, master_port: Option<u16>) -> PyResult<()> {
+    let _ = tracing_subscriber::fmt()
+        .with_writer(std::io::stderr)
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_env("RINGWATCH_LOG")
+                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn")),
+        )
+        .try_init();
+    if runtime()?.is_some() {
+        return Ok(());
+    }
+    let mut config = RuntimeConfig::from_env().map_err(to_py)?;
+    if let Some(port) = master_port {
+        config.rendezvous.master_port = port;
+    }
+    // The rendezvous waits for the other ranks: without the GIL, so that other Python
+    // threads run, and with the runtime's own connect timeout.
+    let rt = py.detach(|| Runtime::new(config)).map_err(to_py)?;
+    let mut guard = runtime()?;
+    if guard.is_none() {
+        *guard = Some(rt);
+    }
+    Ok(())
+}
+
+/// Leaves the job: waits (up to the peer timeout) for every rank to leave too, then stops.
+#[pyfunction]
+fn shutdown(py: Python<'_>) -> PyResult<()> {
+    let rt = runtime()?.take();
+    if let Some(rt) = rt {
+        py.detach(|| rt.shutdown());
+    }
+    Ok(())
+}
+
+/// Whether `init()` ran and `shutdown()` did not.
+#[pyfunction]
+fn is_initialized() -> PyResult<bool> {
+    Ok(runtime()?.is_some())
+}
+
+/// This process's rank.
+#[pyfunction]
+fn rank() -> PyResult<usize> {
+    with_runtime(|rt| Ok(rt.rank()))
+}
+
+/// Ranks in the job.
+#[pyfunction]
+fn size() -> PyResult<usize> {
+    with_runtime(|rt| Ok(rt.world_size()))
+}
+
+/// This rank's place on its node.
+#[pyfunction]
+fn local_rank() -> PyResult<usize> {
+    with_runtime(|rt| Ok(rt.ranks()[rt.rank()].local_rank))
+}
+
+/// Ranks on this node.
+#[pyfunction]
+fn local_size() -> PyResult<usize> {
+    with_runtime(|rt| Ok(rt.ranks()[rt.rank()].local_size))
+}
+
+/// The job's id (its control socket is `<runtime dir>/<job id>.sock`).
+#[pyfunction]
+fn job_id() -> PyResult<String> {
+    with_runtime(|rt| Ok(rt.job_id().to_string()))
+}
+
+/// The control socket this rank serves, if any.
+#[pyfunction]
+fn control_socket() -> PyResult<Option<String>> {
+    with_runtime(|rt| {
+        Ok(rt
+            .control_socket_path()
+            .map(|p| p.to_string_lossy().into_owned()))
+    })
+}
+
+/// The knobs in force and the cycle they took effect, as a dict.
+#[pyfunction]
+fn knobs(py: Python<'_>) -> PyResult<Py<PyDict>> {
+    let (k, since) = with_runtime(|rt| Ok(rt.knobs()))?;
+    let d = PyDict::new(py);
+    d.set_item("fusion_threshold", k.fusion_threshold_bytes)?;
+    d.set_item("cycle_time_ms", k.cycle_time_us as f64 / 1e3)?;
+    d.set_item("hierarchical_allreduce", k.hierarchical_allreduce)?;
+    d.set_item("since_cycle", since)?;
+    d.set_item(
+        "autotune",
+        format!("{:?}", with_runtime(|rt| Ok(rt.autotune_state()))?).to_lowercase(),
+    )?;
+    Ok(d.unbind())
+}
+
+/// Asks for knobs (applied by rank 0 at the next cycle boundary, on every rank). A job being
+/// tuned by the agent or by itself keeps the tuner's knobs.
+#[pyfunction]
+#[pyo3(signature = (fusion_threshold=None, cycle_time_ms=None, hierarchical_allreduce=None))]
+fn set_knobs(
+    fusion_threshold: Option<u64>,
+    cycle_time_ms: Option<f64>,
+    hierarchical_allreduce: Option<bool>,
+) -> PyResult<()> {
+    let cycle_time = match cycle_time_ms {
+        Some(ms) if !(ms.is_finite() && ms > 0.0 && ms <= 60_000.0) => {
+            return Err(PyValueError::new_err(format!(
+                "cycle_time_ms={ms} is not in (0, 60000]"
+            )));
+        }
+        Some(ms) => Some((ms * 1e3).round() as u64),
+        None => None,
+    };
+    let update = KnobUpdate {
+        fusion_threshold_bytes: fusion_threshold,
+        cycle_time_us: cycle_time,
+        hierarchical_allreduce,
+    };
+    with_runtime(|rt| {
+        rt.set_knobs(update);
+        Ok(())
+    })
+}
+
+/// Cycles run, bytes reduced and negotiation bytes since start.
+#[pyfunction]
+fn totals() -> PyResult<(u64, u64, u64)> {
+    with_runtime(|rt| {
+        let t = rt.totals();
+        Ok((t.cycles, t.bytes_reduced, t.negotiation_bytes))
+    })
+}
+
+/// What keeps an enqueued tensor's memory alive: the Python object that owns it. Dropped on
+/// whatever thread drops the tensor; PyO3 defers the decref until a thread holds the GIL.
+struct Owner(
+    #[allow(
+        dead_code,
+        reason = "held only to be dropped after the runtime's last access"
+    )]
+    Py<PyAny>,
+);
+
+/// Enqueues a collective on memory the caller owns (`ptr`, `nbytes`: a contiguous CPU
+/// tensor's `data_ptr()` and byte size; `owner` keeps it alive). `kind` is `allreduce`,
+/// `allgather` or `broadcast`. Allreduce and broadcast write their result into that memory;
+/// allgather returns a new buffer from `Handle.wait()`.
+///
+/// The caller (the `ringwatch.torch` layer) promises that `ptr` is valid for `nbytes` and
+/// that nothing touches it until the handle is waited on.
+#[pyfunction]
+#[pyo3(signature = (kind, name, dtype, shape, ptr, nbytes, owner, op="sum", root=0))]
+#[allow(
+    clippy::too_many_arguments,
+    reason = "one flat call per collective, from Python"
+)]
+fn enqueue(
+    kind: &str,
+    name: &str,
+    dtype: &str,
+    shape: Vec<usize>,
+    ptr: usize,
+    nbytes: usize,
+    owner: Py<PyAny>,
+    op: &str,
+    root: usize,
+) -> PyResult<Handle> {
+    let dtype = dtype_from(dtype)?;
+    if name.is_empty() {
+        return Err(PyValueError::new_err("a collective needs a non-empty name"));
+    }
+    // SAFETY: the caller's promise above; `owner` keeps the memory alive for as long as the
+    // tensor (and thus the runtime) may touch it.
+    let tensor = unsafe {
+        Tensor::from_external(
+            dtype,
+            &shape,
+            ptr as *mut u8,
+            nbytes,
+            Box::new(Owner(owner)),
+        )
+    }
+    .ok_or_else(|| {
+        PyValueError::new_err(format!(
+            "tensor '{name}': {nbytes} bytes do not hold shape {shape:?} of {dtype:?}"
+        ))
+    })?;
+    let handle = with_runtime(|rt| {
+        match kind {
+            "allreduce" => rt.allreduce_async(name, tensor, op_from(op)?),
+            "allgather" => rt.allgather_async(name, tensor),
+            "broadcast" => rt.broadcast_async(name, tensor, root),
+            other => {
+                return Err(PyValueError::new_err(format!(
+                    "no collective {other:?} (allreduce, allgather, broadcast)"
+                )));
+            }
+        }
+        .map_err(to_py)
+    })?;
+    Ok(Handle {
+        name: name.to_string(),
+        state: Mutex::new(HandleState {
+            pending: Some(handle),
+            result: None,
+        }),
+    })
+}
+
+/// A collective in flight. `wait()` returns `None` for in-place results (allreduce,
+/// broadcast) and `(Buffer, shape)` for an allgather.
+#[pyclass(module = "ringwatch._native")]
+struct Handle {
+    name: String,
+    state: Mutex<HandleState>,
+}
+
+/// A handle's progress: the runtime's handle until its result is taken.
+struct HandleState {
+    pending: Option<collectives::Handle>,
+    result: Option<collectives::Result<Tensor>>,
+}
+
+impl Handle {
+    fn state(&self) -> PyResult<MutexGuard<'_, HandleState>> {
+        self.state
+            .lock()
+            .map_err(|_| RingwatchError::new_err("a ringwatch handle's state is poisoned"))
+    }
+}
+
+#[pymethods]
+impl Handle {
+    /// The tensor's name.
+    #[getter]
+    fn name(&self) -> &str {
+        &self.name
+    }
+
+    /// Whether the result is there (`wait()` will not block).
+    fn poll(&self) -> PyResult<bool> {
+        let mut state = self.state()?;
+        if state.result.is_none()
+            && let Some(r) = state.pending.as_mut().and_then(|h| h.try_wait())
+        {
+            state.result = Some(r);
+        }
+        Ok(state.result.is_some())
+    }
+
+    /// Waits for the result (without the GIL; Ctrl-C still interrupts). Raises the
+    /// collective's error. Never waits forever: the runtime fails every collective within
+    /// its peer timeout (`RINGWATCH_TIMEOUT_SECS`) when a rank dies or stops answering.
+    fn wait(&self, py: Python<'_>) -> PyResult<Option<(Buffer, Vec<usize>)>> {
+        // The runtime's handle is taken out while waiting, so that no lock is held without
+        // the GIL (a `poll` from another thread meanwhile sees "not there yet").
+        let (mut pending, mut result) = {
+            let mut state = self.state()?;
+            (state.pending.take(), state.result.take())
+        };
+        while result.is_none() {
+            let Some(h) = pending.as_mut() else { break };
+            match py.detach(|| h.wait_for(SIGNAL_POLL)) {
+                Some(r) => result = Some(r),
+                None => {
+                    if let Err(e) = py.check_signals() {
+                        self.state()?.pending = pending;
+                        return Err(e);
+                    }
+                }
+            }
+        }
+        let tensor = match result {
+            Some(r) => r.map_err(to_py)?,
+            None => {
+                return Err(RingwatchError::new_err(format!(
+                    "the collective '{}' was already waited on",
+                    self.name
+                )));
+            }
+        };
+        if tensor.is_external() {
+            // The result is in the caller's memory; dropping the tensor releases its owner.
+            return Ok(None);
+        }
+        let shape = tensor.shape().to_vec();
+        Ok(Some((
+            Buffer {
+                data: tensor.into_buf(),
+            },
+            shape,
+        )))
+    }
+}
+
+/// Bytes of a result the runtime allocated (an allgather's), lent to Python through the
+/// buffer protocol, so that `torch.frombuffer` wraps them without a copy.
+#[pyclass(module = "ringwatch._native")]
+struct Buffer {
+    data: AlignedBuf,
+}
+
+#[pymethods]
+impl Buffer {
+    fn __len__(&self) -> usize {
+        self.data.len()
+    }
+
+    /// # Safety
+    /// Called by Python with a valid `view`; the buffer's bytes never move or change size
+    /// while the `Buffer` lives, and the view holds a reference to it.
+    unsafe fn __getbuffer__(
+        mut slf: PyRefMut<'_, Self>,
+        view: *mut ffi::Py_buffer,
+        flags: c_int,
+    ) -> PyResult<()> {
+        let len = slf.data.len();
+        let ptr = slf.data.as_mut_slice().as_mut_ptr();
+        let py = slf.py();
+        let obj = slf.into_pyobject(py)?;
+        // SAFETY: `view` comes from Python; `ptr` is valid for `len` bytes while `obj`, whose
+        // reference the view keeps, is alive.
+        let rc = unsafe {
+            ffi::PyBuffer_FillInfo(
+                view,
+                obj.as_ptr(),
+                ptr.cast(),
+                isize::try_from(len).map_err(|_| PyValueError::new_err("buffer too large"))?,
+                0,
+                flags,
+            )
+        };
+        if rc == -1 {
+            return Err(PyErr::fetch(py));
+        }
+        Ok(())
+    }
+}
+
+/// The extension module.
+#[pymodule]
+fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    let py = m.py();
+    m.add("RingwatchError", py.get_type::<RingwatchError>())?;
+    m.add("MismatchError", py.get_type::<MismatchError>())?;
+    m.add("RankFailedError", py.get_type::<RankFailedError>())?;
+    m.add("NotInitializedError", py.get_type::<NotInitializedError>())?;
+    m.add_class::<Handle>()?;
+    m.add_class::<Buffer>()?;
+    m.add_function(wrap_pyfunction!(init, m)?)?;
+    m.add_function(wrap_pyfunction!(shutdown, m)?)?;
+    m.add_function(wrap_pyfunction!(is_initialized, m)?)?;
+    m.add_function(wrap_pyfunction!(rank, m)?)?;
+    m.add_function(wrap_pyfunction!(size, m)?)?;
+    m.add_function(wrap_pyfunction!(local_rank, m)?)?;
+    m.add_function(wrap_pyfunction!(local_size, m)?)?;
+    m.add_function(wrap_pyfunction!(job_id, m)?)?;
+    m.add_function(wrap_pyfunction!(control_socket, m)?)?;
+    m.add_function(wrap_pyfunction!(knobs, m)?)?;
+    m.add_function(wrap_pyfunction!(set_knobs, m)?)?;
+    m.add_function(wrap_pyfunction!(totals, m)?)?;
+    m.add_function(wrap_pyfunction!(enqueue, m)?)?;
+    Ok(())
+}

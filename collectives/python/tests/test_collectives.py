@@ -1,0 +1,210 @@
+"""ringwatch.torch's collectives against references computed another way (torch's own
+reductions over every rank's inputs, which each rank can rebuild), bit for bit."""
+
+import pytest
+
+COLLECTIVES = r"""
+import json, hashlib
+import torch
+import ringwatch.torch as rw
+
+rw.init()
+r, n = rw.rank(), rw.size()
+DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int32, torch.int64]
+BITS = {torch.float32: torch.int32, torch.float64: torch.int64, torch.float16: torch.int16,
+        torch.bfloat16: torch.int16, torch.int32: torch.int32, torch.int64: torch.int64}
+
+def inputs(rank, dtype, shape):
+    # Small integers: exact in every dtype, so any summation order gives the same bits.
+    numel = 1
+    for d in shape:
+        numel *= d
+    base = torch.arange(numel, dtype=torch.int64).reshape(shape)
+    return ((base * 7 + rank * 13) % 23 - 11).to(dtype)
+
+def same_bits(a, b):
+    return a.dtype == b.dtype and a.shape == b.shape and torch.equal(
+        a.contiguous().view(BITS[a.dtype]), b.contiguous().view(BITS[b.dtype]))
+
+def reference(everyone, op, dtype):
+    if op == rw.Sum:
+        return everyone.sum(0).to(dtype)
+    if op == rw.Average:
+        if dtype.is_floating_point:
+            return (everyone.to(torch.float64).sum(0) / n).to(dtype)
+        return torch.div(everyone.sum(0), n, rounding_mode="trunc").to(dtype)
+    if op == rw.Min:
+        return everyone.min(0).values
+    return everyone.max(0).values
+
+failures = []
+def check(ok, what):
+    if not ok:
+        failures.append(what)
+
+# Every dtype and op, in place, with shapes that fuse (small) and one that does not (large).
+for dtype in DTYPES:
+    for shape in [(), (5,), (3, 17), (70001,)]:
+        everyone = torch.stack([inputs(k, dtype, shape) for k in range(n)])
+        for op in [rw.Sum, rw.Average, rw.Min, rw.Max]:
+            t = inputs(r, dtype, shape)
+            ptr = t.data_ptr()
+            out = rw.allreduce_(t, name=f"{dtype}.{shape}.{op}", op=op)
+            check(out is t and t.data_ptr() == ptr, f"{dtype} {shape} {op}: not in place")
+            check(same_bits(t, reference(everyone, op, dtype)), f"{dtype} {shape} {op}: wrong result {t.flatten()[:4]}")
+
+# Many tensors in flight at once (fused into shared buffers), out of place.
+handles, originals = [], []
+for i in range(40):
+    t = inputs(r, torch.float32, (i * 37 + 1,))
+    originals.append(t.clone())
+    handles.append((i, t, rw.allreduce_async(t, name=f"fused.{i}", op=rw.Sum)))
+for i, t, h in handles:
+    out = rw.synchronize(h)
+    everyone = torch.stack([inputs(k, torch.float32, (i * 37 + 1,)) for k in range(n)])
+    check(same_bits(out, everyone.sum(0)), f"fused.{i}: wrong result")
+    check(torch.equal(t, originals[i]), f"fused.{i}: out-of-place allreduce changed its input")
+
+# Random floats: every rank gets the same bits, close to a float64 reference.
+gens = [torch.Generator().manual_seed(100 + k) for k in range(n)]
+rand = [torch.randn(100_003, generator=g) for g in gens]
+got = rw.allreduce(rand[r], name="random", op=rw.Sum)
+ref = torch.stack(rand).to(torch.float64).sum(0)
+check(torch.allclose(got.to(torch.float64), ref, rtol=1e-5, atol=1e-5), "random: far from float64")
+gathered = rw.allgather(got.view(1, -1), name="random.gathered")
+check(all(same_bits(gathered[k], got) for k in range(n)), "random: ranks disagree")
+
+# Async handles: poll, then synchronize.
+h = rw.allreduce_async_(torch.ones(3), name="polled", op=rw.Sum)
+while not rw.poll(h):
+    pass
+check(torch.equal(rw.synchronize(h), torch.full((3,), float(n))), "polled: wrong result")
+
+# Allgather with a first dimension that differs by rank, every dtype.
+for dtype in DTYPES:
+    mine = torch.full((r + 1, 3), r, dtype=dtype)
+    out = rw.allgather(mine, name=f"allgather.{dtype}")
+    ref = torch.cat([torch.full((k + 1, 3), k, dtype=dtype) for k in range(n)])
+    check(same_bits(out, ref), f"allgather {dtype}: wrong result")
+empty = rw.allgather(torch.zeros((0, 2)), name="allgather.empty")
+check(empty.shape == (0, 2), f"allgather of empty tensors: shape {tuple(empty.shape)}")
+
+# Broadcast from the last rank, in place and out of place.
+root = n - 1
+t = torch.arange(10, dtype=torch.int64) * (r + 1)
+rw.broadcast_(t, root, name="bcast")
+check(torch.equal(t, torch.arange(10) * n), "broadcast_: wrong result")
+src = torch.full((4,), float(r))
+out = rw.broadcast(src, root, name="bcast.copy")
+check(torch.equal(out, torch.full((4,), float(root))) and torch.equal(src, torch.full((4,), float(r))),
+      "broadcast: wrong result or changed input")
+
+# broadcast_parameters: every rank ends with rank 0's model.
+torch.manual_seed(r)
+model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.BatchNorm1d(16), torch.nn.Linear(16, 2))
+rw.broadcast_parameters(model.state_dict(), root_rank=0)
+digest = hashlib.sha256()
+for name, p in sorted(model.state_dict().items()):
+    digest.update(name.encode())
+    digest.update(p.detach().numpy().tobytes())
+
+rw.shutdown()
+print(json.dumps({"rank": r, "failures": failures, "params": digest.hexdigest()}))
+"""
+
+
+@pytest.mark.parametrize("links", ["shm", "tcp"])
+def test_collectives_bitwise_against_torch(run_job, links):
+    env = {"RINGWATCH_SHM": "0"} if links == "tcp" else {}
+    results = run_job(COLLECTIVES, 4, env=env).results()
+    for res in results:
+        assert res["failures"] == [], f"rank {res['rank']}: {res['failures']}"
+    # broadcast_parameters made every rank's model rank 0's (seeded differently before).
+    assert len({res["params"] for res in results}) == 1
+
+
+ERRORS = r"""
+import json, time
+import torch
+import ringwatch
+import ringwatch.torch as rw
+
+rw.init()
+r = rw.rank()
+seen = {}
+
+def expect(name, exc, fn):
+    try:
+        fn()
+    except exc as e:
+        seen[name] = str(e)
+    else:
+        seen[name] = "no error"
+
+# Refused on this rank alone, before anything is sent.
+expect("non_contiguous", ValueError, lambda: rw.allreduce_(torch.ones(4, 4).t(), name="nc"))
+expect("dtype", TypeError, lambda: rw.allreduce_(torch.ones(4, dtype=torch.uint8), name="u8"))
+expect("not_tensor", TypeError, lambda: rw.allreduce_([1.0, 2.0], name="list"))
+h = rw.allreduce_async_(torch.ones(2), name="twice")
+expect("in_flight", ValueError, lambda: rw.allreduce_async_(torch.ones(2), name="twice"))
+rw.synchronize(h)
+expect("waited_twice", ringwatch.RingwatchError, lambda: rw.synchronize(h))
+expect("bad_root", ValueError, lambda: rw.broadcast_(torch.ones(2), root_rank=-1, name="root"))
+
+# Shapes that differ across ranks: the runtime's error names the tensor and the ranks.
+expect("mismatch", rw.MismatchError,
+       lambda: rw.allreduce_(torch.ones(3 + r), name="grad.fc.weight"))
+# The job goes on after a mismatch.
+ok = rw.allreduce_(torch.ones(2), name="after", op=rw.Sum)
+seen["after"] = ok.tolist()
+rw.shutdown()
+expect("after_shutdown", ringwatch.NotInitializedError, lambda: rw.rank())
+print(json.dumps({"rank": r, "seen": seen}))
+"""
+
+
+def test_errors_are_clear_python_exceptions(run_job):
+    results = run_job(ERRORS, 2).results()
+    for res in results:
+        seen = res["seen"]
+        assert "contiguous" in seen["non_contiguous"], seen
+        assert "uint8" in seen["dtype"], seen
+        assert "torch.Tensor" in seen["not_tensor"], seen
+        assert "already in flight" in seen["in_flight"], seen
+        assert "already waited" in seen["waited_twice"], seen
+        assert "root_rank" in seen["bad_root"], seen
+        assert "grad.fc.weight" in seen["mismatch"], seen
+        assert "[3] on ranks [0]" in seen["mismatch"] and "[4] on ranks [1]" in seen["mismatch"], seen
+        assert seen["after"] == [2.0, 2.0], seen
+        assert "init()" in seen["after_shutdown"], seen
+
+
+DEAD_RANK = r"""
+import json, os, time
+import torch
+import ringwatch.torch as rw
+
+rw.init()
+r = rw.rank()
+rw.allreduce_(torch.ones(8), name="warmup")
+if r == 2:
+    os._exit(3)  # dies without a word, as a killed process does
+start = time.monotonic()
+try:
+    for i in range(1000):
+        rw.allreduce_(torch.ones(1024), name=f"step.{i}")
+    outcome = "no error"
+except rw.RankFailedError as e:
+    outcome = str(e)
+print(json.dumps({"rank": r, "error": outcome, "seconds": time.monotonic() - start}))
+"""
+
+
+def test_a_dead_rank_raises_instead_of_hanging(run_job):
+    job = run_job(DEAD_RANK, 3, env={"RINGWATCH_TIMEOUT_SECS": "5"}, check=False)
+    assert job.procs[2].returncode == 3, job.describe()
+    for rank in (0, 1):
+        assert job.procs[rank].returncode == 0, job.describe()
+        lines = [l for l in job.outputs[rank][0].splitlines() if l.strip()]
+        res = __import__("json").loads(lines[-1])
+        assert "rank 2" in res["error"], res
