@@ -14,6 +14,7 @@ mod deploy;
 mod hostile;
 mod image;
 mod multinode;
+mod python;
 mod retune;
 mod topology;
 mod tuning_grid;
@@ -51,6 +52,7 @@ enum Task {
     /// The test suite, as CI runs it: setup, cargo fmt --check, clippy with
     /// -D warnings on all targets, every crate's unit and integration tests
     /// (the privileged eBPF tests run when root and skip otherwise),
+    /// the Python package's pytest suite (`cargo xtask python --test`),
     /// Schemathesis against the agent's OpenAPI document (pinned from PyPI
     /// into target/schemathesis), the Kubernetes manifest's offline check
     /// (check-deploy), and the UI's end-to-end test in headless Chromium.
@@ -76,6 +78,12 @@ enum Task {
     /// read-only mounts) and check that it traces a collbench job started
     /// on the host. Needs root and podman + runc.
     Image(image::Args),
+    /// The Python package (`import ringwatch.torch as rw`) built from
+    /// collectives/python and installed into target/python-venv: a venv over
+    /// Debian's python3 that sees its python3-torch, with maturin and pytest
+    /// pinned from PyPI (installs python3-torch, python3-dev and python3-venv
+    /// with apt-get when root). --test runs its pytest suite after.
+    Python(python::Args),
     /// Benchmarks, each printing a table.
     #[command(after_long_help = compare::HELP)]
     Bench {
@@ -146,6 +154,7 @@ fn main() -> std::process::ExitCode {
         Task::CheckDeploy => deploy::run(&root(), &cargo_target_dir(&root())),
         Task::Demo(args) => demo::run(&root(), &args),
         Task::Image(args) => image::run(&root(), &cargo_target_dir(&root()), &args),
+        Task::Python(args) => python::run(&root(), &cargo_target_dir(&root()), &args),
         Task::Bench {
             which,
             grid,
@@ -301,10 +310,12 @@ fn cargo_target_dir(root: &Path) -> PathBuf {
 
 fn setup() -> Result<()> {
     ensure_packages(APT_PACKAGES, package_present)?;
+    ensure_packages(python::APT_PACKAGES, python::package_present)?;
     eprintln!(
         "xtask: prerequisites present ({})",
         APT_PACKAGES
             .iter()
+            .chain(python::APT_PACKAGES)
             .map(|(p, _)| *p)
             .collect::<Vec<_>>()
             .join(", ")
@@ -405,6 +416,10 @@ fn test() -> Result<()> {
     // Doc tests are not built by --all-targets.
     run("cargo", &["test", "--workspace", "--doc"])?;
     let target_dir = cargo_target_dir(&root());
+    // The PyTorch front end: built into its venv (dev profile, sharing the
+    // build above's dependencies) and its pytest suite.
+    let venv = python::install(&root(), &target_dir, false)?;
+    python::test(&root(), &venv)?;
     api_fuzz::run(
         &root(),
         &target_dir,

@@ -18,6 +18,30 @@ pub fn pinned(
     name: &str,
     what: &str,
 ) -> Result<PathBuf> {
+    make(root, target_dir, requirements, name, what, false)
+}
+
+/// As [`pinned`], over Debian's `/usr/bin/python3` with its system packages
+/// visible (`--system-site-packages`): for tools that need Debian's
+/// python3-torch beside the pinned ones.
+pub fn pinned_over_system(
+    root: &Path,
+    target_dir: &Path,
+    requirements: &str,
+    name: &str,
+    what: &str,
+) -> Result<PathBuf> {
+    make(root, target_dir, requirements, name, what, true)
+}
+
+fn make(
+    root: &Path,
+    target_dir: &Path,
+    requirements: &str,
+    name: &str,
+    what: &str,
+    system: bool,
+) -> Result<PathBuf> {
     let requirements = root.join(requirements);
     let pins = std::fs::read_to_string(&requirements)
         .with_context(|| format!("reading {}", requirements.display()))?;
@@ -33,11 +57,20 @@ pub fn pinned(
         venv.display(),
         requirements.display()
     );
-    let python = ["python3", "python"]
-        .into_iter()
-        .find(|p| crate::which(p))
-        .with_context(|| format!("{what} needs Python 3 (python3 with venv and pip)"))?;
-    if crate::run(python, &["-m", "venv", "--clear", path_str(&venv)?]).is_err() {
+    let python = if system {
+        "/usr/bin/python3"
+    } else {
+        ["python3", "python"]
+            .into_iter()
+            .find(|p| crate::which(p))
+            .with_context(|| format!("{what} needs Python 3 (python3 with venv and pip)"))?
+    };
+    let mut venv_args = vec!["-m", "venv", "--clear"];
+    if system {
+        venv_args.push("--system-site-packages");
+    }
+    venv_args.push(path_str(&venv)?);
+    if crate::run(python, &venv_args).is_err() {
         // Debian's python3 makes venvs only with python3-venv installed.
         eprintln!("xtask: `{python} -m venv` failed; trying Debian's python3 with python3-venv");
         crate::ensure_packages(
@@ -49,10 +82,7 @@ pub fn pinned(
                     .is_ok_and(|s| s.success())
             },
         )?;
-        crate::run(
-            "/usr/bin/python3",
-            &["-m", "venv", "--clear", path_str(&venv)?],
-        )?;
+        crate::run("/usr/bin/python3", &venv_args)?;
     }
     crate::run(
         path_str(&venv.join("bin/pip"))?,

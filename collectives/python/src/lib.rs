@@ -216,7 +216,7 @@ fn knobs(py: Python<'_>) -> PyResult<Py<PyDict>> {
     d.set_item("since_cycle", since)?;
     d.set_item(
         "autotune",
-        format!("{:?}", with_runtime(|rt| Ok(rt.autotune_state()))?).to_lowercase(),
+        with_runtime(|rt| Ok(rt.autotune_state()))?.as_str(),
     )?;
     Ok(d.unbind())
 }

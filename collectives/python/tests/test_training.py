@@ -1,0 +1,124 @@
+"""Training on ringwatch.torch gives the model that single-process training on the combined
+batch gives (same seed, same data): the proof that the gradients are right."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+TRAIN = r"""
+import json, os, sys
+import torch
+import torch.nn.functional as F
+
+MODE = os.environ["MODE"]          # single | optimizer | ddp
+STEPS, PER_RANK = 6, 8
+
+def model_and_data(world):
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(
+        torch.nn.Conv2d(3, 8, 3, padding=1), torch.nn.ReLU(), torch.nn.MaxPool2d(2),
+        torch.nn.Conv2d(8, 8, 3, padding=1), torch.nn.ReLU(), torch.nn.Flatten(),
+        torch.nn.Linear(8 * 4 * 4, 10),
+    )
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(STEPS, world * PER_RANK, 3, 8, 8, generator=g)
+    y = torch.randint(0, 10, (STEPS, world * PER_RANK), generator=g)
+    return model, x, y
+
+if MODE == "single":
+    world = int(os.environ["COMBINED"])
+    model, x, y = model_and_data(world)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    losses = []
+    for s in range(STEPS):
+        opt.zero_grad()
+        loss = F.cross_entropy(model(x[s]), y[s])
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+else:
+    import ringwatch.torch as rw
+    if MODE == "ddp":
+        import torch.distributed as dist
+        dist.init_process_group("gloo")   # MASTER_PORT; ringwatch takes MASTER_PORT + 1
+    rw.init()
+    r, world = rw.rank(), rw.size()
+    model, x, y = model_and_data(world)
+    if r != 0:
+        with torch.no_grad():             # broadcast_parameters must undo this
+            for p in model.parameters():
+                p.add_(1.0)
+    rw.broadcast_parameters(model.state_dict(), root_rank=0)
+    mine = slice(r * PER_RANK, (r + 1) * PER_RANK)
+    if MODE == "ddp":
+        from torch.nn.parallel import DistributedDataParallel
+        model = DistributedDataParallel(model, bucket_cap_mb=0.002)   # several buckets
+        model.register_comm_hook(None, rw.ddp_comm_hook)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    else:
+        opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+        opt = rw.DistributedOptimizer(opt, named_parameters=model.named_parameters())
+    losses = []
+    for s in range(STEPS):
+        opt.zero_grad()
+        loss = F.cross_entropy(model(x[s][mine]), y[s][mine])
+        loss.backward()
+        opt.step()
+        # The combined batch's loss: the mean of the ranks' means (equal shards).
+        losses.append(rw.allreduce(loss.detach(), name=f"loss.{s}", op=rw.Average).item())
+    if MODE == "ddp":
+        model = model.module
+    if MODE == "optimizer":
+        # Optimizer state from rank 0 reaches every rank (momentum buffers included).
+        opt2 = torch.optim.SGD(model.parameters(), lr=0.5 if r else 0.1, momentum=0.9)
+        if r == 0:
+            opt2.load_state_dict(opt.state_dict())
+        rw.broadcast_optimizer_state(opt2, root_rank=0)
+        assert opt2.param_groups[0]["lr"] == 0.1, opt2.param_groups[0]["lr"]
+        for a, b in zip(opt2.state_dict()["state"].values(), opt.state_dict()["state"].values()):
+            assert torch.equal(a["momentum_buffer"], b["momentum_buffer"])
+    rw.shutdown()
+params = [p.detach().double().flatten().tolist() for p in model.parameters()]
+print(json.dumps({"losses": losses, "params": params}))
+"""
+
+
+def single_process(tmp_path, combined):
+    script = tmp_path / "single.py"
+    script.write_text(TRAIN)
+    env = dict(os.environ, MODE="single", COMBINED=str(combined), OMP_NUM_THREADS="1")
+    out = subprocess.run(
+        [sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=120
+    )
+    assert out.returncode == 0, out.stderr
+    return json.loads(out.stdout.splitlines()[-1])
+
+
+def assert_same_training(got, want):
+    assert len(got["losses"]) == len(want["losses"])
+    for s, (a, b) in enumerate(zip(got["losses"], want["losses"])):
+        assert a == pytest.approx(b, rel=1e-5, abs=1e-6), f"step {s}: loss {a} vs {b}"
+    for a, b in zip(got["params"], want["params"]):
+        assert torch.allclose(torch.tensor(a), torch.tensor(b), rtol=1e-4, atol=1e-5)
+    # The model learned something, so the comparison is not between two untrained nets.
+    assert got["losses"][-1] < got["losses"][0]
+
+
+def test_distributed_optimizer_trains_like_one_process(run_job, tmp_path):
+    results = run_job(TRAIN, 4, env={"MODE": "optimizer"}).results()
+    want = single_process(tmp_path, 4)
+    for res in results:
+        assert_same_training(res, want)
+    # Every rank holds the same model, bit for bit.
+    assert all(res["params"] == results[0]["params"] for res in results)
+
+
+def test_ddp_comm_hook_trains_like_one_process(run_job, tmp_path):
+    results = run_job(TRAIN, 2, env={"MODE": "ddp"}).results()
+    want = single_process(tmp_path, 2)
+    for res in results:
+        assert_same_training(res, want)
