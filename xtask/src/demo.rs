@@ -7,7 +7,9 @@
 //! through its control socket and tunes live; the UI's URL while it runs;
 //! at the end the chosen knobs, steps/s on the runtime's defaults and on the
 //! chosen knobs (each measured by a separate clean job on the same pretend
-//! nodes), and the report's path. Everything it starts is stopped, and the
+//! nodes), and the report's path. `--workload pytorch` makes the job real
+//! training instead (torchvision's ResNet-18 through `ringwatch.torch`).
+//! Everything it starts is stopped, and the
 //! namespaces removed, on return, on error and on Ctrl-C.
 //!
 //! It only drives the binaries and reads the agent's HTTP API; it decides
@@ -58,6 +60,52 @@ pub struct Args {
     /// Keep the agent serving (UI, report) after the demo until Ctrl-C.
     #[arg(long)]
     pub keep_serving: bool,
+    /// What the tuned job runs: `collbench` (its resnet50 workload, the
+    /// gradients of ResNet-50 without the compute) or `pytorch` (real
+    /// training: examples/pytorch/train.py, torchvision's ResNet-18 on
+    /// ringwatch.torch, 64x64 images, 8 per rank per step).
+    #[arg(long, value_enum, default_value = "collbench")]
+    pub workload: Workload,
+}
+
+/// The demo's job.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum Workload {
+    /// `collbench resnet50`: ResNet-50's gradients, no compute.
+    Collbench,
+    /// PyTorch training of ResNet-18 through `ringwatch.torch`.
+    Pytorch,
+}
+
+/// The knobs as the runtime's environment variables (a PyTorch job has no flags for them).
+fn knob_env(knobs: &Knobs) -> Vec<(String, String)> {
+    vec![
+        (
+            "RINGWATCH_FUSION_THRESHOLD".into(),
+            knobs.fusion_threshold_bytes.to_string(),
+        ),
+        (
+            "RINGWATCH_CYCLE_TIME_MS".into(),
+            knobs.cycle_time_ms.to_string(),
+        ),
+        (
+            "RINGWATCH_HIERARCHICAL_ALLREDUCE".into(),
+            if knobs.hierarchical_allreduce {
+                "1"
+            } else {
+                "0"
+            }
+            .into(),
+        ),
+    ]
+}
+
+/// A PyTorch training job's program and arguments (train.py through the venv's python).
+fn pytorch_job(python: &Path, script: &Path, extra: &[&str]) -> Result<(PathBuf, Vec<String>)> {
+    let mut args = vec![crate::venv::path_str(script)?.to_string()];
+    args.extend(["--backend", "ringwatch"].map(String::from));
+    args.extend(extra.iter().map(|a| a.to_string()));
+    Ok((python.to_path_buf(), args))
 }
 
 const JOB_ID: &str = "ringwatch-demo";
@@ -220,6 +268,21 @@ pub fn run(root: &Path, args: &Args) -> Result<()> {
     crate::run("cargo", &["build", "-p", "agent"])?;
     let agent_bin = root.join("target/debug/ringwatch-agent");
     let collbench = multinode::collbench(root)?;
+    let python = if args.workload == Workload::Pytorch {
+        crate::ensure_packages(
+            &[(
+                "python3-torchvision",
+                "the PyTorch workload's model (torchvision's ResNet-18)",
+            )],
+            crate::python::package_present,
+        )?;
+        Some(
+            crate::python::install(root, &crate::cargo_target_dir(root), false)?.join("bin/python"),
+        )
+    } else {
+        None
+    };
+    let script = root.join("examples/pytorch/train.py");
     topology::install_signal_cleanup()?;
 
     let demo_dir = root.join("target/demo");
@@ -254,6 +317,37 @@ pub fn run(root: &Path, args: &Args) -> Result<()> {
     );
 
     let measure = |knobs: Option<Knobs>, job_id: &str| -> Result<f64> {
+        if let Some(python) = &python {
+            let steps = args.measure_steps.to_string();
+            let (program, job_args) =
+                pytorch_job(python, &script, &["--steps", &steps, "--warmup", "3"])?;
+            let mut env = vec![
+                ("RINGWATCH_CONTROL_SOCKET".to_string(), "0".to_string()),
+                ("OMP_NUM_THREADS".into(), "1".into()),
+            ];
+            env.extend(knobs.as_ref().map(knob_env).unwrap_or_default());
+            let job = multinode::Job {
+                topology: &topology,
+                placement: multinode::block_placement(2, 2),
+                collbench: program,
+                args: job_args,
+                env,
+                job_id: job_id.into(),
+                timeout: Duration::from_secs(120 + 10 * args.measure_steps as u64),
+            };
+            let output = multinode::run(&job).with_context(|| format!("job {job_id}"))?;
+            let line = output
+                .lines()
+                .rev()
+                .find(|l| l.trim_start().starts_with('{'))
+                .with_context(|| format!("job {job_id}: rank 0 printed no JSON"))?;
+            let value: Value = serde_json::from_str(line)
+                .with_context(|| format!("job {job_id}: rank 0 printed {line:?}"))?;
+            return value
+                .get("steps_per_s")
+                .and_then(Value::as_f64)
+                .with_context(|| format!("job {job_id}: no steps_per_s in {line:?}"));
+        }
         let spec = multinode::Resnet50 {
             ranks_per_node: 2,
             steps: args.measure_steps,
@@ -262,8 +356,12 @@ pub fn run(root: &Path, args: &Args) -> Result<()> {
         };
         Ok(multinode::resnet50(&topology, &collbench, &spec, knobs, job_id)?.steps_per_sec)
     };
+    let workload = match args.workload {
+        Workload::Collbench => "collbench resnet50",
+        Workload::Pytorch => "PyTorch ResNet-18 training",
+    };
     println!(
-        "before: a {}-step resnet50 job on the runtime's default knobs (Horovod's)...",
+        "before: a {}-step {workload} job on the runtime's default knobs (Horovod's)...",
         args.measure_steps
     );
     let before = measure(None, "demo-before")?;
@@ -272,19 +370,27 @@ pub fn run(root: &Path, args: &Args) -> Result<()> {
     // The job being tuned: long enough for any session; stopped once the
     // session is over.
     let stop = Arc::new(AtomicBool::new(false));
+    let (program, job_args) = match &python {
+        Some(python) => pytorch_job(python, &script, &["--duration", "1000000"])?,
+        None => (
+            collbench.clone(),
+            vec![
+                "--json".into(),
+                "resnet50".into(),
+                "--steps".into(),
+                "1000000".into(),
+                "--warmup".into(),
+                "0".into(),
+            ],
+        ),
+    };
     let job = multinode::Job {
         topology: &topology,
         placement: multinode::block_placement(2, 2),
-        collbench: collbench.clone(),
-        args: vec![
-            "--json".into(),
-            "resnet50".into(),
-            "--steps".into(),
-            "1000000".into(),
-            "--warmup".into(),
-            "0".into(),
-        ],
+        collbench: program,
+        args: job_args,
         env: vec![
+            ("OMP_NUM_THREADS".into(), "1".into()),
             ("RINGWATCH_AUTOTUNE".into(), "1".into()),
             // The agent claims it within a scan or two; never self-tune here.
             ("RINGWATCH_AUTOTUNE_WAIT_SECS".into(), "60".into()),
@@ -313,7 +419,7 @@ pub fn run(root: &Path, args: &Args) -> Result<()> {
         .context("the session ended without a best point")?;
     let chosen = knobs_of(best.get("knobs").context("best without knobs")?)?;
     println!(
-        "after: a {}-step resnet50 job on the chosen knobs ({})...",
+        "after: a {}-step {workload} job on the chosen knobs ({})...",
         args.measure_steps,
         describe(&chosen)
     );

@@ -17,6 +17,7 @@ mod multinode;
 mod python;
 mod retune;
 mod topology;
+mod train;
 mod tuning_grid;
 mod tuning_session;
 mod venv;
@@ -100,6 +101,8 @@ enum Task {
         hostile: Box<hostile::Args>,
         #[command(flatten)]
         retune: Box<retune::Args>,
+        #[command(flatten)]
+        train: Box<train::Args>,
     },
 }
 
@@ -142,6 +145,14 @@ enum Bench {
     /// the reports go to target/bench/retune/, the summary to
     /// target/bench/retune.json. About 7 minutes (--job-seconds).
     Retune,
+    /// Data-parallel training of torchvision's ResNet-18 (examples/pytorch/
+    /// train.py) on ringwatch, PyTorch DDP + gloo and Horovod 0.28.1 + gloo
+    /// (built from PyPI into target/horovod-venv on first use, ~15 minutes;
+    /// --no-horovod leaves it out), on 1 x 4 and 2 x 2 pretend nodes (root):
+    /// steps/s and images/s, interleaved rounds, and every contender's
+    /// losses against single-process training on the combined batch. Writes
+    /// target/bench/train.json. About 5 minutes after the first build.
+    Train,
 }
 
 fn main() -> std::process::ExitCode {
@@ -162,7 +173,8 @@ fn main() -> std::process::ExitCode {
             compare,
             hostile,
             retune,
-        } => bench(which, &grid, &session, &compare, &hostile, &retune),
+            train,
+        } => bench(which, &grid, &session, &compare, &hostile, &retune, &train),
     };
     match result {
         Ok(()) => std::process::ExitCode::SUCCESS,
@@ -419,7 +431,11 @@ fn test() -> Result<()> {
     // The PyTorch front end: built into its venv (dev profile, sharing the
     // build above's dependencies) and its pytest suite.
     let venv = python::install(&root(), &target_dir, false)?;
-    python::test(&root(), &venv)?;
+    python::test(
+        &root(),
+        &venv,
+        Some(&target_dir.join("debug/ringwatch-agent")),
+    )?;
     api_fuzz::run(
         &root(),
         &target_dir,
@@ -469,6 +485,7 @@ fn bench(
     compare: &compare::Args,
     hostile: &hostile::Args,
     retune: &retune::Args,
+    train: &train::Args,
 ) -> Result<()> {
     match which {
         Bench::Tuner => run("cargo", &["bench", "-p", "tuner", "--bench", "tuner"]),
@@ -508,6 +525,7 @@ fn bench(
         Bench::Compare => compare::run(&root(), compare),
         Bench::Hostile => hostile::run(&root(), hostile),
         Bench::Retune => retune::run(&root(), retune),
+        Bench::Train => train::run(&root(), train),
     }
 }
 

@@ -68,7 +68,9 @@ pub struct Args {
 pub fn run(root: &Path, target_dir: &Path, args: &Args) -> Result<()> {
     let venv = install(root, target_dir, args.release)?;
     if args.test {
-        test(root, &venv)?;
+        // The agent's dev build, when there is one (the test that needs it skips otherwise).
+        let agent = target_dir.join("debug/ringwatch-agent");
+        test(root, &venv, agent.is_file().then_some(agent.as_path()))?;
     }
     println!(
         "ringwatch.torch is installed in {}: `source {}/bin/activate`, then `import ringwatch.torch as rw`",
@@ -113,14 +115,21 @@ pub fn install(root: &Path, target_dir: &Path, release: bool) -> Result<PathBuf>
     Ok(venv)
 }
 
-/// The package's tests, with the venv's pytest.
-pub fn test(root: &Path, venv: &Path) -> Result<()> {
+/// The package's tests, with the venv's pytest. `agent`: the agent binary for the test
+/// in which the agent tunes a PyTorch job (`None`: that test skips, saying so).
+pub fn test(root: &Path, venv: &Path, agent: Option<&Path>) -> Result<()> {
     let python = venv.join("bin/python");
+    if let Some(agent) = agent
+        && !agent.is_file()
+    {
+        bail!("{} is missing (cargo build -p agent)", agent.display());
+    }
     eprintln!(
         "xtask: $ {} -m pytest -q collectives/python/tests",
         python.display()
     );
-    let status = Command::new(&python)
+    let mut pytest = Command::new(&python);
+    pytest
         .args([
             "-m",
             "pytest",
@@ -129,7 +138,11 @@ pub fn test(root: &Path, venv: &Path) -> Result<()> {
             "no:cacheprovider",
             "collectives/python/tests",
         ])
-        .current_dir(root)
+        .current_dir(root);
+    if let Some(agent) = agent {
+        pytest.env("RINGWATCH_AGENT_BIN", agent);
+    }
+    let status = pytest
         .status()
         .with_context(|| format!("could not start {}", python.display()))?;
     if !status.success() {
