@@ -149,10 +149,13 @@ def test_the_agent_tunes_a_pytorch_job_live(run_job, tmp_path):
         except subprocess.TimeoutExpired:
             agent.kill()
     results = job_result["job"].results()
+    # The job asked, waited, was tuned by the agent, and ended tuned (rank 0 holds the
+    # job's autotune state)...
+    states = results[0]["states"]
+    assert states[0] in ("waiting", "agent") and "agent" in states, results[0]
+    assert states[-1] == "done", results[0]
+    # ...and every rank runs the knobs the session chose.
     for res in results:
-        # The job asked, waited, was tuned by the agent, and ended tuned.
-        assert res["states"][0] in ("waiting", "agent"), res
-        assert "agent" in res["states"] and res["states"][-1] == "done", res
         assert res["knobs"]["fusion_threshold"] == best["fusion_threshold_bytes"], (res, best)
         assert res["knobs"]["cycle_time_ms"] == pytest.approx(best["cycle_time_us"] / 1e3), (res, best)
         assert res["knobs"]["hierarchical_allreduce"] == best["hierarchical_allreduce"], (res, best)
