@@ -14,7 +14,7 @@ import json, os, sys
 import torch
 import torch.nn.functional as F
 
-MODE = os.environ["MODE"]          # single | optimizer | ddp
+MODE = os.environ["MODE"]          # single | optimizer | accumulate | ddp
 STEPS, PER_RANK = 6, 8
 
 def model_and_data(world):
@@ -61,12 +61,24 @@ else:
         opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     else:
         opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
-        opt = rw.DistributedOptimizer(opt, named_parameters=model.named_parameters())
+        passes = 2 if MODE == "accumulate" else 1
+        opt = rw.DistributedOptimizer(opt, named_parameters=model.named_parameters(),
+                                      backward_passes_per_step=passes)
     losses = []
     for s in range(STEPS):
         opt.zero_grad()
-        loss = F.cross_entropy(model(x[s][mine]), y[s][mine])
-        loss.backward()
+        if MODE == "accumulate":
+            # Two micro-batches, gradients summed locally, one allreduce per step.
+            half = PER_RANK // 2
+            xs, ys = x[s][mine], y[s][mine]
+            loss = 0
+            for part in (slice(0, half), slice(half, PER_RANK)):
+                part_loss = F.cross_entropy(model(xs[part]), ys[part]) / 2
+                part_loss.backward()
+                loss = loss + part_loss.detach()
+        else:
+            loss = F.cross_entropy(model(x[s][mine]), y[s][mine])
+            loss.backward()
         opt.step()
         # The combined batch's loss: the mean of the ranks' means (equal shards).
         losses.append(rw.allreduce(loss.detach(), name=f"loss.{s}", op=rw.Average).item())
@@ -119,6 +131,13 @@ def test_distributed_optimizer_trains_like_one_process(run_job, tmp_path):
 
 def test_ddp_comm_hook_trains_like_one_process(run_job, tmp_path):
     results = run_job(TRAIN, 2, env={"MODE": "ddp"}).results()
+    want = single_process(tmp_path, 2)
+    for res in results:
+        assert_same_training(res, want)
+
+
+def test_backward_passes_per_step_accumulates_locally(run_job, tmp_path):
+    results = run_job(TRAIN, 2, env={"MODE": "accumulate"}).results()
     want = single_process(tmp_path, 2)
     for res in results:
         assert_same_training(res, want)
