@@ -336,17 +336,11 @@ pub fn run(root: &Path, args: &Args) -> Result<()> {
                 timeout: Duration::from_secs(120 + 10 * args.measure_steps as u64),
             };
             let output = multinode::run(&job).with_context(|| format!("job {job_id}"))?;
-            let line = output
-                .lines()
-                .rev()
-                .find(|l| l.trim_start().starts_with('{'))
-                .with_context(|| format!("job {job_id}: rank 0 printed no JSON"))?;
-            let value: Value = serde_json::from_str(line)
-                .with_context(|| format!("job {job_id}: rank 0 printed {line:?}"))?;
+            let value: Value = multinode::last_json(&output, &format!("job {job_id}"))?;
             return value
                 .get("steps_per_s")
                 .and_then(Value::as_f64)
-                .with_context(|| format!("job {job_id}: no steps_per_s in {line:?}"));
+                .with_context(|| format!("job {job_id}: no steps_per_s in {value}"));
         }
         let spec = multinode::Resnet50 {
             ranks_per_node: 2,

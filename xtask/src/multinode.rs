@@ -312,12 +312,18 @@ pub fn resnet50(
         timeout,
     };
     let output = run(&job).with_context(|| format!("resnet50 job {job_id}"))?;
+    last_json(&output, &format!("job {job_id}"))
+}
+
+/// The last line of a job's output (rank 0's stdout) that is a JSON object, parsed: how
+/// collbench and examples/pytorch/train.py report a result. `what` names the job in errors.
+pub fn last_json<T: serde::de::DeserializeOwned>(output: &str, what: &str) -> Result<T> {
     let line = output
         .lines()
         .rev()
         .find(|l| l.trim_start().starts_with('{'))
-        .with_context(|| format!("job {job_id}: rank 0 printed no JSON: {output:?}"))?;
-    serde_json::from_str(line).with_context(|| format!("job {job_id}: rank 0 printed {line:?}"))
+        .with_context(|| format!("{what}: rank 0 printed no JSON: {output:?}"))?;
+    serde_json::from_str(line).with_context(|| format!("{what}: rank 0 printed {line:?}"))
 }
 
 /// Plain TCP throughput (one direction, and each direction of both at once),

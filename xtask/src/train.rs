@@ -186,15 +186,6 @@ impl Drop for HorovodRendezvous {
     }
 }
 
-fn parse_run(output: &str, what: &str) -> Result<Run> {
-    let line = output
-        .lines()
-        .rev()
-        .find(|l| l.trim_start().starts_with('{'))
-        .with_context(|| format!("{what}: rank 0 printed no JSON: {output:?}"))?;
-    serde_json::from_str(line).with_context(|| format!("{what}: rank 0 printed {line:?}"))
-}
-
 fn median(values: &[f64]) -> f64 {
     let mut v: Vec<f64> = values.iter().copied().filter(|x| x.is_finite()).collect();
     if v.is_empty() {
@@ -286,7 +277,7 @@ fn job(
         job_id,
         timeout,
     };
-    multinode::run(&job).and_then(|output| parse_run(&output, name))
+    multinode::run(&job).and_then(|output| multinode::last_json(&output, name))
 }
 
 /// The single-process reference on `world` ranks' combined batch.
@@ -302,7 +293,7 @@ fn single(python: &Path, script: &Path, extra: &[String]) -> Result<Run> {
     if !out.status.success() {
         bail!("the single-process reference failed ({})", out.status);
     }
-    parse_run(&String::from_utf8_lossy(&out.stdout), "single")
+    multinode::last_json(&String::from_utf8_lossy(&out.stdout), "single")
 }
 
 /// `cargo xtask bench train` (root: pretend nodes).
@@ -381,6 +372,18 @@ pub fn run(root: &Path, args: &Args) -> Result<()> {
         let mut loads: Vec<Vec<f64>> = vec![Vec::new(); n];
         let mut failures: Vec<Vec<String>> = vec![Vec::new(); n];
         let mut checks: Vec<Option<Run>> = vec![None; n];
+        let run_one = |name: &str, py: &Path, extra: &[String], id: String| {
+            job(
+                &topology,
+                (nodes, per_node),
+                name,
+                py,
+                &script,
+                extra,
+                id,
+                timeout,
+            )
+        };
         for round in 0..args.train_rounds {
             for (i, (name, py)) in contenders.iter().enumerate() {
                 eprintln!(
@@ -391,16 +394,7 @@ pub fn run(root: &Path, args: &Args) -> Result<()> {
                 let load = load_average();
                 let id = format!("train-{name}-{nodes}x{per_node}-{round}");
                 // A contender that fails is reported as failed; the others still run.
-                match job(
-                    &topology,
-                    (nodes, per_node),
-                    name,
-                    py,
-                    &script,
-                    &timed,
-                    id,
-                    timeout,
-                ) {
+                match run_one(name, py, &timed, id) {
                     Ok(run) => {
                         eprintln!(
                             "xtask: [{layout}] {name}: {:.3} steps/s (load {load:.1})",
@@ -419,16 +413,7 @@ pub fn run(root: &Path, args: &Args) -> Result<()> {
         for (i, (name, py)) in contenders.iter().enumerate() {
             eprintln!("xtask: [{layout}] {name}: losses in float64...");
             let id = format!("train-{name}-{nodes}x{per_node}-f64");
-            match job(
-                &topology,
-                (nodes, per_node),
-                name,
-                py,
-                &script,
-                &checked,
-                id,
-                timeout,
-            ) {
+            match run_one(name, py, &checked, id) {
                 Ok(run) => checks[i] = Some(run),
                 Err(e) => failures[i].push(format!("float64 check: {e:#}")),
             }
