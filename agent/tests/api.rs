@@ -60,13 +60,24 @@ fn api_answers_and_rejects_bad_input() {
         assert!(operation["responses"]["403"].is_object(), "{operation}");
     }
 
+    // Classic text by default (what promtool and curl get), OpenMetrics on request.
     let (status, head, body) = server.request("GET", "/metrics");
     assert_eq!(status, 200);
-    assert!(head.contains("openmetrics-text"), "{head}");
+    assert!(head.contains("text/plain; version=0.0.4"), "{head}");
     assert!(
         body.contains("# TYPE ringwatch_gpu_nvml_available gauge"),
         "{body}"
     );
+    assert!(!body.contains("# EOF"), "{body}");
+    common::promtool_check_metrics(&body);
+    let (status, head, body) = server.send(
+        "GET",
+        "/metrics",
+        &["Accept: application/openmetrics-text;version=1.0.0,text/plain;version=0.0.4;q=0.5"],
+        "",
+    );
+    assert_eq!(status, 200);
+    assert!(head.contains("application/openmetrics-text"), "{head}");
     assert!(body.trim_end().ends_with("# EOF"), "{body}");
 
     // The embedded viewer.

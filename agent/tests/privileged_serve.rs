@@ -75,6 +75,9 @@ fn serve_publishes_the_live_view_of_a_watched_process() {
         metrics.contains("ringwatch_ringbuf_drops_total 0"),
         "{metrics}"
     );
+    // Prometheus' own checker on the live page (the counter family's HELP/TYPE
+    // must name its `_total` sample in the classic format).
+    common::promtool_check_metrics(&metrics);
 
     // SIGTERM: a clean exit.
     // SAFETY: kill has no memory-safety preconditions.

@@ -383,6 +383,8 @@ fn a_short_session_pins_the_reported_best_and_its_report_matches_the_samples() {
         )),
         "{metrics}"
     );
+    // The page with a job and a session on it passes Prometheus' own checker.
+    common::promtool_check_metrics(&metrics);
 }
 
 #[test]

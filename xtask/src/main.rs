@@ -284,6 +284,10 @@ const APT_PACKAGES: &[(&str, &str)] = &[
         "runc",
         "the OCI runtime podman uses here (crun refuses hybrid cgroups)",
     ),
+    (
+        "prometheus",
+        "promtool, Prometheus' checker of the agent's /metrics in the tests",
+    ),
 ];
 
 /// Whether one of [`APT_PACKAGES`] is installed (checked by what the build
@@ -296,6 +300,7 @@ fn package_present(package: &str) -> bool {
         "iproute2" => which("ip") && which("tc"),
         "chromium" => Path::new(&chromium_path()).exists(),
         "podman" | "runc" => which(package),
+        "prometheus" => which("promtool"),
         _ => false,
     }
 }
@@ -424,6 +429,9 @@ fn test() -> Result<()> {
     // packages with integration tests included: collbench, the agent)
     // before it runs any test, and the agent's tests run that collbench
     // (`agent/tests/common/procs.rs`), never a nested build of their own.
+    // With promtool installed by setup, the /metrics tests must run it.
+    // SAFETY: set before any thread of this process starts.
+    unsafe { std::env::set_var("RINGWATCH_REQUIRE_PROMTOOL", "1") };
     run("cargo", &["test", "--workspace", "--all-targets"])?;
     // Doc tests are not built by --all-targets.
     run("cargo", &["test", "--workspace", "--doc"])?;

@@ -1264,9 +1264,13 @@ async fn report_file(
 
 async fn metrics(
     State(state): State<ApiState>,
+    headers: HeaderMap,
     ApiQuery(params): ApiQuery,
 ) -> Result<Response, ApiError> {
     reject_unknown(&params, &[])?;
+    let format = crate::metrics::Format::negotiate(
+        headers.get(header::ACCEPT).and_then(|v| v.to_str().ok()),
+    );
     let gpus = state.gpus.clone();
     let live = state.live_view();
     let jobs = state.jobs.as_ref().map(Jobs::jobs).unwrap_or_default();
@@ -1287,14 +1291,11 @@ async fn metrics(
             format!("encoding metrics failed: {e}"),
         )
     })?;
-    Ok((
-        [(
-            header::CONTENT_TYPE,
-            "application/openmetrics-text; version=1.0.0; charset=utf-8",
-        )],
-        text,
-    )
-        .into_response())
+    let text = match format {
+        crate::metrics::Format::OpenMetrics => text,
+        crate::metrics::Format::Classic => crate::metrics::to_classic(&text),
+    };
+    Ok(([(header::CONTENT_TYPE, format.content_type())], text).into_response())
 }
 
 async fn openapi(ApiQuery(params): ApiQuery) -> Result<Response, ApiError> {
@@ -1606,7 +1607,7 @@ pub fn openapi_document() -> serde_json::Value {
             } },
             "/metrics": { "get": {
                 "summary": "Prometheus / OpenMetrics exposition",
-                "responses": { "200": { "description": "metrics", "content": { "application/openmetrics-text": {} } }, "400": bad_request }
+                "responses": { "200": { "description": "metrics", "content": { "text/plain": {}, "application/openmetrics-text": {} } }, "400": bad_request }
             } }
         },
         "components": {

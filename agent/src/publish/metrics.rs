@@ -44,6 +44,123 @@ pub fn render_metrics(
     Ok(text)
 }
 
+/// The exposition formats `/metrics` speaks (chosen by the scraper's `Accept`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Format {
+    /// OpenMetrics 1.0 (`application/openmetrics-text`), what Prometheus asks for first.
+    OpenMetrics,
+    /// Prometheus' classic text format 0.0.4 (`text/plain`), the default and what
+    /// `promtool check metrics` reads.
+    Classic,
+}
+
+impl Format {
+    /// The `Content-Type` of an answer in this format.
+    pub fn content_type(self) -> &'static str {
+        match self {
+            Format::OpenMetrics => "application/openmetrics-text; version=1.0.0; charset=utf-8",
+            Format::Classic => "text/plain; version=0.0.4; charset=utf-8",
+        }
+    }
+
+    /// The format an `Accept` header asks for: the supported media type with the highest
+    /// q-value (OpenMetrics on a tie); classic text when nothing supported is named (no
+    /// header, `*/*`, or only types we do not speak), as Prometheus' own exporters do.
+    pub fn negotiate(accept: Option<&str>) -> Format {
+        let mut best: Option<(f32, Format)> = None;
+        for item in accept.unwrap_or("").split(',') {
+            let mut parts = item.split(';').map(str::trim);
+            let media = parts.next().unwrap_or("").to_ascii_lowercase();
+            let q = parts
+                .filter_map(|p| p.strip_prefix("q="))
+                .find_map(|v| v.trim().parse::<f32>().ok())
+                .unwrap_or(1.0);
+            let format = match media.as_str() {
+                "application/openmetrics-text" => Format::OpenMetrics,
+                "text/plain" => Format::Classic,
+                _ => continue,
+            };
+            if q.is_nan() || q <= 0.0 {
+                continue;
+            }
+            let better = match best {
+                None => true,
+                Some((bq, bf)) => {
+                    q > bq || (q == bq && format == Format::OpenMetrics && bf != format)
+                }
+            };
+            if better {
+                best = Some((q, format));
+            }
+        }
+        best.map_or(Format::Classic, |(_, f)| f)
+    }
+}
+
+/// Rewrites [`render_metrics`]' OpenMetrics text as the classic text format: a counter
+/// family's `# HELP`/`# TYPE` name the `_total` sample (OpenMetrics names the family
+/// without it), OpenMetrics-only types become their classic kin (`info` → gauge of
+/// `_info`, `unknown` → untyped, `stateset` → gauge, `gaugehistogram` → histogram), and
+/// `# UNIT` and `# EOF` go (the classic format has neither). Samples are unchanged.
+pub fn to_classic(openmetrics: &str) -> String {
+    fn help_line(out: &mut String, name: &str, text: &str) {
+        out.push_str("# HELP ");
+        out.push_str(name);
+        out.push(' ');
+        out.push_str(text);
+        out.push('\n');
+    }
+    let mut out = String::with_capacity(openmetrics.len());
+    // The current family's `# HELP` (name, text), held until its `# TYPE` says how to
+    // name it; written as it was when no `# TYPE` of the same name follows.
+    let mut help: Option<(&str, &str)> = None;
+    for line in openmetrics.lines() {
+        if line == "# EOF" || line.starts_with("# UNIT ") {
+            continue;
+        }
+        if let Some(rest) = line.strip_prefix("# TYPE ") {
+            let (name, kind) = rest.split_once(' ').unwrap_or((rest, "unknown"));
+            let (suffix, kind) = match kind {
+                "counter" => ("_total", "counter"),
+                "info" => ("_info", "gauge"),
+                "unknown" => ("", "untyped"),
+                "stateset" => ("", "gauge"),
+                "gaugehistogram" => ("", "histogram"),
+                other => ("", other),
+            };
+            let classic = if name.ends_with(suffix) {
+                name.to_string()
+            } else {
+                format!("{name}{suffix}")
+            };
+            match help.take() {
+                Some((n, text)) if n == name => help_line(&mut out, &classic, text),
+                Some((n, text)) => help_line(&mut out, n, text),
+                None => {}
+            }
+            out.push_str("# TYPE ");
+            out.push_str(&classic);
+            out.push(' ');
+            out.push_str(kind);
+            out.push('\n');
+            continue;
+        }
+        if let Some((n, text)) = help.take() {
+            help_line(&mut out, n, text);
+        }
+        if let Some(rest) = line.strip_prefix("# HELP ") {
+            help = Some(rest.split_once(' ').unwrap_or((rest, "")));
+            continue;
+        }
+        out.push_str(line);
+        out.push('\n');
+    }
+    if let Some((n, text)) = help.take() {
+        help_line(&mut out, n, text);
+    }
+    out
+}
+
 /// One scrape's GPU figures.
 #[derive(Debug)]
 struct GpuCollector(GpuSnapshot);
@@ -391,6 +508,66 @@ impl prometheus_client::collector::Collector for TuningCollector {
             |t| Some(t.samples.iter().filter(|x| x.disturbed.is_some()).count() as f64),
         )?;
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod format_tests {
+    use super::*;
+
+    #[test]
+    fn classic_text_names_counters_by_their_total_sample() {
+        let om = "# HELP ringwatch_ringbuf_drops Kernel records lost.\n\
+                  # TYPE ringwatch_ringbuf_drops counter\n\
+                  ringwatch_ringbuf_drops_total 3\n\
+                  # HELP ringwatch_gpu_nvml_available Whether NVML loaded.\n\
+                  # TYPE ringwatch_gpu_nvml_available gauge\n\
+                  # UNIT ringwatch_gpu_nvml_available none\n\
+                  ringwatch_gpu_nvml_available 0\n\
+                  # HELP build Build facts.\n\
+                  # TYPE build info\n\
+                  build_info{version=\"1\"} 1\n\
+                  # EOF\n";
+        assert_eq!(
+            to_classic(om),
+            "# HELP ringwatch_ringbuf_drops_total Kernel records lost.\n\
+             # TYPE ringwatch_ringbuf_drops_total counter\n\
+             ringwatch_ringbuf_drops_total 3\n\
+             # HELP ringwatch_gpu_nvml_available Whether NVML loaded.\n\
+             # TYPE ringwatch_gpu_nvml_available gauge\n\
+             ringwatch_gpu_nvml_available 0\n\
+             # HELP build_info Build facts.\n\
+             # TYPE build_info gauge\n\
+             build_info{version=\"1\"} 1\n"
+        );
+    }
+
+    #[test]
+    fn the_accept_header_picks_the_format() {
+        use Format::*;
+        for (accept, want) in [
+            (None, Classic),
+            (Some("*/*"), Classic),
+            (Some("text/plain"), Classic),
+            (Some("text/plain;version=0.0.4"), Classic),
+            (Some("application/openmetrics-text"), OpenMetrics),
+            // What Prometheus 2.x sends.
+            (
+                Some(
+                    "application/openmetrics-text;version=1.0.0,application/openmetrics-text;\
+                     version=0.0.1;q=0.75,text/plain;version=0.0.4;q=0.5,*/*;q=0.1",
+                ),
+                OpenMetrics,
+            ),
+            (
+                Some("application/openmetrics-text;q=0.2, text/plain;q=0.9"),
+                Classic,
+            ),
+            (Some("application/openmetrics-text;q=0"), Classic),
+            (Some("application/json"), Classic),
+        ] {
+            assert_eq!(Format::negotiate(accept), want, "{accept:?}");
+        }
     }
 }
 

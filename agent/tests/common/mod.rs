@@ -360,3 +360,45 @@ impl Drop for ApiServer {
         let _ = self.child.wait();
     }
 }
+
+/// Runs Prometheus' own checker (`promtool check metrics`, Debian's
+/// `prometheus` package) on a `/metrics` page in the classic text format and
+/// fails the test on any problem it names. Without promtool it says SKIPPED,
+/// unless `RINGWATCH_REQUIRE_PROMTOOL=1` (`cargo xtask test` sets it, having
+/// installed it), which makes its absence a failure.
+#[allow(dead_code)] // not every test binary checks metrics
+pub fn promtool_check_metrics(page: &str) {
+    let mut child = match Command::new("promtool")
+        .args(["check", "metrics"])
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+    {
+        Ok(child) => child,
+        Err(e) => {
+            assert!(
+                std::env::var("RINGWATCH_REQUIRE_PROMTOOL").as_deref() != Ok("1"),
+                "promtool is required here but cannot run ({e}): apt-get install prometheus"
+            );
+            eprintln!("SKIPPED promtool check metrics: promtool cannot run ({e})");
+            return;
+        }
+    };
+    child
+        .stdin
+        .take()
+        .unwrap()
+        .write_all(page.as_bytes())
+        .unwrap();
+    let out = child.wait_with_output().unwrap();
+    let said = format!(
+        "{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(
+        out.status.success() && said.trim().is_empty(),
+        "promtool check metrics: {said}\n--- the page:\n{page}"
+    );
+}
