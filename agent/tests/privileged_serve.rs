@@ -85,3 +85,61 @@ fn serve_publishes_the_live_view_of_a_watched_process() {
     let status = common::wait_within(&mut agent.child, Duration::from_secs(10));
     assert!(status.success(), "{status}");
 }
+
+/// `(on-CPU ns, run-queue ns)` of a thread so far, as the kernel counts them
+/// (`/proc/<pid>/task/<tid>/schedstat`: the first two fields).
+fn schedstat(pid: u64, tid: u64) -> (u64, u64) {
+    let text = std::fs::read_to_string(format!("/proc/{pid}/task/{tid}/schedstat")).unwrap();
+    let mut fields = text.split_whitespace().map(|f| f.parse::<u64>().unwrap());
+    (fields.next().unwrap(), fields.next().unwrap())
+}
+
+#[test]
+fn a_thread_blocked_in_join_is_off_cpu_while_it_waits() {
+    if skip_unless_privileged() {
+        return;
+    }
+    // The main thread spawns one spinning thread and joins it: from `go` on
+    // it sleeps in pthread_join and never runs, so no off-CPU interval of it
+    // closes while the agent watches.
+    let mut load = Testload::start(&["busy", "--threads", "1", "--duration", "8s"]);
+    let pid = load.info["pid"].as_u64().unwrap();
+    let agent = ApiServer::start(&["--pid", &pid.to_string()], true);
+    load.go();
+    std::thread::sleep(Duration::from_secs(2));
+    // The kernel's account over the same stretch: on a CPU or waiting for one
+    // at most a sliver of the time.
+    let (on0, rq0) = schedstat(pid, pid);
+    let started = Instant::now();
+    let deadline = started + Duration::from_secs(60);
+    let main = loop {
+        std::thread::sleep(Duration::from_millis(1200));
+        let (status, processes) = agent.get_json("/api/processes");
+        assert_eq!(status, 200, "{processes}");
+        let main = processes["processes"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .filter(|p| p["pid"] == pid)
+            .flat_map(|p| p["threads"].as_array().cloned().unwrap_or_default())
+            .find(|t| t["tid"] == pid);
+        if let Some(main) = main {
+            break main;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "the main thread {pid} is not listed: {processes:#}"
+        );
+    };
+    let (on1, rq1) = schedstat(pid, pid);
+    let elapsed = started.elapsed().as_nanos() as f64;
+    let kernel_off = 100.0 * (1.0 - ((on1 - on0) + (rq1 - rq0)) as f64 / elapsed);
+    assert!(kernel_off > 99.0, "the kernel says it ran: {kernel_off:.2}% off CPU");
+    let off = main["off_cpu_pct"].as_f64().unwrap();
+    assert!(
+        (off - kernel_off).abs() < 2.0,
+        "agent: {off:.2}% off CPU, kernel: {kernel_off:.2}%: {main:#}"
+    );
+    drop(agent);
+    load.wait();
+}

@@ -183,6 +183,12 @@ struct ThreadSeries {
     net: VecDeque<(u64, ThreadNet)>,
     /// On a CPU since then (`None`: off CPU, or not known yet).
     on_cpu_since: Option<u64>,
+    /// Blocked (off CPU, not runnable) since then, and woken at (its off-CPU
+    /// interval then ends, though its record comes only at the next switch
+    /// in); `None`: on a CPU, runnable, or not known. The open off-CPU term
+    /// of a snapshot, as `on_cpu_since` is the open on-CPU one: a thread
+    /// blocked for the whole window has no finished interval in it.
+    blocked: Option<(u64, Option<u64>)>,
     /// Time of the newest switch `on_cpu_since` was set from: records and
     /// map readings arrive out of order, an older one must not undo it.
     last_switch_ns: u64,
@@ -199,6 +205,7 @@ impl ThreadSeries {
             nccl: VecDeque::new(),
             net: VecDeque::new(),
             on_cpu_since: None,
+            blocked: None,
             last_switch_ns: 0,
             exited_ns: None,
             last_ns: now,
@@ -398,12 +405,22 @@ impl Model {
     }
 
     /// The thread switched in (`on_cpu`) or out at `ts`, unless something
-    /// newer is already known.
-    fn switched(&mut self, tgid: u32, tid: u32, ts: u64, on_cpu: bool) {
+    /// newer is already known. Switched out, `blocked` says whether it went to
+    /// sleep (since `ts`, and woken when) when that is known; what an earlier
+    /// source said of the same switch is kept when this one does not know.
+    fn switched(
+        &mut self,
+        tgid: u32,
+        tid: u32,
+        ts: u64,
+        on_cpu: bool,
+        blocked: Option<(u64, Option<u64>)>,
+    ) {
         let t = self.thread(tgid, tid, ts);
-        if ts >= t.last_switch_ns {
+        if ts > t.last_switch_ns || (ts == t.last_switch_ns && (on_cpu || blocked.is_some())) {
             t.last_switch_ns = ts;
             t.on_cpu_since = on_cpu.then_some(ts);
+            t.blocked = if on_cpu { None } else { blocked };
         }
     }
 
@@ -455,10 +472,15 @@ impl Model {
                 }
                 let now = e.hdr.ts_ns;
                 if e.prev_watched != 0 {
-                    self.switched(e.prev_tgid, e.prev_tid, now, false);
+                    // Its on-CPU part says why it left, when the record has one.
+                    let blocked = (e.has_on_cpu != 0
+                        && IntervalCause::from_raw(u32::from(e.on_cpu_cause))
+                            == Some(IntervalCause::Blocked))
+                    .then_some((now, None));
+                    self.switched(e.prev_tgid, e.prev_tid, now, false, blocked);
                 }
                 if e.next_watched != 0 {
-                    self.switched(e.next_tgid, e.next_tid, now, true);
+                    self.switched(e.next_tgid, e.next_tid, now, true, None);
                 }
             }
             Event::ThreadExit(e) => {
@@ -474,6 +496,7 @@ impl Model {
                 let t = self.thread(e.tgid, e.tid, e.hdr.ts_ns);
                 t.exited_ns = Some(e.hdr.ts_ns);
                 t.on_cpu_since = None;
+                t.blocked = None;
                 t.last_switch_ns = t.last_switch_ns.max(e.hdr.ts_ns);
             }
             Event::TcpRetransmit(e) => self.retransmits.push_back((e.hdr.ts_ns, e.tgid)),
@@ -527,9 +550,20 @@ impl Model {
             } else {
                 (state.off_ts, false)
             };
+            // Off CPU and not waiting for one: asleep since it left. Woken, with
+            // its off-CPU interval still to be recorded: asleep until then.
+            let blocked = if on_cpu {
+                None
+            } else if state.runq_ts == 0 {
+                Some((state.off_ts, None))
+            } else if state.off_cpu_pending != 0 {
+                Some((state.off_ts, Some(state.runq_ts)))
+            } else {
+                None
+            };
             // 0: woken but never switched yet, nothing to learn.
             if ts != 0 {
-                self.switched(state.tgid, *tid, ts, on_cpu);
+                self.switched(state.tgid, *tid, ts, on_cpu, blocked);
             }
         }
     }
@@ -766,6 +800,10 @@ impl Model {
         if let Some(since) = t.on_cpu_since {
             on_cpu += to_ns.saturating_sub(since.max(from_ns));
         }
+        if let Some((since, woken)) = t.blocked {
+            let end = woken.unwrap_or(to_ns).min(to_ns);
+            off_cpu += end.saturating_sub(since.max(from_ns));
+        }
         let (p50, p99) = percentiles(&mut waits);
         let (tx, rx) = net_rate(&t.net, from_ns, to_ns);
         let nccl = t
@@ -879,6 +917,45 @@ mod tests {
             preempted: counts[2],
             ..ThreadState::default()
         }
+    }
+
+    #[test]
+    fn a_thread_blocked_for_the_whole_window_is_off_cpu_for_all_of_it() {
+        // A main thread joining its workers: it went to sleep at 1 ms and has
+        // not run since, so no interval of it ever closes.
+        let mut model = Model::new(10_000 * MS, 1000);
+        model.update_thread_states(5 * MS, &[(10, state(10, None, MS, [1, 1, 0]))]);
+        let snap = model.thread_snapshot(10, 2 * MS, 1002 * MS).unwrap();
+        assert_eq!(snap.off_cpu_pct, 100.0);
+        assert_eq!(snap.cpu_pct, 0.0);
+        // Woken at 500 ms (its off-CPU interval is recorded only when it runs
+        // again): off CPU for the first half of the window only.
+        let mut woken = state(10, None, MS, [1, 1, 0]);
+        woken.runq_ts = 502 * MS;
+        woken.off_cpu_pending = 1;
+        model.update_thread_states(600 * MS, &[(10, woken)]);
+        let snap = model.thread_snapshot(10, 2 * MS, 1002 * MS).unwrap();
+        assert_eq!(snap.off_cpu_pct, 50.0);
+        // Preempted (runnable, not asleep): not off CPU.
+        let mut preempted = state(11, None, MS, [1, 1, 1]);
+        preempted.runq_ts = MS;
+        model.update_thread_states(600 * MS, &[(11, preempted)]);
+        assert_eq!(
+            model
+                .thread_snapshot(11, 2 * MS, 1002 * MS)
+                .unwrap()
+                .off_cpu_pct,
+            0.0
+        );
+        // Once it runs again, the closed interval counts and the open term is gone.
+        // 10/10 switches in at 503 ms: blocked [1 ms, 502 ms), runnable until 503 ms.
+        let mut e = switch((99, 99, false), (10, 10, true), 503 * MS);
+        (e.has_off_cpu, e.off_cpu_start_ns, e.runnable_ns) = (1, MS, 502 * MS);
+        (e.has_run_queue, e.run_queue_cause) = (1, IntervalCause::Woken as u8);
+        model.record(&Event::SchedSwitch(e));
+        let snap = model.thread_snapshot(10, 2 * MS, 1002 * MS).unwrap();
+        assert_eq!(snap.off_cpu_pct, 50.0);
+        assert!(snap.cpu_pct > 49.0, "{snap:?}");
     }
 
     #[test]
