@@ -312,11 +312,17 @@ function traceParserModule() {
     for (const p of procs.values()) {
       const tracks = [];
       const threads = Array.from(p.threads.values()).sort((a, b) =>
-        (a.sortIndex ?? 0) - (b.sortIndex ?? 0) || (num(a.tid) ?? 0) - (num(b.tid) ?? 0) || String(a.tid).localeCompare(String(b.tid)));
+        // Threads (numeric tids) first, then named tracks (a job's tensors) in natural
+        // order: grad.2 before grad.10.
+        (a.sortIndex ?? 0) - (b.sortIndex ?? 0) || (num(a.tid) ?? Infinity) - (num(b.tid) ?? Infinity) ||
+        String(a.tid).localeCompare(String(b.tid), undefined, { numeric: true }));
       for (const t of threads) {
         if (!t.sl.ts.length && !t.states.ts.length && !t.inst) continue;
+        const name = t.name != null ? t.name : 'tid ' + t.tid;
         tracks.push({
-          id: nextId++, kind: 'thread', tid: t.tid, name: t.name != null ? t.name : 'tid ' + t.tid,
+          id: nextId++, kind: 'thread', tid: t.tid, name,
+          // A thread's id beside its name; a tensor track ("tensor grad.0") is its name alone.
+          label: t.name != null && num(t.tid) != null ? name + '  ' + t.tid : name,
           slices: finishSlices(t.sl, transfer),
           states: t.states.ts.length ? finishFlat(t.states, transfer, true) : null,
           instants: t.inst ? finishFlat(t.inst, transfer, false) : null,
@@ -793,6 +799,14 @@ class Viewer {
     for (const p of this.live.apiProcs) {
       if (p && p.pid != null) add('pid:' + p.pid, '\u2003pid ' + p.pid + (p.name || p.comm ? ' · ' + (p.name || p.comm) : ''));
     }
+    // The view's own filter is always an option (a job named in the URL before the
+    // agent lists it), so the picker never says "all" while one job is shown.
+    if (keep && !seen.has(keep)) {
+      const [kind, id] = keep.split(/:(.*)/s);
+      add(keep, kind === 'pid' ? 'pid ' + id : 'job ' + id);
+      const o = opts.pop();
+      opts.splice(1, 0, o);
+    }
     sel.innerHTML = '';
     for (const [v, label] of opts) {
       const o = document.createElement('option');
@@ -800,7 +814,7 @@ class Viewer {
       o.textContent = label;
       sel.appendChild(o);
     }
-    sel.value = seen.has(keep) ? keep : '';
+    sel.value = keep;
   }
   setFilter(v) {
     this.filter = v || '';
@@ -1252,7 +1266,7 @@ class Viewer {
       this.drawCounter(ctx, t, y);
       return;
     }
-    const label = t.kind === 'thread' && t.name !== 'tid ' + t.tid ? t.name + '  ' + t.tid : t.name;
+    const label = t.label || t.name;
     this.clippedText(ctx, label, 28, y + (t.kind === 'thread' && t.states ? PAD + STATE_H / 2 + 1 : 12), LABEL_W - 34);
     ctx.save();
     ctx.beginPath();

@@ -117,6 +117,25 @@ function near(a, b, tol, msg) { if (!(Math.abs(a - b) <= tol)) throw new Error(`
     assert(job.processes[1].tracks[0].slices.count === 1, 'remote rank activity');
     const gpu = r.groups.find((g) => g.name === 'other processes');
     assert(gpu && gpu.processes[0].tracks[0].kind === 'counter', 'GPU counter under other processes');
+    // A tensor track is labelled by its name alone; a thread by its name and tid.
+    assert(tensor.label === 'grad.w', 'tensor label: ' + tensor.label);
+    const thread = job.processes[0].tracks.find((t) => t.tid === 4101);
+    assert(thread && thread.label === 'tid 4101', 'unnamed thread label: ' + (thread && thread.label));
+  });
+  await check('parser: tensor tracks in natural order (grad.2 before grad.10), named threads labelled with their tid', async () => {
+    const names = ['grad.10', 'grad.2', 'grad.1', 'grad.100', 'grad.0'];
+    const r = parse(JSON.stringify([
+      { ph: 'M', name: 'thread_name', pid: 7, tid: 7, args: { name: 'python3' } },
+      { ph: 'X', cat: 'thread_state', name: 'running', pid: 7, tid: 7, ts: 0, dur: 5 },
+      ...names.flatMap((n, i) => [
+        { ph: 'M', name: 'thread_name', pid: 7, tid: 'tensor ' + n, args: { name: n } },
+        { ph: 'X', cat: 'job', name: 'ALLREDUCE', pid: 7, tid: 'tensor ' + n, ts: i, dur: 1 },
+      ]),
+    ]));
+    const tracks = r.groups.flatMap((g) => g.processes).flatMap((p) => p.tracks);
+    const order = tracks.filter((t) => String(t.tid).startsWith('tensor ')).map((t) => t.label).join();
+    assert(order === 'grad.0,grad.1,grad.2,grad.10,grad.100', 'order: ' + order);
+    assert(tracks[0].label === 'python3  7', 'thread label: ' + tracks[0].label);
   });
 }
 
