@@ -147,6 +147,9 @@ static __always_inline void rw_thread_exited(__u32 tgid, __u32 tid, __u64 now,
 	event->switched_out = switched_out;
 	event->switched_in = switched_in;
 	event->preempted = preempted;
+	/* Called from sched_switch for the outgoing task, which is current. */
+	__builtin_memset(event->comm, 0, sizeof(event->comm));
+	bpf_get_current_comm(event->comm, sizeof(event->comm));
 	rw_submit(event);
 }
 

@@ -1,7 +1,9 @@
 //! Privileged: `ringwatch-agent serve --pid P` publishes the live eBPF view:
 //! the process in /api/processes, its thread states on /api/timeline (a
 //! thread that sleeps 50 ms K times shows K blocked slices of ~50 ms), and
-//! its figures in /metrics. Skips, saying why, when not root.
+//! its figures in /metrics (which promtool checks); a thread asleep in
+//! pthread_join is off CPU as the kernel's schedstat says; threads that exit
+//! within milliseconds keep their names. Skips, saying why, when not root.
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
 mod common;
@@ -134,7 +136,10 @@ fn a_thread_blocked_in_join_is_off_cpu_while_it_waits() {
     let (on1, rq1) = schedstat(pid, pid);
     let elapsed = started.elapsed().as_nanos() as f64;
     let kernel_off = 100.0 * (1.0 - ((on1 - on0) + (rq1 - rq0)) as f64 / elapsed);
-    assert!(kernel_off > 99.0, "the kernel says it ran: {kernel_off:.2}% off CPU");
+    assert!(
+        kernel_off > 99.0,
+        "the kernel says it ran: {kernel_off:.2}% off CPU"
+    );
     let off = main["off_cpu_pct"].as_f64().unwrap();
     assert!(
         (off - kernel_off).abs() < 2.0,
@@ -142,4 +147,50 @@ fn a_thread_blocked_in_join_is_off_cpu_while_it_waits() {
     );
     drop(agent);
     load.wait();
+}
+
+#[test]
+fn threads_that_exit_before_a_scan_keep_their_names() {
+    if skip_unless_privileged() {
+        return;
+    }
+    // Twenty threads of 2 ms each, one after the other: gone from /proc long
+    // before the agent reads names there; only their exit records know them.
+    let mut load = Testload::start(&["short-threads", "--count", "20", "--life", "2ms"]);
+    let pid = load.info["pid"].as_u64().unwrap();
+    let agent = ApiServer::start(&["--pid", &pid.to_string()], true);
+    load.go();
+    let out = load.wait_output();
+    let tids: Vec<u64> = out
+        .iter()
+        .find_map(|l| l["tids"].as_array().cloned())
+        .expect("the workload printed its tids")
+        .iter()
+        .map(|t| t.as_u64().unwrap())
+        .collect();
+    let deadline = Instant::now() + Duration::from_secs(20);
+    let names = loop {
+        std::thread::sleep(Duration::from_millis(1100));
+        let (status, trace) = agent.get_json(&format!("/api/timeline?pid={pid}"));
+        assert_eq!(status, 200, "{trace}");
+        let names: std::collections::BTreeMap<u64, String> = trace["traceEvents"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .filter(|e| e["ph"] == "M" && e["name"] == "thread_name")
+            .filter_map(|e| Some((e["tid"].as_u64()?, e["args"]["name"].as_str()?.to_owned())))
+            .filter(|(tid, _)| tids.contains(tid))
+            .collect();
+        if names.len() == tids.len() || Instant::now() > deadline {
+            break names;
+        }
+    };
+    assert_eq!(
+        names.len(),
+        tids.len(),
+        "threads on the timeline: {names:?}"
+    );
+    for (i, tid) in tids.iter().enumerate() {
+        assert_eq!(names[tid], format!("rw-short-{i}"), "{names:?}");
+    }
 }

@@ -91,7 +91,8 @@ struct rw_sched_switch_event {
 };
 
 /* A watched thread exited (sent at its last switch out; its kernel-side
- * state is gone), with its final context-switch counts. */
+ * state is gone), with its final context-switch counts and its name (a
+ * thread that lives less than the agent's scan would otherwise have none). */
 struct rw_thread_exit_event {
 	struct rw_event_header hdr;
 	__u32 tgid;
@@ -99,6 +100,7 @@ struct rw_thread_exit_event {
 	__u64 switched_out; /* that last switch included */
 	__u64 switched_in;
 	__u64 preempted;
+	char comm[16];      /* task->comm at that switch (NUL-padded) */
 };
 
 /* Value of the `thread_state` map (key: tid): where a watched thread is and

@@ -346,6 +346,20 @@ pub struct ThreadExitEvent {
     pub switched_in: u64,
     /// Of `switched_out`, how many left it runnable (preemptions).
     pub preempted: u64,
+    /// Its name (`task->comm`) at that last switch, NUL-padded.
+    pub comm: [u8; 16],
+}
+
+impl ThreadExitEvent {
+    /// The thread's name as the kernel had it when it exited (`None`: empty).
+    pub fn comm(&self) -> Option<String> {
+        let end = self
+            .comm
+            .iter()
+            .position(|&b| b == 0)
+            .unwrap_or(self.comm.len());
+        (end > 0).then(|| String::from_utf8_lossy(&self.comm[..end]).into_owned())
+    }
 }
 
 /// `struct rw_thread_state`: value of the `thread_state` map (key: tid):
@@ -662,6 +676,10 @@ mod layout {
             (
                 "rw_thread_exit_event.preempted",
                 offset_of!(ThreadExitEvent, preempted),
+            ),
+            (
+                "rw_thread_exit_event.comm",
+                offset_of!(ThreadExitEvent, comm),
             ),
             ("rw_thread_state", size_of::<ThreadState>()),
             ("rw_thread_state.on_ts", offset_of!(ThreadState, on_ts)),

@@ -42,6 +42,7 @@ int main(void)
 	FIELD(rw_thread_exit_event, switched_out);
 	FIELD(rw_thread_exit_event, switched_in);
 	FIELD(rw_thread_exit_event, preempted);
+	FIELD(rw_thread_exit_event, comm);
 	SIZE(rw_thread_state);
 	FIELD(rw_thread_state, on_ts);
 	FIELD(rw_thread_state, off_ts);

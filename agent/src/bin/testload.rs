@@ -69,6 +69,17 @@ enum Workload {
         #[arg(long, default_value = "1s", value_parser = humantime::parse_duration)]
         duration: Duration,
     },
+    /// COUNT threads named `rw-short-N`, one after the other, each spinning
+    /// for LIFE and exiting: threads gone before anyone reads their names
+    /// from /proc. Prints `{"tids": [...]}` at the end.
+    ShortThreads {
+        /// How many threads.
+        #[arg(long, default_value_t = 20)]
+        count: u32,
+        /// How long each lives, e.g. `2ms`.
+        #[arg(long, default_value = "2ms", value_parser = humantime::parse_duration)]
+        life: Duration,
+    },
     /// Two threads ping-pong one byte over loopback TCP ROUNDS times: a
     /// context switch and a send/receive per round (the benchmark's load).
     PingPong {
@@ -119,6 +130,7 @@ fn main() -> Result<()> {
         } => tcp_send(&to, bytes, writes, pause, cli.wait)?,
         Workload::Busy { threads, duration } => busy(threads, duration, cli.wait)?,
         Workload::PingPong { rounds } => ping_pong(rounds, cli.wait)?,
+        Workload::ShortThreads { count, life } => short_threads(count, life, cli.wait)?,
     }
     Ok(())
 }
@@ -219,6 +231,35 @@ fn busy(threads: u32, duration: Duration, wait: bool) -> Result<()> {
         h.join()
             .map_err(|_| anyhow::anyhow!("a busy thread panicked"))?;
     }
+    Ok(())
+}
+
+fn short_threads(count: u32, life: Duration, wait: bool) -> Result<()> {
+    announce(&serde_json::json!({
+        "workload": "short-threads", "pid": std::process::id(), "count": count,
+    }))?;
+    wait_for_go(wait)?;
+    let mut tids = Vec::new();
+    for i in 0..count {
+        let handle = std::thread::Builder::new()
+            .name(format!("rw-short-{i}"))
+            .spawn(move || {
+                let tid = gettid();
+                let end = std::time::Instant::now() + life;
+                let mut x = 0u64;
+                while std::time::Instant::now() < end {
+                    x = std::hint::black_box(x.wrapping_mul(31).wrapping_add(7));
+                }
+                tid
+            })
+            .context("spawning a short-lived thread")?;
+        tids.push(
+            handle
+                .join()
+                .map_err(|_| anyhow::anyhow!("a short-lived thread panicked"))?,
+        );
+    }
+    announce(&serde_json::json!({ "tids": tids }))?;
     Ok(())
 }
 

@@ -193,6 +193,8 @@ struct ThreadSeries {
     /// map readings arrive out of order, an older one must not undo it.
     last_switch_ns: u64,
     exited_ns: Option<u64>,
+    /// Its name at exit, from the exit record (`None`: still alive, or empty).
+    exit_name: Option<String>,
     last_ns: u64,
 }
 
@@ -208,6 +210,7 @@ impl ThreadSeries {
             blocked: None,
             last_switch_ns: 0,
             exited_ns: None,
+            exit_name: None,
             last_ns: now,
         }
     }
@@ -495,6 +498,7 @@ impl Model {
                 );
                 let t = self.thread(e.tgid, e.tid, e.hdr.ts_ns);
                 t.exited_ns = Some(e.hdr.ts_ns);
+                t.exit_name = e.comm();
                 t.on_cpu_since = None;
                 t.blocked = None;
                 t.last_switch_ns = t.last_switch_ns.max(e.hdr.ts_ns);
@@ -778,6 +782,11 @@ impl Model {
         }
     }
 
+    /// The name an exited thread had when it exited (its exit record's).
+    pub fn exited_name(&self, tid: u32) -> Option<&str> {
+        self.threads.get(&tid)?.exit_name.as_deref()
+    }
+
     /// Figures of one thread over `[from_ns, to_ns)`.
     pub fn thread_snapshot(&self, tid: u32, from_ns: u64, to_ns: u64) -> Option<ThreadSnapshot> {
         let t = self.threads.get(&tid)?;
@@ -991,7 +1000,9 @@ mod tests {
             switched_out: 3,
             switched_in: 2,
             preempted: 1,
+            comm: *b"rw-short\0\0\0\0\0\0\0\0",
         }));
+        assert_eq!(model.exited_name(12), Some("rw-short"));
         assert_eq!(model.switches.process_total(10).switched_out, 5);
         assert_eq!(model.switches.process_total(10).switched_in, 3);
         assert_eq!(model.switches.process_total(10).preempted, 2);
@@ -1222,6 +1233,7 @@ mod tests {
             switched_out: 0,
             switched_in: 0,
             preempted: 0,
+            comm: [0; 16],
         }));
         assert!(model.prune(500 * MS).is_empty());
         assert_eq!(model.prune(2000 * MS), vec![2]);

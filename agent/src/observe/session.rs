@@ -437,6 +437,7 @@ impl Session {
             .get(&(pid, tid))
             .cloned()
             .or_else(|| discovery::read_comm(pid, tid))
+            .or_else(|| self.model.exited_name(tid).map(str::to_owned))
             .unwrap_or_else(|| "(exited)".to_owned())
     }
 
