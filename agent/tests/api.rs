@@ -245,3 +245,34 @@ fn a_missing_replay_file_is_a_clear_error() {
     let stderr = String::from_utf8_lossy(&output.stderr);
     assert!(stderr.contains("/nonexistent/trace.json"), "{stderr}");
 }
+
+/// The Trace Event Format check the live tests apply refuses what the spec
+/// does: an `X` without `dur`, events of a thread nobody named, an `E`
+/// without its `B`.
+#[test]
+fn the_trace_format_check_refuses_malformed_traces() {
+    use serde_json::json;
+    let named = |events: serde_json::Value| {
+        let mut all = vec![
+            json!({ "ph": "M", "name": "process_name", "pid": 1, "args": { "name": "p" } }),
+            json!({ "ph": "M", "name": "thread_name", "pid": 1, "tid": 2, "args": { "name": "t" } }),
+        ];
+        all.extend(events.as_array().unwrap().iter().cloned());
+        json!({ "traceEvents": all })
+    };
+    common::assert_trace_event_format(&named(json!([
+        { "ph": "X", "name": "running", "pid": 1, "tid": 2, "ts": 1.0, "dur": 2.0 },
+        { "ph": "C", "name": "tcp", "pid": 1, "ts": 1.0, "args": { "tx": 3 } },
+    ])));
+    for bad in [
+        json!([{ "ph": "X", "name": "running", "pid": 1, "tid": 2, "ts": 1.0 }]),
+        json!([{ "ph": "X", "name": "running", "pid": 1, "tid": 3, "ts": 1.0, "dur": 1.0 }]),
+        json!([{ "ph": "E", "pid": 1, "tid": 2, "ts": 1.0 }]),
+        json!([{ "ph": "C", "name": "tcp", "pid": 1, "ts": 1.0, "args": { "tx": "3" } }]),
+        json!([{ "ph": "M", "name": "thread_colour", "pid": 1, "tid": 2, "args": {} }]),
+    ] {
+        let trace = named(bad.clone());
+        let refused = std::panic::catch_unwind(|| common::assert_trace_event_format(&trace));
+        assert!(refused.is_err(), "accepted {bad}");
+    }
+}

@@ -317,6 +317,7 @@ fn two_agents_see_a_two_node_job_whole_and_answer_without_each_other() {
     for (n, agent) in agents.iter().enumerate() {
         let (status, trace) = agent.get_json(&path);
         assert_eq!(status, 200, "{trace:#}");
+        common::assert_trace_event_format(&trace);
         let metadata = &trace["metadata"];
         assert_eq!(metadata["partial"], false, "{metadata:#}");
         assert_eq!(

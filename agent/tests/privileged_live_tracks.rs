@@ -161,6 +161,8 @@ fn job_activities_are_on_the_live_timeline_grouped_job_rank_on_the_ebpf_clock() 
         );
         std::thread::sleep(Duration::from_millis(300));
     };
+    // A job's tracks (tensor rows, remote ranks) hold to the format too.
+    common::assert_trace_event_format(&trace);
     // The offset between the two clocks, read now (as the agent did): only
     // printed. How far the agent's own reading of it is off depends on
     // how long it was preempted between two clock reads, which a loaded

@@ -43,6 +43,8 @@ fn serve_publishes_the_live_view_of_a_watched_process() {
         }
         std::thread::sleep(Duration::from_millis(300));
     };
+    let (_, trace) = agent.get_json(&format!("/api/timeline?pid={pid}"));
+    common::assert_trace_event_format(&trace);
     // Each sleep is one blocked interval of 50 ms (µs on the timeline),
     // within scheduling slack.
     let sleeps: Vec<f64> = blocked.iter().copied().filter(|&d| d >= 45_000.0).collect();
@@ -193,4 +195,6 @@ fn threads_that_exit_before_a_scan_keep_their_names() {
     for (i, tid) in tids.iter().enumerate() {
         assert_eq!(names[tid], format!("rw-short-{i}"), "{names:?}");
     }
+    let (_, trace) = agent.get_json(&format!("/api/timeline?pid={pid}"));
+    common::assert_trace_event_format(&trace);
 }

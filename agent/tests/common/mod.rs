@@ -402,3 +402,122 @@ pub fn promtool_check_metrics(page: &str) {
         "promtool check metrics: {said}\n--- the page:\n{page}"
     );
 }
+
+/// Holds a Chrome trace (`/api/timeline`'s answer) to the Trace Event Format
+/// (the JSON Object Format of Google's "Trace Event Format" document): a
+/// `traceEvents` array; every event has a string `ph` and the fields its
+/// phase requires (`X`: `ts`, `dur` ≥ 0; `B`/`E`: `ts`, balanced per thread;
+/// `i`/`I`: `ts` and a scope `g`/`p`/`t` if any; `C`: `ts` and numeric
+/// `args`; `M`: a known metadata name with its argument), `pid` and `tid`
+/// (integers, or strings, which the trace viewers accept as labels); and
+/// every process and thread with events is named by `process_name` /
+/// `thread_name` metadata. Panics naming the first offending event.
+#[allow(dead_code)] // not every test binary checks traces
+pub fn assert_trace_event_format(trace: &serde_json::Value) {
+    use std::collections::{BTreeMap, BTreeSet};
+    let events = trace["traceEvents"]
+        .as_array()
+        .unwrap_or_else(|| panic!("no traceEvents array: {trace}"));
+    if let Some(unit) = trace.get("displayTimeUnit") {
+        assert!(unit == "ms" || unit == "ns", "displayTimeUnit {unit}");
+    }
+    let id = |v: &serde_json::Value| -> Option<String> {
+        match v {
+            serde_json::Value::Number(n) if n.is_u64() || n.is_i64() => Some(n.to_string()),
+            serde_json::Value::String(s) if !s.is_empty() => Some(s.clone()),
+            _ => None,
+        }
+    };
+    let num = |e: &serde_json::Value, f: &str| {
+        e[f].as_f64()
+            .filter(|x| x.is_finite())
+            .unwrap_or_else(|| panic!("`{f}` is not a finite number in {e}"))
+    };
+    let mut named_pids = BTreeSet::new();
+    let mut named_threads = BTreeSet::new();
+    let mut used_pids = BTreeSet::new();
+    let mut used_threads = BTreeSet::new();
+    let mut open: BTreeMap<(String, String), usize> = BTreeMap::new();
+    for e in events {
+        let ph = e["ph"].as_str().unwrap_or_else(|| panic!("no ph: {e}"));
+        let pid = id(&e["pid"]).unwrap_or_else(|| panic!("no pid: {e}"));
+        match ph {
+            "M" => {
+                let name = e["name"].as_str().unwrap_or_else(|| panic!("no name: {e}"));
+                match name {
+                    "process_name" | "process_labels" => {
+                        assert!(
+                            e["args"][if name == "process_name" {
+                                "name"
+                            } else {
+                                "labels"
+                            }]
+                            .is_string(),
+                            "{e}"
+                        );
+                        if name == "process_name" {
+                            named_pids.insert(pid);
+                        }
+                    }
+                    "process_sort_index" | "thread_sort_index" => {
+                        assert!(e["args"]["sort_index"].is_number(), "{e}");
+                    }
+                    "thread_name" => {
+                        assert!(e["args"]["name"].is_string(), "{e}");
+                        let tid = id(&e["tid"]).unwrap_or_else(|| panic!("no tid: {e}"));
+                        named_threads.insert((pid, tid));
+                    }
+                    other => panic!("unknown metadata event {other}: {e}"),
+                }
+            }
+            "X" | "B" | "E" | "i" | "I" => {
+                let tid = id(&e["tid"]).unwrap_or_else(|| panic!("no tid: {e}"));
+                num(e, "ts");
+                if ph != "E" {
+                    assert!(e["name"].is_string(), "no name: {e}");
+                }
+                match ph {
+                    "X" => assert!(num(e, "dur") >= 0.0, "negative dur: {e}"),
+                    "B" => *open.entry((pid.clone(), tid.clone())).or_default() += 1,
+                    "E" => {
+                        let depth = open.entry((pid.clone(), tid.clone())).or_default();
+                        assert!(*depth > 0, "E without B: {e}");
+                        *depth -= 1;
+                    }
+                    _ => {
+                        if let Some(s) = e.get("s") {
+                            assert!(s == "g" || s == "p" || s == "t", "instant scope: {e}");
+                        }
+                    }
+                }
+                used_pids.insert(pid.clone());
+                used_threads.insert((pid, tid));
+            }
+            "C" => {
+                num(e, "ts");
+                assert!(e["name"].is_string(), "no name: {e}");
+                let args = e["args"]
+                    .as_object()
+                    .unwrap_or_else(|| panic!("no args: {e}"));
+                assert!(
+                    !args.is_empty() && args.values().all(serde_json::Value::is_number),
+                    "counter args must be numbers: {e}"
+                );
+                used_pids.insert(pid);
+            }
+            other => panic!("phase {other} is not one ringwatch writes: {e}"),
+        }
+    }
+    for pid in &used_pids {
+        assert!(
+            named_pids.contains(pid),
+            "process {pid} has events but no process_name"
+        );
+    }
+    for thread in &used_threads {
+        assert!(
+            named_threads.contains(thread),
+            "thread {thread:?} has events but no thread_name"
+        );
+    }
+}
