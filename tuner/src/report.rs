@@ -495,7 +495,7 @@ pub fn render_html(frame: &DataFrame, title: &str) -> Result<String, ReportError
 <style>body{{font-family:system-ui,sans-serif;margin:2em;color:#222}}\
 table{{border-collapse:collapse;font-size:13px}}td,th{{border:1px solid #ccc;padding:3px 8px;text-align:right}}\
 tr.chosen{{background:#e6f4ea;font-weight:bold}}tr.disturbed{{color:#a33}}\
-.summary td{{text-align:left}}</style></head><body><h1>{t}</h1>\n",
+.summary td{{text-align:left}}.wide{{overflow-x:auto;max-width:100%}}</style></head><body><h1>{t}</h1>\n",
         t = escape(title)
     );
     let _ = write!(
@@ -515,8 +515,8 @@ tr.chosen{{background:#e6f4ea;font-weight:bold}}tr.disturbed{{color:#a33}}\
                     html,
                     "<tr><th>{}</th><td>{}</td><td>(start: {})</td></tr>",
                     escape(name),
-                    escape(&pick),
-                    escape(&start)
+                    escape(&readable(name, &pick)),
+                    escape(&readable(name, &start))
                 );
             }
             let (start_score, chosen_score) = (scores[0], scores[row]);
@@ -538,7 +538,8 @@ tr.chosen{{background:#e6f4ea;font-weight:bold}}tr.disturbed{{color:#a33}}\
         None => html.push_str("<p>No knobs were chosen in this session.</p>\n"),
     }
 
-    html.push_str("<h2>Samples</h2>\n<table><thead><tr>");
+    // Many columns: the table scrolls inside the page rather than widening it.
+    html.push_str("<h2>Samples</h2>\n<div class=\"wide\"><table><thead><tr>");
     for name in &names {
         let _ = write!(html, "<th>{}</th>", escape(name));
     }
@@ -558,8 +559,19 @@ tr.chosen{{background:#e6f4ea;font-weight:bold}}tr.disturbed{{color:#a33}}\
         }
         html.push_str("</tr>\n");
     }
-    html.push_str("</tbody></table>\n</body></html>\n");
+    html.push_str("</tbody></table></div>\n</body></html>\n");
     Ok(html)
+}
+
+/// A knob's value as a person reads it: a byte count also in MiB
+/// (`506477648 (483.0 MiB)`); anything else as it is.
+fn readable(name: &str, value: &str) -> String {
+    match value.parse::<f64>() {
+        Ok(bytes) if name.ends_with("_bytes") && bytes.is_finite() => {
+            format!("{value} ({:.1} MiB)", bytes / (1024.0 * 1024.0))
+        }
+        _ => value.to_string(),
+    }
 }
 
 /// The confirmation of a session's choice against its start, as an HTML

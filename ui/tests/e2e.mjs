@@ -636,6 +636,38 @@ try {
         proc.kill();
       }
     });
+    // The tuning report a session writes, rendered afresh by the real
+    // `ringwatch-report` (built beside the agent) from a real session's
+    // Parquet table (the agent tuning a PyTorch job at 500 Mbit/s, 20
+    // samples), as a person opens it: a page that fits, a plot with a point
+    // per sample, the chosen knobs and every sample in the table.
+    await check('tuning report: the HTML of a real session, rendered by ringwatch-report, in the browser', async () => {
+      const { execFileSync } = await import('node:child_process');
+      const { dirname } = await import('node:path');
+      const bin = join(dirname(agentBin), 'ringwatch-report');
+      assert(existsSync(bin), bin + ' is missing (it is built with the agent by cargo test --workspace)');
+      const out = join(OUT_DIR, 'tuning-report.html');
+      execFileSync(bin, [join(FIXTURES, 'tuning-session.parquet'), '--output', out, '--title', 'resnet18 on ringwatch.torch'], { stdio: 'inherit' });
+      pageErrors.length = 0;
+      await page.setViewportSize({ width: 1200, height: 900 });
+      await page.goto('file://' + out);
+      const facts = await page.evaluate(() => ({
+        overflow: document.documentElement.scrollWidth - window.innerWidth,
+        svgs: document.querySelectorAll('svg').length,
+        marks: document.querySelectorAll('svg circle').length,
+        rows: document.querySelectorAll('table tr').length,
+        text: document.body.innerText,
+      }));
+      await page.screenshot({ path: join(OUT_DIR, 'screenshot-report.png'), fullPage: true });
+      assert(facts.overflow <= 0, 'the page is wider than the window by ' + facts.overflow + ' px');
+      assert(facts.svgs >= 1, 'no plot');
+      assert(facts.marks >= 20, 'the plot marks ' + facts.marks + ' points for 20 samples');
+      assert(facts.rows >= 21, 'the table has ' + facts.rows + ' rows for 20 samples');
+      assert(/resnet18 on ringwatch\.torch/.test(facts.text), 'no title');
+      assert(/hierarchical/i.test(facts.text) && /483/.test(facts.text), 'the chosen knobs (483 MiB, hierarchical) are not on the page');
+      assert(pageErrors.length === 0, pageErrors.join('\n'));
+      await page.setViewportSize({ width: 1400, height: 860 });
+    });
   } else {
     console.log('note: RINGWATCH_AGENT_BIN is not set, so the check against the real agent did not run (cargo xtask test sets it)');
   }
