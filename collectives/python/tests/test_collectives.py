@@ -208,3 +208,35 @@ def test_a_dead_rank_raises_instead_of_hanging(run_job):
         lines = [l for l in job.outputs[rank][0].splitlines() if l.strip()]
         res = __import__("json").loads(lines[-1])
         assert "rank 2" in res["error"], res
+
+
+AUTOGRAD = r"""
+import json
+import torch
+import ringwatch.torch as rw
+
+rw.init()
+r, n = rw.rank(), rw.size()
+out = {}
+for op in (rw.Sum, rw.Average):
+    x = torch.full((3,), float(r + 1), requires_grad=True)
+    y = rw.allreduce(x, name="y." + op, op=op)
+    # Each rank weighs the result by its own factor; the gradient of the sum of
+    # the ranks' losses with respect to x_r is the op of the factors.
+    (y * (r + 1)).sum().backward()
+    out[op] = {"y": y.tolist(), "grad": x.grad.tolist(), "requires_grad": y.requires_grad}
+z = rw.allreduce(torch.ones(2, requires_grad=True), name="z", op=rw.Max)
+out["max_requires_grad"] = z.requires_grad
+rw.shutdown()
+print(json.dumps({"rank": r, "out": out}))
+"""
+
+
+def test_allreduce_is_differentiable_like_horovods(run_job):
+    for res in run_job(AUTOGRAD, 2).results():
+        out = res["out"]
+        # Sum: y = x0 + x1 = 3; d(sum_k (k+1) y)/dx_r = 1 + 2 = 3.
+        assert out["sum"] == {"y": [3.0] * 3, "grad": [3.0] * 3, "requires_grad": True}, out
+        # Average: y = 1.5; gradient (1 + 2) / 2 = 1.5.
+        assert out["average"] == {"y": [1.5] * 3, "grad": [1.5] * 3, "requires_grad": True}, out
+        assert out["max_requires_grad"] is False, out

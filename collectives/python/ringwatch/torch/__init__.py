@@ -234,8 +234,31 @@ def allreduce_(tensor, name=None, op=Average):
     return synchronize(allreduce_async_(tensor, name=name, op=op))
 
 
+class _Allreduce(torch.autograd.Function):
+    """An allreduce autograd sees (as Horovod's): the gradient of a Sum or an Average
+    is the same reduction of the gradients, over every rank."""
+
+    @staticmethod
+    def forward(ctx, tensor, name, op):
+        ctx.name, ctx.op = name, op
+        return synchronize(allreduce_async_(_copy(tensor), name=name, op=op))
+
+    @staticmethod
+    def backward(ctx, grad):
+        grad = synchronize(allreduce_async_(_copy(grad), name=ctx.name + ".grad", op=ctx.op))
+        return grad, None, None
+
+
 def allreduce(tensor, name=None, op=Average):
-    """Returns the allreduce of ``tensor`` (default op: Average, as Horovod) as a new tensor."""
+    """Returns the allreduce of ``tensor`` (default op: Average, as Horovod) as a new tensor.
+    For a tensor that requires grad, Sum and Average are differentiable (backward
+    allreduces the gradients the same way, under the name ``<name>.grad``), so every rank
+    must run backward through it; Min and Max results do not require grad."""
+    name = _name("allreduce", name)
+    if (isinstance(tensor, torch.Tensor) and tensor.requires_grad and torch.is_grad_enabled()
+            and op in (Sum, Average)):
+        _check(tensor, name, "allreduce")
+        return _Allreduce.apply(tensor, name, op)
     return synchronize(allreduce_async(tensor, name=name, op=op))
 
 
