@@ -208,16 +208,14 @@ fn control_socket() -> PyResult<Option<String>> {
 /// The knobs in force and the cycle they took effect, as a dict.
 #[pyfunction]
 fn knobs(py: Python<'_>) -> PyResult<Py<PyDict>> {
-    let (k, since) = with_runtime(|rt| Ok(rt.knobs()))?;
+    // One look at the runtime, so the knobs and the autotune state go together.
+    let ((k, since), autotune) = with_runtime(|rt| Ok((rt.knobs(), rt.autotune_state())))?;
     let d = PyDict::new(py);
     d.set_item("fusion_threshold", k.fusion_threshold_bytes)?;
     d.set_item("cycle_time_ms", k.cycle_time_us as f64 / 1e3)?;
     d.set_item("hierarchical_allreduce", k.hierarchical_allreduce)?;
     d.set_item("since_cycle", since)?;
-    d.set_item(
-        "autotune",
-        with_runtime(|rt| Ok(rt.autotune_state()))?.as_str(),
-    )?;
+    d.set_item("autotune", autotune.as_str())?;
     Ok(d.unbind())
 }
 

@@ -1,6 +1,8 @@
 """ringwatch.torch's collectives against references computed another way (torch's own
 reductions over every rank's inputs, which each rank can rebuild), bit for bit."""
 
+import json
+
 import pytest
 
 COLLECTIVES = r"""
@@ -206,7 +208,7 @@ def test_a_dead_rank_raises_instead_of_hanging(run_job):
     for rank in (0, 1):
         assert job.procs[rank].returncode == 0, job.describe()
         lines = [l for l in job.outputs[rank][0].splitlines() if l.strip()]
-        res = __import__("json").loads(lines[-1])
+        res = json.loads(lines[-1])
         assert "rank 2" in res["error"], res
 
 
