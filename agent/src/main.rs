@@ -32,7 +32,7 @@ use api::http;
 use cli::{serve, top, watch};
 use jobs::trust;
 use observe::{containers, discovery, events, lock, model, probes, session};
-use publish::{gpu, live, metrics, timeline, tracks};
+use publish::{gpu, live, lod, metrics, timeline, tracks};
 use tune::{reports, tuning};
 
 use anyhow::Result;

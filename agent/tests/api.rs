@@ -200,6 +200,46 @@ fn a_recorded_trace_is_served_as_a_bounded_chrome_trace() {
     assert_eq!(status, 413);
     let (status, _) = server.get_json("/api/timeline?max_events=0");
     assert_eq!(status, 400);
+    // A level of detail: the whole fixture on 10 pixels is a few summaries
+    // per track, still a valid trace; bad pixels are refused.
+    for bad in [
+        "width=0",
+        "width=100001",
+        "width=1.5",
+        "resolution=0",
+        "resolution=-3",
+        "resolution=inf",
+    ] {
+        let (status, error) = server.get_json(&format!("/api/timeline?{bad}"));
+        assert_eq!(status, 400, "{bad}: {error}");
+    }
+    let (status, coarse) = server.get_json("/api/timeline?width=10");
+    assert_eq!(status, 200);
+    common::assert_trace_event_format(&coarse);
+    let detail = &coarse["metadata"]["detail"];
+    let summaries = coarse["traceEvents"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|e| e["args"].get("summary").is_some())
+        .count();
+    assert!(summaries > 0, "{detail}");
+    assert_eq!(detail["summary_slices"], summaries, "{detail}");
+    // Every other event stays; the slices are fewer.
+    let (slices, kept) = (
+        detail["slices_in_range"].as_u64().unwrap() as usize,
+        detail["slices_kept"].as_u64().unwrap() as usize,
+    );
+    assert!(kept + summaries < slices / 2, "{detail}");
+    assert_eq!(
+        timed(&coarse["traceEvents"]),
+        total - slices + kept + summaries,
+        "{detail}"
+    );
+    let (status, same) =
+        server.get_json(&format!("/api/timeline?resolution={}", detail["pixel_us"]));
+    assert_eq!(status, 200);
+    assert_eq!(same["metadata"]["detail"]["summary_slices"], summaries);
     // The fixture: 1400 job and counter events and 400 thread states;
     // room for 50 of the states.
     let (status, thin) = server.get_json("/api/timeline?max_events=1450&downsample=true");

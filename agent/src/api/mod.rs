@@ -35,6 +35,7 @@ use crate::cluster::Cluster;
 use crate::gpu::Gpus;
 use crate::jobs::Jobs;
 use crate::live::LiveView;
+use crate::lod::Detail;
 use crate::metrics::render_metrics;
 use crate::reports::ReportFormat;
 use crate::timeline::{
@@ -518,6 +519,53 @@ impl TimelineSource {
     }
 }
 
+/// `width` (pixels, 1 to [`Detail::MAX_WIDTH`]) or `resolution` (µs per
+/// pixel, a positive number; it wins when both are given, as documented):
+/// the answer's level of detail; neither, full. Both are checked.
+fn detail_param(params: &HashMap<String, String>) -> Result<Detail, ApiError> {
+    let width = params.get("width").map(|text| {
+        text.parse::<u32>()
+            .ok()
+            .filter(|n| n.to_string() == *text && (1..=Detail::MAX_WIDTH).contains(n))
+            .map(Detail::Width)
+            .ok_or_else(|| {
+                ApiError::bad_request(format!(
+                    "bad width: {text:?} (the pixels the window is drawn on, 1 to {})",
+                    Detail::MAX_WIDTH
+                ))
+            })
+    });
+    let resolution = params.get("resolution").map(|text| {
+        text.parse::<f64>()
+            .ok()
+            .filter(|us| us.is_finite() && *us > 0.0 && is_plain_number(text))
+            .map(Detail::Resolution)
+            .ok_or_else(|| {
+                ApiError::bad_request(format!(
+                    "bad resolution: {text:?} (µs per pixel, a positive number like 1000 or 0.5)"
+                ))
+            })
+    });
+    match (width.transpose()?, resolution.transpose()?) {
+        (_, Some(resolution)) => Ok(resolution),
+        (Some(width), None) => Ok(width),
+        (None, None) => Ok(Detail::Full),
+    }
+}
+
+/// Digits with at most one `.` between digits: what the document's
+/// pattern for `resolution` allows (Rust's parser also takes `inf`, `1e3`).
+fn is_plain_number(text: &str) -> bool {
+    let mut parts = text.splitn(2, '.');
+    let digits =
+        |p: Option<&str>| p.is_some_and(|p| !p.is_empty() && p.bytes().all(|b| b.is_ascii_digit()));
+    let whole = parts.next();
+    match parts.next() {
+        None => digits(whole),
+        Some(frac) => digits(whole) && digits(Some(frac)),
+    }
+}
+
 /// `max_events`: 1 to this many (the server's own limit caps it further).
 const MAX_EVENTS_PARAM: u64 = 1_000_000_000;
 
@@ -549,6 +597,8 @@ async fn timeline(
             "max_events",
             "scope",
             "clock",
+            "width",
+            "resolution",
         ],
     )?;
     let point = |name: &str| -> Result<Option<TimePoint>, ApiError> {
@@ -574,6 +624,7 @@ async fn timeline(
                 )));
             }
         },
+        detail: detail_param(&params)?,
     };
     // A client may ask for fewer events than the server's limit (the live
     // UI does: a screen cannot show more), never for more. Written as the
@@ -809,7 +860,7 @@ async fn cluster_timeline(
             "/api/timeline?clock=unix&job={}&max_events={per_node}",
             query_value(&job)
         );
-        for name in ["pid", "downsample"] {
+        for name in ["pid", "downsample", "width", "resolution"] {
             if let Some(value) = params.get(name) {
                 path.push_str(&format!("&{name}={}", query_value(value)));
             }
@@ -1420,6 +1471,8 @@ pub fn openapi_document() -> serde_json::Value {
                     { "name": "job", "in": "query", "schema": { "type": "string" }, "description": "only this job's ranks (404 when the timeline has no such job)" },
                     { "name": "pid", "in": "query", "schema": { "type": "string" }, "description": "only this process (a number, or a name like gpu0)" },
                     { "name": "max_events", "in": "query", "schema": { "type": "string", "pattern": "^([1-9][0-9]{0,8}|1000000000)$" }, "description": "at most this many events, 1 to 1000000000 (digits, no leading zero) (capped by the server's --timeline-event-limit)" },
+                    { "name": "width", "in": "query", "schema": { "type": "string", "pattern": "^([1-9][0-9]{0,4}|100000)$" }, "description": "the pixels the client draws the window on (1 to 100000): slices shorter than a pixel are merged per track into summary slices (args.summary: how many slices; args.<state or activity>: its fraction of the summary's time), so the answer grows with the pixels, not the events; metadata.detail says what was merged" },
+                    { "name": "resolution", "in": "query", "schema": { "type": "string", "maxLength": 24, "pattern": "^([0-9]*[1-9][0-9]*(\\.[0-9]+)?|[0-9]+\\.[0-9]*[1-9][0-9]*)$" }, "description": "µs per pixel (a positive number), as width but given directly; when both are given, resolution is used" },
                     { "name": "downsample", "in": "query", "schema": { "type": "string", "enum": ["true", "false", "1", "0"] }, "description": "over the event limit, keep every job activity, counter and NCCL call and the longest thread-state slices (metadata.downsampled says what was dropped) instead of answering 413" },
                     { "name": "clock", "in": "query", "schema": { "type": "string", "enum": ["trace", "unix"], "default": "trace" }, "description": "unix: timestamps (and absolute from/to) in Unix µs, this agent's CLOCK_MONOTONIC mapped to CLOCK_REALTIME (metadata.clock says so), comparable across nodes; a recorded trace stays on its own clock" },
                     { "name": "scope", "in": "query", "schema": { "type": "string", "enum": ["node", "cluster"], "default": "node" }, "description": "cluster (needs job): this node's part and that of every peer agent that has the job, each peer's wall-clock offset estimated from round trips and applied, merged in time order on this agent's Unix clock (whatever clock says); process ids become <node>/<pid>. metadata.nodes gives each node's clock_offset_us and clock_uncertainty_us; metadata.missing names the nodes or hosts that did not answer (metadata.partial)" }
@@ -1434,6 +1487,7 @@ pub fn openapi_document() -> serde_json::Value {
                                 "source": { "type": "string" },
                                 "empty_window": { "type": "string", "description": "why a window holds nothing (after now, or from after to)" },
                                 "downsampled": { "type": "object", "description": "thread-state slices dropped to fit max_events (downsample=true)" },
+                                "detail": { "type": "object", "description": "with width or resolution: the pixel's length and what was merged", "required": ["pixel_us", "slices_in_range", "summary_slices", "slices_kept"] },
                                 "truncated": { "type": "object", "description": "events left out at the answer's byte budget: narrow the window",
                                     "required": ["reason", "max_bytes", "events_written", "events_left_out"] }
                             } }

@@ -17,7 +17,7 @@
 //! second, not the window; the pump loop (and the ring buffer) never waits
 //! on a long build.
 
-use std::collections::VecDeque;
+use std::collections::{HashMap, VecDeque};
 use std::sync::Arc;
 
 use serde::Serialize;
@@ -26,6 +26,7 @@ use serde_json::{Value, json};
 use crate::containers::{self, Container};
 use crate::gpu::Gpus;
 use crate::jobs::JobSnapshot;
+use crate::lod::{self, SummaryEvent};
 use crate::model::Interval;
 use crate::model::{ProcessSnapshot, cause_name};
 use crate::session::Session;
@@ -207,10 +208,14 @@ impl ThreadStates {
             let mut slices = Vec::new();
             for &pid in pids {
                 for tid in model.tids(pid) {
+                    // Newest first from the model; kept oldest first, so
+                    // that a thread's slices are in time order over the
+                    // chunks (the level of detail walks them so).
+                    let ended = model.intervals_ended_since(tid, from);
                     slices.extend(
-                        model
-                            .intervals_ended_since(tid, from)
+                        ended
                             .into_iter()
+                            .rev()
                             .filter(|i| i.start_ns + i.duration_ns < cut)
                             .map(|interval| StateSlice { pid, tid, interval }),
                     );
@@ -254,18 +259,20 @@ impl ThreadStates {
 
 impl LiveView {
     /// `GET /api/timeline` on the live view: the trace's events (NCCL calls,
-    /// job activities, counters, names) and the thread states of the range,
-    /// at most `limits.max_events` events; over it, refused, or with
-    /// `downsample` the longest thread states are kept (as
-    /// [`RecordedTrace::query`] does). Written straight to JSON up to
-    /// `limits.max_bytes` (see [`TraceWriter`]).
+    /// job activities, counters, names) and the thread states of the range;
+    /// at a level of detail (`query.detail`) the slices shorter than a pixel
+    /// merged per track into summaries (see [`lod`]). At most
+    /// `limits.max_events` events; over it, refused, or with `downsample`
+    /// the longest thread states are kept (as [`RecordedTrace::query`]
+    /// does). Written straight to JSON up to `limits.max_bytes` (see
+    /// [`TraceWriter`]).
     pub fn query(
         &self,
         query: &TimelineQuery,
         limits: AnswerLimits,
     ) -> Result<TraceAnswer, QueryError> {
         let mut selection = self.timeline.select(query)?;
-        let activities: Vec<&tracks::JobActivity> = match selection.window {
+        let mut activities: Vec<&tracks::JobActivity> = match selection.window {
             None => Vec::new(),
             Some((from, to)) => self
                 .job_activities
@@ -274,7 +281,8 @@ impl LiveView {
                 .filter(|a| self.timeline.wanted_pid(query, &a.pid.key()))
                 .collect(),
         };
-        let others = selection.events.len() + activities.len();
+        // Which pids the query wants, decided once per pid, not per slice.
+        let mut wanted: HashMap<u32, bool> = HashMap::new();
         let mut states: Vec<StateSlice> = match selection.window {
             None => Vec::new(),
             Some((from, to)) => self
@@ -282,14 +290,32 @@ impl LiveView {
                 .iter()
                 .flat_map(|chunk| chunk.slices.iter())
                 .filter(|s| s.start_us() <= to && s.start_us() + s.duration_us() >= from)
-                .filter(|s| self.timeline.wanted_pid(query, &s.pid.to_string()))
+                .filter(|s| {
+                    *wanted
+                        .entry(s.pid)
+                        .or_insert_with(|| self.timeline.wanted_pid(query, &s.pid.to_string()))
+                })
                 .copied()
                 .collect(),
         };
-        let total = others + states.len();
+        let mut summaries = Summaries::default();
+        if let Some(pixel_us) = selection.pixel_us {
+            let in_range = selection.events.len() + activities.len() + states.len();
+            let (_, others, _) = selection.summarize(pixel_us);
+            summaries.states = summarize_states(&mut states, pixel_us);
+            summaries.activities = summarize_activities(&mut activities, pixel_us);
+            let made = others + summaries.states.len() + summaries.activities.len();
+            let kept = selection.events.len() + activities.len() + states.len();
+            selection.note("detail", lod::detail_note(pixel_us, in_range, made, kept));
+        }
+        let others = selection.events.len()
+            + selection.summaries.len()
+            + activities.len()
+            + summaries.activities.len();
+        let total = others + states.len() + summaries.states.len();
         let limit = limits.max_events;
         if total > limit {
-            let room = limit.checked_sub(others);
+            let room = limit.checked_sub(others + summaries.states.len());
             match room {
                 Some(room) if query.downsample => {
                     states.sort_by(|a, b| {
@@ -319,11 +345,99 @@ impl LiveView {
         for activity in activities {
             writer.push(activity);
         }
+        for (first, summary) in &summaries.activities {
+            writer.push(&SummaryEvent::new("job", &first.pid, &first.tid, summary));
+        }
         for state in states {
             writer.push(&state.to_event());
         }
+        for (pid, tid, summary) in &summaries.states {
+            writer.push(&SummaryEvent::new("thread_state", pid, tid, summary));
+        }
         Ok(writer.finish(selection.metadata))
     }
+}
+
+/// The summaries of one live answer: thread states per (pid, tid), job
+/// activities with the first slice of their track (its pid and tid).
+#[derive(Default)]
+struct Summaries<'a> {
+    states: Vec<(u32, u32, lod::Summary<&'static str>)>,
+    activities: Vec<(&'a tracks::JobActivity, lod::Summary<Arc<str>>)>,
+}
+
+/// Merges the thread states shorter than `pixel_us` per thread; `states`
+/// keeps the others. The chunks hold each thread's slices in time order.
+fn summarize_states(
+    states: &mut Vec<StateSlice>,
+    pixel_us: f64,
+) -> Vec<(u32, u32, lod::Summary<&'static str>)> {
+    let mut threads: HashMap<(u32, u32), lod::Track<StateSlice, &'static str>> = HashMap::new();
+    for slice in states.drain(..) {
+        threads
+            .entry((slice.pid, slice.tid))
+            .or_insert_with(|| lod::Track::new(pixel_us))
+            .push(
+                slice,
+                state_name(slice.interval.kind),
+                slice.start_us(),
+                slice.duration_us(),
+                0.0,
+            );
+    }
+    let mut summaries = Vec::new();
+    for ((pid, tid), track) in threads {
+        for piece in track.finish() {
+            match piece {
+                lod::Piece::Keep(slice) => states.push(slice),
+                lod::Piece::Summary(summary) => summaries.push((pid, tid, summary)),
+            }
+        }
+    }
+    summaries
+}
+
+/// Merges the job activities (slices) shorter than `pixel_us` per track
+/// (rank, tensor); instants and longer slices stay in `activities`. A
+/// summary's `bytes` adds up the `bytes` its slices carried.
+fn summarize_activities<'a>(
+    activities: &mut Vec<&'a tracks::JobActivity>,
+    pixel_us: f64,
+) -> Vec<(&'a tracks::JobActivity, lod::Summary<Arc<str>>)> {
+    type Track<'a> = lod::Track<&'a tracks::JobActivity, Arc<str>>;
+    let mut by_track: HashMap<(String, Arc<str>), (&tracks::JobActivity, Track<'a>)> =
+        HashMap::new();
+    let mut rest = Vec::new();
+    let mut sorted = std::mem::take(activities);
+    sorted.sort_by(|a, b| a.ts.total_cmp(&b.ts));
+    for activity in sorted {
+        let Some(dur) = activity.dur else {
+            rest.push(activity);
+            continue;
+        };
+        by_track
+            .entry((activity.pid.key(), activity.tid.clone()))
+            .or_insert_with(|| (activity, lod::Track::new(pixel_us)))
+            .1
+            .push(
+                activity,
+                activity.name.clone(),
+                activity.ts,
+                dur,
+                activity.args.number("bytes").unwrap_or(0.0),
+            );
+    }
+    let mut summaries = Vec::new();
+    for (first, track) in by_track.into_values() {
+        for piece in track.finish() {
+            match piece {
+                lod::Piece::Keep(activity) => rest.push(activity),
+                lod::Piece::Summary(summary) => summaries.push((first, summary)),
+            }
+        }
+    }
+    *activities = rest;
+    summaries
 }
 
 /// The `args` of a watched process's `process_name` metadata: `name` is
@@ -630,5 +744,128 @@ mod tests {
                 .get("downsampled")
                 .is_none()
         );
+    }
+
+    #[test]
+    fn at_a_resolution_short_states_and_activities_become_summaries_per_track() {
+        let mut view = view();
+        // Thread 2 of pid 1: 1,000 pixels of 100 µs, each 60 µs running
+        // and 40 µs blocked in 10 µs slices; then one 5 ms blocked slice.
+        let mut slices = Vec::new();
+        for pixel in 0..1000u64 {
+            for k in 0..10u64 {
+                let kind = if k < 6 {
+                    ebpf::IntervalKind::OnCpu
+                } else {
+                    ebpf::IntervalKind::OffCpu
+                };
+                let mut s = slice(1, pixel * 100 + k * 10, 10);
+                s.interval.kind = kind;
+                slices.push(s);
+            }
+        }
+        let mut long = slice(1, 100_000, 5_000);
+        long.interval.kind = ebpf::IntervalKind::OffCpu;
+        slices.push(long);
+        view.states = vec![Arc::new(StateChunk {
+            until_ns: 200_000_000,
+            slices,
+        })];
+        // 300 ALLREDUCE slices of 20 µs every 50 µs on one tensor (a pixel
+        // with one short slice would keep it as it is).
+        let activity = view.job_activities[0].clone();
+        view.job_activities = (0..300)
+            .map(|i| tracks::JobActivity {
+                ts: f64::from(i) * 50.0,
+                dur: Some(20.0),
+                ..activity.clone()
+            })
+            .collect();
+        view.timeline = RecordedTrace::from_events(
+            vec![json!({"ph": "M", "name": "process_name", "pid": 1, "args": {"name": "rank", "job": "j", "rank": 0}})],
+            Some(110_000.0),
+            "test",
+        )
+        .unwrap();
+        let full = ask(&view, &TimelineQuery::default(), 1_000_000).unwrap();
+        assert_eq!(
+            full["traceEvents"].as_array().unwrap().len(),
+            1 + 10_001 + 300
+        );
+        let coarse = TimelineQuery {
+            detail: lod::Detail::Resolution(100.0),
+            ..TimelineQuery::default()
+        };
+        let answer = ask(&view, &coarse, 1_000_000).unwrap();
+        let events = answer["traceEvents"].as_array().unwrap();
+        let summaries: Vec<&Value> = events
+            .iter()
+            .filter(|e| e["args"].get("summary").is_some())
+            .collect();
+        // Every pixel alike: one summary of the 10,000 short states, one of
+        // the 300 activities; the long state stays as it was.
+        assert_eq!(summaries.len(), 2, "{summaries:?}");
+        let state = summaries
+            .iter()
+            .find(|e| e["cat"] == "thread_state")
+            .unwrap();
+        assert_eq!(
+            (
+                &state["name"],
+                &state["pid"],
+                &state["tid"],
+                &state["ts"],
+                &state["dur"]
+            ),
+            (
+                &json!("running"),
+                &json!(1),
+                &json!(2),
+                &json!(0.0),
+                &json!(100_000.0)
+            )
+        );
+        assert_eq!(
+            state["args"],
+            json!({ "summary": 10_000, "running": 0.6, "blocked": 0.4 })
+        );
+        let job = summaries.iter().find(|e| e["cat"] == "job").unwrap();
+        assert_eq!(
+            (&job["name"], &job["tid"]),
+            (&json!("ALLREDUCE"), &json!("t"))
+        );
+        assert_eq!(job["args"]["summary"], 300);
+        assert_eq!(job["args"]["ALLREDUCE"], 0.4);
+        assert!(
+            events
+                .iter()
+                .any(|e| e["dur"] == 5_000.0 && e["name"] == "blocked")
+        );
+        assert_eq!(events.len(), 1 + 2 + 1);
+        let detail = &answer["metadata"]["detail"];
+        assert_eq!(
+            (
+                &detail["pixel_us"],
+                &detail["slices_in_range"],
+                &detail["summary_slices"]
+            ),
+            (&json!(100.0), &json!(10_301), &json!(2))
+        );
+        // Zoomed in to one pixel's worth of window: every slice again.
+        let zoomed = TimelineQuery {
+            from: Some(TimePoint::At(5_000.0)),
+            to: Some(TimePoint::At(5_100.0)),
+            detail: lod::Detail::Width(1000),
+            ..TimelineQuery::default()
+        };
+        let answer = ask(&view, &zoomed, 1_000_000).unwrap();
+        assert!(
+            answer["traceEvents"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .all(|e| e["args"].get("summary").is_none())
+        );
+        assert_eq!(answer["metadata"]["detail"]["pixel_us"], 0.1);
     }
 }

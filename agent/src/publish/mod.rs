@@ -1,10 +1,11 @@
 //! model → answers: the live view published once a second (`live`, with the
 //! jobs' activities and counter tracks from `tracks`), timeline range
-//! queries (`timeline`), Prometheus exposition (`metrics`) and the GPUs
+//! queries (`timeline`) at a level of detail (`lod`), Prometheus exposition (`metrics`) and the GPUs
 //! (`gpu`, NVML).
 
 pub mod gpu;
 pub mod live;
+pub mod lod;
 pub mod metrics;
 pub mod timeline;
 pub mod tracks;

@@ -3,7 +3,9 @@
 //!
 //! Today's source is a recorded trace (`serve --replay FILE`: a
 //! `RINGWATCH_TIMELINE` file, a Horovod timeline, or any Chrome trace); the
-//! live model joins it as another source. Queries are bounded twice: a range
+//! live model joins it as another source. A query may ask for a level of
+//! detail (`width`/`resolution`: slices shorter than a pixel merged per
+//! track into summaries, see [`lod`]). Queries are bounded twice: a range
 //! with more events than the limit is refused with a request to narrow it
 //! (or thinned, with `downsample`), and an answer is written straight to
 //! JSON bytes ([`TraceWriter`]) that stop at a byte budget, saying so in
@@ -17,6 +19,8 @@ use std::time::Duration;
 
 use anyhow::{Context, Result, bail};
 use serde_json::{Value, json};
+
+use crate::lod::{self, Detail};
 
 /// Where a range starts or ends, on the trace's clock (µs).
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -128,6 +132,9 @@ pub struct TimelineQuery {
     /// (every other event kept), saying so in `metadata.downsampled`,
     /// instead of refusing.
     pub downsample: bool,
+    /// The level of detail: slices shorter than a pixel merged into
+    /// summaries (see [`lod`]).
+    pub detail: Detail,
 }
 
 /// Why a query could not be answered.
@@ -305,9 +312,16 @@ impl RecordedTrace {
         limits: AnswerLimits,
     ) -> Result<TraceAnswer, QueryError> {
         let mut selection = self.select(query)?;
+        if let Some(pixel_us) = selection.pixel_us {
+            let (slices, summaries, kept) = selection.summarize(pixel_us);
+            selection.note(
+                "detail",
+                lod::detail_note(pixel_us, slices, summaries, kept),
+            );
+        }
         let limit = limits.max_events;
-        if selection.events.len() > limit {
-            let count = selection.events.len();
+        let count = selection.events.len() + selection.summaries.len();
+        if count > limit {
             if !query.downsample {
                 return Err(QueryError::TooLarge { count, limit });
             }
@@ -385,10 +399,20 @@ impl RecordedTrace {
             }
         };
         let window = metadata.get("empty_window").is_none().then_some((from, to));
+        // A window open at the start begins with the trace's first event,
+        // and one open at the end with its present.
+        let pixel_us = window.and_then(|(from, to)| {
+            let first = self.events.first().map_or(self.now_us, ts);
+            let from = if from.is_finite() { from } else { first };
+            let to = if to.is_finite() { to } else { self.now_us };
+            query.detail.pixel_us(from, to)
+        });
         Ok(Selection {
             names,
             events,
             window,
+            pixel_us,
+            summaries: Vec::new(),
             metadata,
         })
     }
@@ -414,6 +438,11 @@ pub struct Selection<'a> {
     /// The resolved `[from, to]` in µs, or `None` when the window is
     /// empty (see `metadata.empty_window`).
     pub window: Option<(f64, f64)>,
+    /// One pixel's length (µs) when the query asked for a level of detail.
+    pub pixel_us: Option<f64>,
+    /// Summary slices standing for events of the range (see
+    /// [`Selection::summarize`]), written after them.
+    pub summaries: Vec<Value>,
     /// The answer's `metadata` so far (`now`, `source`, notes).
     pub metadata: serde_json::Map<String, Value>,
 }
@@ -424,11 +453,68 @@ impl Selection<'_> {
         self.metadata.insert(key.to_owned(), value);
     }
 
-    /// Writes the names, then the events.
+    /// Writes the names, then the events, then the summaries.
     pub fn write_events(&self, writer: &mut TraceWriter) {
         for event in self.names.iter().chain(&self.events) {
             writer.push(event);
         }
+        for summary in &self.summaries {
+            writer.push(summary);
+        }
+    }
+
+    /// Merges the selected slices (`X` events) shorter than `pixel_us` per
+    /// track (pid, tid) into summary slices (see [`lod`]); every other
+    /// event stays. Returns the slices there were, the summaries made and
+    /// the slices kept as they were.
+    pub fn summarize(&mut self, pixel_us: f64) -> (usize, usize, usize) {
+        type Key = (Option<String>, Option<String>);
+        let is_slice = |e: &Value| e.get("ph").and_then(Value::as_str) == Some("X");
+        // Per track: its first event (for the summaries' pid, tid and
+        // category) and its slices.
+        let mut tracks: HashMap<Key, (&Value, lod::Track<&Value, &str>)> = HashMap::new();
+        let mut rest = Vec::new();
+        let mut slices = 0;
+        for event in std::mem::take(&mut self.events) {
+            if !is_slice(event) {
+                rest.push(event);
+                continue;
+            }
+            slices += 1;
+            let tid = match event.get("tid") {
+                Some(Value::String(s)) => Some(s.clone()),
+                Some(Value::Number(n)) => Some(n.to_string()),
+                _ => None,
+            };
+            let name = event.get("name").and_then(Value::as_str).unwrap_or("");
+            tracks
+                .entry((pid_key(event), tid))
+                .or_insert_with(|| (event, lod::Track::new(pixel_us)))
+                .1
+                .push(event, name, ts(event), end(event) - ts(event), 0.0);
+        }
+        let (mut summaries, mut kept) = (0, 0);
+        for (first, track) in tracks.into_values() {
+            let cat = first.get("cat").and_then(Value::as_str).unwrap_or("");
+            let (pid, tid) = (&first["pid"], &first["tid"]);
+            for piece in track.finish() {
+                match piece {
+                    lod::Piece::Keep(event) => {
+                        kept += 1;
+                        rest.push(event);
+                    }
+                    lod::Piece::Summary(summary) => {
+                        summaries += 1;
+                        let event = lod::SummaryEvent::new(cat, pid, tid, &summary);
+                        self.summaries
+                            .push(serde_json::to_value(&event).expect("plain data serializes"));
+                    }
+                }
+            }
+        }
+        rest.sort_by(|a, b| ts(a).total_cmp(&ts(b)));
+        self.events = rest;
+        (slices, summaries, kept)
     }
 }
 

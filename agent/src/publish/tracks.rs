@@ -166,6 +166,17 @@ pub struct ActivityArgs {
     pub open: bool,
 }
 
+impl ActivityArgs {
+    /// The value of `key` as a number (an end's value wins), if it is one.
+    pub fn number(&self, key: &str) -> Option<f64> {
+        self.pairs
+            .iter()
+            .rev()
+            .find(|(k, _)| k == key)
+            .and_then(|(_, v)| v.parse().ok())
+    }
+}
+
 impl Serialize for ActivityArgs {
     fn serialize<S: serde::Serializer>(&self, serializer: S) -> Result<S::Ok, S::Error> {
         use serde::ser::SerializeMap;
