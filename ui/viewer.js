@@ -101,13 +101,15 @@ function traceParserModule() {
     const fill = offsets.slice(0, levels);
     const st = new Float64Array(n), du = new Float64Array(n);
     const nm = new Int32Array(n), ar = new Int32Array(n);
+    const bz = new Float32Array(n);
     for (let k = 0; k < n; k++) {
       const i = idx[k];
       const o = fill[depth[k]]++;
       st[o] = acc.ts[i]; du[o] = acc.du[i]; nm[o] = acc.nm[i]; ar[o] = acc.ar[i];
+      bz[o] = acc.busy ? acc.busy[i] : 1;
     }
-    transfer.push(st.buffer, du.buffer, nm.buffer, ar.buffer, offsets.buffer);
-    return { st, du, nm, ar, offsets, levels, count: n };
+    transfer.push(st.buffer, du.buffer, nm.buffer, ar.buffer, offsets.buffer, bz.buffer);
+    return { st, du, nm, ar, bz, offsets, levels, count: n };
   }
 
   function finishFlat(acc, transfer, withDur) {
@@ -115,14 +117,19 @@ function traceParserModule() {
     const idx = sortedIndex(n, acc.ts, null);
     const st = new Float64Array(n), nm = new Int32Array(n), ar = new Int32Array(n);
     const du = withDur ? new Float64Array(n) : null;
+    // Thread states: the fraction of each slice running / runnable / off-CPU
+    // (a state is all one; a summary slice of the agent's level of detail splits).
+    const fr = acc.fr ? new Float32Array(3 * n) : null;
     for (let k = 0; k < n; k++) {
       const i = idx[k];
       st[k] = acc.ts[i]; nm[k] = acc.nm[i]; ar[k] = acc.ar[i];
       if (du) du[k] = acc.du[i];
+      if (fr) { fr[3 * k] = acc.fr[3 * i]; fr[3 * k + 1] = acc.fr[3 * i + 1]; fr[3 * k + 2] = acc.fr[3 * i + 2]; }
     }
     transfer.push(st.buffer, nm.buffer, ar.buffer);
     if (du) transfer.push(du.buffer);
-    return { st, du, nm, ar, count: n };
+    if (fr) transfer.push(fr.buffer);
+    return { st, du, nm, ar, fr, summaries: !!acc.summaries, count: n };
   }
 
   function finishCounter(c, transfer) {
@@ -181,6 +188,7 @@ function traceParserModule() {
       return argsStore.length - 1;
     };
     const acc = () => ({ ts: [], du: [], nm: [], ar: [] });
+    const stateAcc = () => ({ ts: [], du: [], nm: [], ar: [], fr: [], summaries: false });
 
     const procs = new Map();
     const proc = (pid) => {
@@ -197,7 +205,7 @@ function traceParserModule() {
       const key = tid == null ? '0' : String(tid);
       let t = p.threads.get(key);
       if (!t) {
-        t = { key, tid: tid == null ? 0 : tid, name: null, sortIndex: null, sl: acc(), states: acc(), inst: null, stack: [] };
+        t = { key, tid: tid == null ? 0 : tid, name: null, sortIndex: null, sl: acc(), states: stateAcc(), inst: null, stack: [] };
         p.threads.set(key, t);
       }
       return t;
@@ -205,9 +213,29 @@ function traceParserModule() {
     const globalInst = acc();
     let minTs = Infinity, maxTs = -Infinity, used = 0, skipped = 0;
     const seen = (a, b) => { if (a < minTs) minTs = a; if (b > maxTs) maxTs = b; };
+    // A summary slice (the agent's level of detail: args.summary slices merged,
+    // args.<name> each one's fraction) splits its time; any other slice is whole.
+    const isSummary = (args) => args && typeof args === 'object' && num(args.summary) > 0;
     const addSlice = (th, ts, dur, name, cat, args, extra) => {
-      const a = stateCode(name) ? th.states : th.sl;
+      const code = stateCode(name);
+      const a = code ? th.states : th.sl;
       a.ts.push(ts); a.du.push(dur); a.nm.push(intern(name)); a.ar.push(addArgs(cat, args, extra));
+      if (code) {
+        if (isSummary(args)) {
+          a.summaries = true;
+          a.fr.push(num(args.running) || 0, (num(args.runnable) || 0) + (num(args['waiting on run queue']) || 0),
+            (num(args.blocked) || 0) + (num(args.sleeping) || 0) + (num(args.uninterruptible) || 0) + (num(args.iowait) || 0));
+        } else a.fr.push(code === 1 ? 1 : 0, code === 2 ? 1 : 0, code >= 3 ? 1 : 0);
+      } else {
+        // How much of a slice is busy: all of it, or a summary's fractions added up.
+        let busy = 1;
+        if (isSummary(args)) {
+          busy = 0;
+          for (const k in args) if (k !== 'summary' && k !== 'bytes') busy += num(args[k]) || 0;
+          busy = Math.min(1, busy);
+        }
+        (a.busy || (a.busy = [])).push(busy);
+      }
     };
 
     for (let i = 0; i < events.length; i++) {
@@ -319,8 +347,13 @@ function traceParserModule() {
       for (const t of threads) {
         if (!t.sl.ts.length && !t.states.ts.length && !t.inst) continue;
         const name = t.name != null ? t.name : 'tid ' + t.tid;
+        const tidText = String(t.tid);
         tracks.push({
           id: nextId++, kind: 'thread', tid: t.tid, name,
+          // A job's cycles track; a per-tensor track (the agent names it "tensor <name>"; a named
+          // track with no thread states is one too); else a thread.
+          role: tidText === 'cycles' ? 'cycles'
+            : tidText.startsWith('tensor ') || (num(t.tid) === null && !t.states.ts.length) ? 'tensor' : 'thread',
           // A thread's id beside its name; a tensor track ("tensor grad.0") is its name alone.
           label: t.name != null && num(t.tid) != null ? name + '  ' + t.tid : name,
           slices: finishSlices(t.sl, transfer),
@@ -563,6 +596,15 @@ const ROW_H = 18;
 const STATE_H = 10;
 const INST_H = 10;
 const COUNTER_H = 52;
+const OVERVIEW_H = 46;
+const FOLD_H = 18;
+// A rank's overview: what its job's tensors were doing (the class of the activity), in this order of precedence.
+const ACTIVITY_CLASSES = [
+  { key: 'coll', label: 'collective', color: '#1c7ed6', test: /^(ALLREDUCE|ALLGATHER|BROADCAST|ALLTOALL|REDUCESCATTER|NCCL|MPI_|GLOO)/i },
+  { key: 'fuse', label: 'fusion copy', color: '#ae3ec9', test: /^MEMCPY/i },
+  { key: 'nego', label: 'negotiate', color: '#868e96', test: /^NEGOTIATE/i },
+  { key: 'queue', label: 'queued', color: '#ced4da', test: /^(QUEUE|WAIT)/i },
+];
 const PAD = 3;
 
 class Viewer {
@@ -585,6 +627,9 @@ class Viewer {
     this.rows = [];
     this.contentH = 0;
     this.collapsed = new Set();
+    // A job rank's thread and tensor rows are folded under its overview until opened.
+    this.expanded = new Set();
+    this.nameClass = [];
     this.filter = '';
     this.hover = null;
     this.rendered = 0;
@@ -652,6 +697,7 @@ class Viewer {
   setData(data, fit) {
     this.data = data;
     this.nameColor = new Array(data.strings.length);
+    this.nameClass = new Array(data.strings.length);
     this.nameState = new Array(data.strings.length);
     this.nameWidth = new Array(data.strings.length);
     if (!this.live.enabled) this.origin = data.t0;
@@ -748,6 +794,9 @@ class Viewer {
     // agent's answer (and its CPU, shared with the job) small.
     q.set('downsample', 'true');
     q.set('max_events', '100000');
+    // The agent merges what is shorter than one of our pixels into summary
+    // slices (its level of detail): the answer follows the screen, not the job.
+    q.set('width', String(Math.max(1, Math.floor(this.viewW - LABEL_W))));
     return '/api/timeline?' + q.toString();
   }
   async liveTick() {
@@ -866,10 +915,25 @@ class Viewer {
           rows.push({ type: 'process', g, p, y, h: PROC_H, label: this.processLabel(p) });
           y += PROC_H;
           if (this.collapsed.has(g.key + '/' + p.key)) continue;
-          for (const t of p.tracks) {
+          const push = (t) => {
             const h = this.trackHeight(t);
             rows.push({ type: 'track', g, p, t, y, h });
             y += h;
+          };
+          if (g.kind !== 'job') { p.tracks.forEach(push); continue; }
+          // A job's rank: overview first (activities, threads' states), its counters
+          // and cycles, then its threads and its tensors, each folded until opened.
+          rows.push({ type: 'overview', g, p, y, h: OVERVIEW_H });
+          y += OVERVIEW_H;
+          p.tracks.filter((t) => t.kind !== 'thread' || t.role === 'cycles').forEach(push);
+          for (const [role, noun] of [['thread', 'thread'], ['tensor', 'tensor']]) {
+            const list = p.tracks.filter((t) => t.kind === 'thread' && t.role === role);
+            if (!list.length) continue;
+            const key = g.key + '/' + p.key + '/' + role;
+            const open = this.expanded.has(key);
+            rows.push({ type: 'fold', g, p, key, y, h: FOLD_H, label: `${open ? '▾' : '▸'} ${list.length} ${noun}${list.length === 1 ? '' : 's'}${open ? '' : ' (click to open)'}` });
+            y += FOLD_H;
+            if (open) list.forEach(push);
           }
         }
       }
@@ -977,6 +1041,12 @@ class Viewer {
     const row = this.rowAtY(y);
     if (!row) return;
     let key = null;
+    if (row.type === 'fold') {
+      if (this.expanded.has(row.key)) this.expanded.delete(row.key); else this.expanded.add(row.key);
+      this.layout();
+      this.invalidate();
+      return;
+    }
     if (row.type === 'group') key = row.g.key;
     else if (row.type === 'process') key = row.g.key + '/' + row.p.key;
     if (!key) return;
@@ -1226,9 +1296,25 @@ class Viewer {
       ctx.fillRect(0, y, W, row.h);
       ctx.fillStyle = '#ffffff';
       ctx.font = 'bold 12px system-ui, sans-serif';
-      ctx.fillText((this.collapsed.has(row.g.key) ? '▸ ' : '▾ ') + row.label, 8, y + row.h / 2);
+      let text = (this.collapsed.has(row.g.key) ? '▸ ' : '▾ ') + row.label;
+      if (row.g.kind === 'job') {
+        const v = this.verdict(row.g);
+        if (v) text += '  —  ' + v.text;
+      }
+      this.clippedText(ctx, text, 8, y + row.h / 2, W - 16);
       return;
     }
+    if (row.type === 'fold') {
+      ctx.fillStyle = '#f8f9fa';
+      ctx.fillRect(0, y, W, row.h);
+      ctx.fillStyle = '#dee2e6';
+      ctx.fillRect(0, y + row.h - 1, W, 1);
+      ctx.fillStyle = '#495057';
+      ctx.font = '12px system-ui, sans-serif';
+      this.clippedText(ctx, row.label, 28, y + row.h / 2, W - 36);
+      return;
+    }
+    if (row.type === 'overview') { this.drawOverview(ctx, row, y); return; }
     if (row.type === 'process') {
       ctx.fillStyle = '#e9ecef';
       ctx.fillRect(0, y, W, row.h);
@@ -1274,7 +1360,8 @@ class Viewer {
     ctx.clip();
     if (t.kind === 'thread') {
       const batch = this.batch;
-      if (t.states) this.drawLevel(batch, t.states.st, t.states.du, t.states.nm, 0, t.states.count, y + t.stateY, STATE_H, true, null);
+      if (t.states && t.states.summaries) this.drawSummaryStates(batch, t.states, y + t.stateY, STATE_H);
+      else if (t.states) this.drawLevel(batch, t.states.st, t.states.du, t.states.nm, 0, t.states.count, y + t.stateY, STATE_H, true, null);
       const s = t.slices;
       const texts = [], textRows = [];
       for (let d = 0; d < s.levels; d++) {
@@ -1301,6 +1388,147 @@ class Viewer {
       ctx.strokeRect(Math.max(x0, LABEL_W - 2) - 0.5, top - 0.5, Math.max(2, Math.min(x1, W + 2) - Math.max(x0, LABEL_W - 2)) + 1, hh + 1);
     }
     ctx.restore();
+  }
+  classOf(idx) {
+    let c = this.nameClass[idx];
+    if (c !== undefined) return c;
+    const name = this.data.strings[idx];
+    c = ACTIVITY_CLASSES.findIndex((k) => k.test.test(name));
+    this.nameClass[idx] = c;
+    return c;
+  }
+  // A rank's overview over the view, per pixel column (cached per view): the
+  // threads running and waiting for a CPU (the average number of each), and for
+  // each activity class the share of the column some tensor spent in it (the
+  // most of any one tensor: fused tensors run side by side), plus their totals.
+  overviewOf(p) {
+    const vs = this.view.start, ve = this.view.end;
+    const cols = Math.max(1, Math.floor(this.viewW - LABEL_W));
+    const key = this.data.generation + ':' + vs + ':' + ve + ':' + cols;
+    if (p.ov && p.ov.key === key) return p.ov;
+    const k = cols / (ve - vs);
+    const lane = () => ({ bins: new Float64Array(cols + 1), diff: new Float64Array(cols + 2) });
+    // Adds weight w over [a, b] (µs) to a lane, in column units: whole columns through a difference array.
+    const add = (l, a, b, w) => {
+      let xa = (a - vs) * k, xb = (b - vs) * k;
+      if (xb <= 0 || xa >= cols || !(w > 0)) return;
+      xa = Math.max(0, xa); xb = Math.min(cols, xb);
+      if (xb <= xa) return;
+      const ia = Math.floor(xa), ib = Math.floor(xb);
+      if (ia === ib) { l.bins[ia] += (xb - xa) * w; return; }
+      l.bins[ia] += (ia + 1 - xa) * w;
+      l.diff[ia + 1] += w; l.diff[ib] -= w;
+      if (ib < cols) l.bins[ib] += (xb - ib) * w;
+    };
+    const settle = (l) => { let acc = 0; for (let c = 0; c < cols; c++) { acc += l.diff[c]; l.bins[c] += acc; l.diff[c] = 0; } l.diff[cols] = 0; return l.bins; };
+    const run = lane(), rq = lane();
+    let threads = 0;
+    const classes = ACTIVITY_CLASSES.map(() => new Float64Array(cols));
+    const tmp = ACTIVITY_CLASSES.map(lane);
+    for (const t of p.tracks) {
+      if (t.kind !== 'thread') continue;
+      if (t.states) {
+        threads++;
+        const f = t.states;
+        let i = lowerBound(f.st, 0, f.count, vs);
+        if (i > 0) i--;
+        for (; i < f.count && f.st[i] <= ve; i++) {
+          const a = f.st[i], b = a + f.du[i];
+          add(run, a, b, f.fr[3 * i]);
+          add(rq, a, b, f.fr[3 * i + 1]);
+        }
+      }
+      if (t.role !== 'cycles') {
+        // Activities on any track: a tensor's, or a thread's own (a Horovod background thread).
+        const s = t.slices;
+        let any = false;
+        for (let i = 0; i < s.count; i++) {
+          const a = s.st[i], b = a + s.du[i];
+          if (b < vs || a > ve) continue;
+          const c = this.classOf(s.nm[i]);
+          if (c < 0) continue;
+          add(tmp[c], a, b, s.bz[i]);
+          any = true;
+        }
+        if (!any) continue;
+        for (let c = 0; c < tmp.length; c++) {
+          const bins = settle(tmp[c]);
+          const into = classes[c];
+          for (let x = 0; x < cols; x++) { if (bins[x] > into[x]) into[x] = Math.min(1, bins[x]); bins[x] = 0; }
+        }
+      }
+    }
+    settle(run); settle(rq);
+    let runSum = 0, rqSum = 0, peak = 0;
+    for (let c = 0; c < cols; c++) { runSum += run.bins[c]; rqSum += rq.bins[c]; peak = Math.max(peak, run.bins[c] + rq.bins[c]); }
+    const share = classes.map((a) => { let x = 0; for (let c = 0; c < cols; c++) x += a[c]; return x / cols; });
+    p.ov = { key, cols, run: run.bins, rq: rq.bins, classes, threads, peak, running: runSum / cols, waiting: rqSum / cols, share };
+    return p.ov;
+  }
+  // Whether a job looks compute-, network- or scheduling-bound over the view, from its ranks' overviews.
+  verdict(g) {
+    const procs = g.processes.filter((p) => this.passesFilter(g, p));
+    if (!procs.length) return null;
+    let running = 0, waiting = 0, coll = 0, known = 0;
+    for (const p of procs) {
+      const o = this.overviewOf(p);
+      if (!o.threads && !o.share.some((x) => x > 0)) continue;
+      known++;
+      running += o.running; waiting += o.waiting; coll += o.share[0] + o.share[1];
+    }
+    if (!known) return null;
+    running /= known; waiting /= known; coll /= known;
+    const wait = running + waiting > 0 ? waiting / (running + waiting) : 0;
+    const pct = (x) => Math.round(100 * x) + '%';
+    const figures = `per rank: ${running.toFixed(2)} threads running, ${waiting.toFixed(2)} waiting for a CPU; collectives ${pct(coll)} of the time`;
+    let kind;
+    if (wait > 0.2) kind = `scheduling-bound (ready threads wait for a CPU ${pct(wait)} of the time)`;
+    else if (coll > 0.5) kind = 'network-bound (collectives run most of the time)';
+    else kind = 'compute-bound';
+    return { kind, text: 'looks ' + kind + ' · ' + figures };
+  }
+  drawOverview(ctx, row, y) {
+    const W = this.viewW, x0 = LABEL_W;
+    const o = this.overviewOf(row.p);
+    ctx.fillStyle = '#ffffff';
+    ctx.fillRect(0, y, W, row.h);
+    ctx.fillStyle = '#dee2e6';
+    ctx.fillRect(0, y + row.h - 1, W, 1);
+    ctx.fillStyle = '#ced4da';
+    ctx.fillRect(LABEL_W - 1, y, 1, row.h);
+    ctx.fillStyle = '#212529';
+    ctx.font = 'bold 12px system-ui, sans-serif';
+    this.clippedText(ctx, 'overview', 28, y + 10, LABEL_W - 34);
+    ctx.font = '11px system-ui, sans-serif';
+    ctx.fillStyle = '#495057';
+    this.clippedText(ctx, `CPU: ${o.running.toFixed(2)} running · ${o.waiting.toFixed(2)} waiting`, 28, y + 24, LABEL_W - 34);
+    const top = ACTIVITY_CLASSES.map((c, i) => [c, o.share[i]]).filter((x) => x[1] > 0.005).slice(0, 2)
+      .map(([c, x]) => `${c.label} ${Math.round(100 * x)}%`).join(' · ');
+    this.clippedText(ctx, top ? 'job: ' + top : 'job: no activity in view', 28, y + 37, LABEL_W - 34);
+    // Threads: running (green) from the bottom, waiting for a CPU (orange) on top.
+    const cpuTop = y + 3, cpuH = 28, base = cpuTop + cpuH;
+    const scale = Math.max(1, o.peak);
+    for (let c = 0; c < o.cols; c++) {
+      const r = o.run[c], q = o.rq[c];
+      if (r > 0.001) { const h = r / scale * cpuH; ctx.fillStyle = STATE_COLORS[1]; ctx.fillRect(x0 + c, base - h, 1, h); }
+      if (q > 0.001) { const h0 = r / scale * cpuH, h = q / scale * cpuH; ctx.fillStyle = STATE_COLORS[2]; ctx.fillRect(x0 + c, base - h0 - h, 1, h); }
+    }
+    ctx.fillStyle = '#adb5bd';
+    ctx.fillRect(x0, base, W - x0, 1);
+    ctx.fillStyle = '#868e96';
+    ctx.font = '10px system-ui, sans-serif';
+    ctx.fillText(fmtNum(scale) + ' thr', W - 40, cpuTop + 6);
+    // Activities: per column the class with the most of it, shaded by how much.
+    const actTop = base + 3, actH = row.h - (base - y) - 6;
+    for (let c = 0; c < o.cols; c++) {
+      let best = -1, bv = 0.02;
+      for (let i = 0; i < o.classes.length; i++) if (o.classes[i][c] > bv) { bv = o.classes[i][c]; best = i; }
+      if (best < 0) continue;
+      ctx.globalAlpha = 0.35 + 0.65 * bv;
+      ctx.fillStyle = ACTIVITY_CLASSES[best].color;
+      ctx.fillRect(x0 + c, actTop, 1, actH);
+    }
+    ctx.globalAlpha = 1;
   }
   clippedText(ctx, text, x, y, maxW) {
     if (ctx.measureText(text).width <= maxW) { ctx.fillText(text, x, y); return; }
@@ -1338,6 +1566,28 @@ class Viewer {
       const j = lowerBound(st, i + 1, hi, tNext);
       batch.add(color, px, y, Math.max(1, Math.min(xe, x1) - px), h);
       i = j - 1 > i && x0 + (st[j - 1] + du[j - 1] - vs) * k > px + 1 ? j - 1 : j;
+    }
+    batch.endLane();
+  }
+  // Thread states with the agent's summaries: each slice split top to bottom
+  // into running, runnable and off-CPU by its fractions.
+  drawSummaryStates(batch, f, y, h) {
+    const vs = this.view.start, ve = this.view.end;
+    const x0 = LABEL_W, x1 = this.viewW;
+    const k = (x1 - x0) / (ve - vs);
+    let i = lowerBound(f.st, 0, f.count, vs);
+    if (i > 0 && f.st[i - 1] + f.du[i - 1] > vs) i--;
+    for (; i < f.count && f.st[i] <= ve; i++) {
+      const a = Math.max(x0 + (f.st[i] - vs) * k, x0 - 1);
+      const b = Math.min(x0 + (f.st[i] + f.du[i] - vs) * k, x1 + 1);
+      const w = Math.max(1, b - a);
+      let top = y;
+      for (let q = 0; q < 3; q++) {
+        const part = f.fr[3 * i + q] * h;
+        if (part <= 0) continue;
+        batch.add(STATE_COLORS[q + 1], a, top, w, part);
+        top += part;
+      }
     }
     batch.endLane();
   }
@@ -1460,6 +1710,13 @@ class Viewer {
       base.rank = row.p.rank;
       base.process = row.label || this.processLabel(row.p);
       if (row.type === 'process') { out.push(Object.assign(base, { name: row.label })); continue; }
+      if (row.type === 'fold') { out.push(Object.assign(base, { name: row.label, key: row.key })); continue; }
+      if (row.type === 'overview') {
+        const o = this.overviewOf(row.p);
+        out.push(Object.assign(base, { name: 'overview', running: o.running, waiting: o.waiting, threads: o.threads,
+          share: Object.fromEntries(ACTIVITY_CLASSES.map((c, i) => [c.key, o.share[i]])) }));
+        continue;
+      }
       const t = row.t;
       Object.assign(base, { id: t.id, kind: t.kind, name: t.name, process: this.processLabel(row.p) });
       if (t.kind === 'thread') {
@@ -1473,6 +1730,25 @@ class Viewer {
       out.push(base);
     }
     return out;
+  }
+  /** Opens every fold (a job rank's threads and tensors), or closes them all. */
+  expandAll(open = true) {
+    if (!this.data) return;
+    for (const g of this.data.groups) {
+      for (const p of g.processes) {
+        for (const role of ['thread', 'tensor']) {
+          const key = g.key + '/' + p.key + '/' + role;
+          if (open) this.expanded.add(key); else this.expanded.delete(key);
+        }
+      }
+    }
+    this.layout();
+    this.invalidate();
+  }
+  /** The verdict on a job over the view (what its group row says), for tests. */
+  jobVerdict(name) {
+    const g = this.data && this.data.groups.find((x) => x.kind === 'job' && x.name === name);
+    return g ? this.verdict(g) : null;
   }
   /** Find slices by name (and optionally pid/tid); returns [{ts, dur, depth, track}], for tests. */
   findSlices(name, pid, tid) {
@@ -1842,6 +2118,8 @@ async function main() {
     visibleRange: () => ({ start: viewer.view.start, end: viewer.view.end, origin: viewer.origin }),
     setRange: (start, end) => { viewer.pauseLive(); viewer.setRange(start, end); return viewer.nextFrame(); },
     tracks: () => viewer.trackInfo(),
+    expandAll: (open) => { viewer.expandAll(open); return viewer.nextFrame(); },
+    jobVerdict: (name) => viewer.jobVerdict(name),
     sliceAt: (x, y) => viewer.sliceAt(x, y),
     findSlices: (name, pid, tid) => viewer.findSlices(name, pid, tid),
     timeToX: (t) => viewer.timeToX(t),

@@ -226,6 +226,30 @@ try {
     assert(/events/.test(status), 'status line says nothing about the events: ' + status);
   });
 
+  await check('a job opens on its overview: a lane per rank, threads folded under it, a verdict on the job row', async () => {
+    const rows = await hook(() => window.ringwatchViewer.tracks());
+    const overviews = rows.filter((r) => r.type === 'overview');
+    assert(overviews.length === 2 && overviews[0].rank === 0 && overviews[1].rank === 1, 'overview rows: ' + JSON.stringify(overviews));
+    assert(overviews.every((o) => o.threads > 0 && o.running > 0), 'the overview counts running threads: ' + JSON.stringify(overviews));
+    assert(overviews.some((o) => o.share.coll > 0), 'the overview sees the collectives: ' + JSON.stringify(overviews.map((o) => o.share)));
+    assert(!rows.some((r) => r.type === 'track' && r.job === 'resnet50' && r.kind === 'thread'), 'a rank thread is open on the first screen');
+    const folds = rows.filter((r) => r.type === 'fold');
+    assert(folds.length >= 2 && folds.every((f) => /^▸ \d+ threads?/.test(f.name)), 'folds: ' + JSON.stringify(folds.map((f) => f.name)));
+    // The first screen holds every rank's overview.
+    const view = await hook(() => window.ringwatchViewer.canvasRect());
+    assert(overviews.every((o) => o.y + o.height <= view.height), 'an overview is below the fold: ' + JSON.stringify(overviews.map((o) => o.y)));
+    const verdict = await hook(() => window.ringwatchViewer.jobVerdict('resnet50'));
+    assert(verdict && /^looks (compute|network|scheduling)-bound/.test(verdict.text) && /threads running/.test(verdict.text), 'verdict: ' + JSON.stringify(verdict));
+    await page.screenshot({ path: join(OUT_DIR, 'screenshot-overview.png') });
+    // A click on a fold opens that rank's threads.
+    const c = await canvasPoint(40, folds[0].y + folds[0].height / 2);
+    await page.mouse.click(c.x, c.y);
+    await frame();
+    const after = await hook(() => window.ringwatchViewer.tracks());
+    assert(after.some((r) => r.type === 'track' && r.kind === 'thread' && r.rank === folds[0].rank), 'the fold did not open');
+    await hook(() => window.ringwatchViewer.expandAll());
+  });
+
   await check('tracks are grouped job → rank → thread, with counters and an ungrouped GPU', async () => {
     const tracks = await hook(() => window.ringwatchViewer.tracks());
     const groups = tracks.filter((t) => t.type === 'group').map((t) => t.name);
@@ -448,7 +472,8 @@ try {
     await page.waitForFunction(() => window.ringwatchViewer.live().polls >= 2, null, { timeout: 8000 });
     assert(await ready() === 'ready', 'state');
     const live = await hook(() => window.ringwatchViewer.live());
-    assert(live.enabled && !live.paused && /^\/api\/timeline\?from=now-10s&downsample=true&max_events=100000$/.test(live.lastUrl), 'live: ' + JSON.stringify(live));
+    assert(live.enabled && !live.paused && /^\/api\/timeline\?from=now-10s&downsample=true&max_events=100000&width=\d+$/.test(live.lastUrl), 'live: ' + JSON.stringify(live));
+    await hook(() => window.ringwatchViewer.expandAll());
     const tracks = await hook(() => window.ringwatchViewer.tracks());
     assert(tracks.some((t) => t.rank === 1 && t.name === 'horovod background'), 'live tracks');
     const r1 = await range();
@@ -473,7 +498,7 @@ try {
     await page.waitForFunction((p) => window.ringwatchViewer.live().polls > p && !window.ringwatchViewer.live().paused, polls, { timeout: 5000 });
     await page.selectOption('#selector', 'pid:4201');
     await page.waitForFunction(() => /pid=4201/.test(window.ringwatchViewer.live().lastUrl || ''), null, { timeout: 5000 });
-    assert(agent.requests.some((q) => q === '/api/timeline?from=now-10s&pid=4201&downsample=true&max_events=100000'), 'the pid filter did not reach the API: ' + agent.requests.slice(-3));
+    assert(agent.requests.some((q) => /^\/api\/timeline\?from=now-10s&pid=4201&downsample=true&max_events=100000&width=\d+$/.test(q)), 'the pid filter did not reach the API: ' + agent.requests.slice(-3));
     await page.screenshot({ path: join(OUT_DIR, 'screenshot-live.png') });
   });
 
@@ -618,6 +643,7 @@ try {
         await page.goto(`${base}/`);
         await page.waitForFunction(() => window.ringwatchViewer.live().polls >= 1, null, { timeout: 8000 });
         assert(await ready() === 'ready', 'state');
+        await hook(() => window.ringwatchViewer.expandAll());
         const tracks = await hook(() => window.ringwatchViewer.tracks());
         for (const [job, rank, name] of EXPECTED_TRACKS) {
           assert(tracks.some((t) => t.type === 'track' && t.job === job && t.rank === rank && t.name === name), `missing track ${job}/rank ${rank}/${name}`);

@@ -142,11 +142,11 @@ struct Report<'a> {
 }
 
 /// Everything the scenarios share: the binaries, where logs go.
-struct Bench {
-    agent_bin: PathBuf,
-    collbench_bin: PathBuf,
-    work: PathBuf,
-    args: Args,
+pub(crate) struct Bench {
+    pub(crate) agent_bin: PathBuf,
+    pub(crate) collbench_bin: PathBuf,
+    pub(crate) work: PathBuf,
+    pub(crate) args: Args,
 }
 
 /// Runs the scenarios `args` selects; fails when any bound failed.
@@ -1251,16 +1251,16 @@ fn subscribers_that_never_read(bench: &Bench) -> Result<Outcome> {
 // ---------------------------------------------------------------------------
 
 /// A `ringwatch-agent serve --jobs` on a fresh runtime directory and lock file.
-struct Agent {
+pub(crate) struct Agent {
     group: Group,
-    pid: u32,
-    addr: SocketAddr,
-    runtime_dir: PathBuf,
+    pub(crate) pid: u32,
+    pub(crate) addr: SocketAddr,
+    pub(crate) runtime_dir: PathBuf,
     scratch: PathBuf,
 }
 
 impl Agent {
-    fn start(bench: &Bench, name: &str, extra: &[&str]) -> Result<Self> {
+    pub(crate) fn start(bench: &Bench, name: &str, extra: &[&str]) -> Result<Self> {
         let scratch = fresh_dir(bench, &format!("agent-{name}"))?;
         // Created as root with mode 1777, like /run/ringwatch: a job of any user may
         // put its socket here, and the agent trusts the directory.
@@ -1334,7 +1334,7 @@ impl Agent {
         serde_json::from_slice(&answer.body).with_context(|| format!("GET {path}: not JSON"))
     }
 
-    fn wait_for_job(&self, job_id: &str, limit: Duration) -> Result<()> {
+    pub(crate) fn wait_for_job(&self, job_id: &str, limit: Duration) -> Result<()> {
         wait_until(limit, || {
             self.get_json("/api/jobs").ok().and_then(|jobs| {
                 jobs["jobs"]
@@ -1359,7 +1359,7 @@ impl Agent {
         (!values.is_empty()).then(|| values.iter().sum::<f64>() as u64)
     }
 
-    fn stop(self) {
+    pub(crate) fn stop(self) {
         signal(self.pid, libc::SIGTERM);
         let mut group = self.group;
         let _ = wait_until(Duration::from_secs(10), || group.try_wait().map(|_| ()));
@@ -1370,7 +1370,7 @@ impl Agent {
 
 /// A process started in a process group of its own; the whole group is killed on drop
 /// (and on Ctrl-C), so no rank outlives the bench even when its launcher orphans it.
-struct Group {
+pub(crate) struct Group {
     name: String,
     child: Child,
     pgid: u32,
@@ -1379,7 +1379,7 @@ struct Group {
 static LIVE_GROUPS: Mutex<BTreeSet<u32>> = Mutex::new(BTreeSet::new());
 
 impl Group {
-    fn spawn(name: &str, command: &mut Command) -> Result<Self> {
+    pub(crate) fn spawn(name: &str, command: &mut Command) -> Result<Self> {
         let child = command
             .stdin(Stdio::null())
             .process_group(0)
@@ -1459,7 +1459,7 @@ impl Drop for Group {
     }
 }
 
-fn install_signal_cleanup() -> Result<()> {
+pub(crate) fn install_signal_cleanup() -> Result<()> {
     crate::exit_on_signal("stopping the agents and jobs of bench hostile", || {
         for pgid in lock(&LIVE_GROUPS).iter() {
             // SAFETY: as in Group::drop.
@@ -1615,10 +1615,10 @@ impl Sampler {
 }
 
 /// One HTTP answer.
-struct HttpAnswer {
-    status: u16,
+pub(crate) struct HttpAnswer {
+    pub(crate) status: u16,
     headers: Vec<(String, String)>,
-    body: Vec<u8>,
+    pub(crate) body: Vec<u8>,
 }
 
 impl HttpAnswer {
@@ -1632,7 +1632,7 @@ impl HttpAnswer {
 
 /// `GET path` on a fresh connection (`Connection: close`), read to the end within
 /// `limit`.
-fn http_get(addr: SocketAddr, path: &str, limit: Duration) -> Result<HttpAnswer> {
+pub(crate) fn http_get(addr: SocketAddr, path: &str, limit: Duration) -> Result<HttpAnswer> {
     let deadline = Instant::now() + limit;
     let mut stream = TcpStream::connect_timeout(&addr, limit)?;
     stream.set_read_timeout(Some(limit))?;
@@ -1725,7 +1725,7 @@ fn fresh_dir(_bench: &Bench, name: &str) -> Result<PathBuf> {
     Ok(dir)
 }
 
-fn file(path: &Path) -> Result<std::fs::File> {
+pub(crate) fn file(path: &Path) -> Result<std::fs::File> {
     std::fs::File::create(path).with_context(|| format!("creating {}", path.display()))
 }
 

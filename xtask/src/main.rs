@@ -16,6 +16,7 @@ mod image;
 mod multinode;
 mod python;
 mod retune;
+mod timeline_bench;
 mod topology;
 mod train;
 mod tuning_grid;
@@ -153,6 +154,12 @@ enum Bench {
     /// losses against single-process training on the combined batch. Writes
     /// target/bench/train.json. About 5 minutes after the first build.
     Train,
+    /// `GET /api/timeline` on a live 4-rank collbench job (release agent,
+    /// root): 1, 10 and 60 s windows, node and job, asked at full detail,
+    /// downsampled as the viewer asked before, and at the viewer's level of
+    /// detail (width=1600); status, events, bytes, time, interleaved over 3
+    /// rounds. Writes target/bench/timeline.json. About 4 minutes.
+    Timeline,
 }
 
 fn main() -> std::process::ExitCode {
@@ -534,6 +541,7 @@ fn bench(
         Bench::Hostile => hostile::run(&root(), hostile),
         Bench::Retune => retune::run(&root(), retune),
         Bench::Train => train::run(&root(), train),
+        Bench::Timeline => timeline_bench::run(&root(), hostile, 3),
     }
 }
 
