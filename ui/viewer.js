@@ -238,6 +238,28 @@ function traceParserModule() {
       }
     };
 
+    // A job's cycles (the agent's "cycles" track on rank 0) also become two
+    // counters: each cycle's work and its fused bytes, what the tuner changes.
+    // A summary of n cycles gives their means.
+    const counterOf = (p, name) => {
+      let c = p.counters.get(name);
+      if (!c) { c = { name, ts: [], series: new Map() }; p.counters.set(name, c); }
+      return c;
+    };
+    const addCycle = (p, ts, dur, args) => {
+      const a = args && typeof args === 'object' ? args : {};
+      const n = isSummary(a) ? num(a.summary) : 1;
+      const work = isSummary(a) ? (num(a.cycle) || 0) * dur / n : dur;
+      const bytes = (num(a.bytes) || 0) / n;
+      for (const [name, key, v] of [['cycle work', 'ms', work / 1e3], ['fused bytes per cycle', 'MiB', bytes / 1048576]]) {
+        const c = counterOf(p, name);
+        const k = c.ts.length;
+        c.ts.push(ts);
+        let s = c.series.get(key);
+        if (!s) { s = []; c.series.set(key, s); }
+        s[k] = v;
+      }
+    };
     for (let i = 0; i < events.length; i++) {
       const e = events[i];
       if (!e || typeof e !== 'object') { skipped++; continue; }
@@ -262,6 +284,7 @@ function traceParserModule() {
         case 'X': {
           const dur = Math.max(0, num(e.dur) || 0);
           addSlice(thread(proc(e.pid), e.tid), ts, dur, e.name, e.cat, e.args);
+          if (e.tid === 'cycles') addCycle(proc(e.pid), ts, dur, e.args);
           seen(ts, ts + dur);
           used++;
           break;
@@ -367,7 +390,7 @@ function traceParserModule() {
       for (const c of p.counters.values()) {
         tracks.push(Object.assign({ id: nextId++, kind: 'counter', name: c.name }, finishCounter(c, transfer)));
       }
-      if (!tracks.length) continue;
+      if (!tracks.length && !p.threads.size) continue;
       let job = p.job, rank = p.rank;
       if (job == null && p.name) {
         const m = RANK_NAME.exec(p.name);
@@ -376,7 +399,15 @@ function traceParserModule() {
       const gkey = job != null ? 'job:' + job : 'other';
       let g = groups.get(gkey);
       if (!g) { g = { key: gkey, kind: job != null ? 'job' : 'other', name: job != null ? job : defaultGroup, processes: [] }; groups.set(gkey, g); }
-      g.processes.push({ key: 'p:' + p.key, pid: p.pid, name: p.name, rank, labels: p.labels, sortIndex: p.sortIndex, tracks });
+      // Every thread and tensor the trace names, with data or not (the agent's
+      // overview sends their names only): what a rank's folds count.
+      const named = { thread: 0, tensor: 0 };
+      for (const t of p.threads.values()) {
+        const tid = String(t.tid);
+        if (tid === 'cycles') continue;
+        named[tid.startsWith('tensor ') || (num(t.tid) === null && !t.states.ts.length) ? 'tensor' : 'thread']++;
+      }
+      g.processes.push({ key: 'p:' + p.key, pid: p.pid, name: p.name, rank, labels: p.labels, sortIndex: p.sortIndex, tracks, named });
     }
     for (const g of groups.values()) {
       g.processes.sort((a, b) => (a.rank ?? 1e9) - (b.rank ?? 1e9) || (a.sortIndex ?? 0) - (b.sortIndex ?? 0) ||
@@ -598,6 +629,9 @@ const INST_H = 10;
 const COUNTER_H = 52;
 const OVERVIEW_H = 46;
 const FOLD_H = 18;
+// The agent's overview (view=overview): per process, counters in place of its threads and tensors.
+const OVERVIEW_COUNTERS = new Set(['threads', 'activity']);
+const OVERVIEW_ACTIVITY_KEYS = ['collective', 'fusion', 'negotiate', 'queued'];
 // A rank's overview: what its job's tensors were doing (the class of the activity), in this order of precedence.
 const ACTIVITY_CLASSES = [
   { key: 'coll', label: 'collective', color: '#1c7ed6', test: /^(ALLREDUCE|ALLGATHER|BROADCAST|ALLTOALL|REDUCESCATTER|NCCL|MPI_|GLOO)/i },
@@ -777,9 +811,13 @@ class Viewer {
     b.classList.toggle('on', this.live.enabled && !this.live.paused);
     b.textContent = this.live.enabled && !this.live.paused ? '● live' : '❚❚ paused — follow live';
   }
-  liveUrl() {
+  liveUrl(range) {
     const q = new URLSearchParams();
-    q.set('from', 'now-' + Math.round(this.live.windowUs / 1e6) + 's');
+    if (range) {
+      // A paused view asks for its own window (absolute, on the answer's clock).
+      q.set('from', String(Math.floor(range.start)));
+      q.set('to', String(Math.ceil(range.end)));
+    } else q.set('from', 'now-' + Math.round(this.live.windowUs / 1e6) + 's');
     if (this.filter.startsWith('job:')) {
       // A job's view is the whole job: every node's agent that has its ranks
       // (the agent merges them on its clock and names a node it misses).
@@ -797,7 +835,36 @@ class Viewer {
     // The agent merges what is shorter than one of our pixels into summary
     // slices (its level of detail): the answer follows the screen, not the job.
     q.set('width', String(Math.max(1, Math.floor(this.viewW - LABEL_W))));
+    // Until a rank's threads or tensors are opened, the overview: per process,
+    // its threads and tensors merged into two counters (a few kB per rank).
+    if (!this.expanded.size) q.set('view', 'overview');
     return '/api/timeline?' + q.toString();
+  }
+  // Zoomed or panned while live is paused: the agent answers that window at
+  // the screen's pixels, so zooming in brings every slice back (debounced).
+  scheduleDetail() {
+    if (!this.live.enabled || !this.live.paused) return;
+    clearTimeout(this.detailTimer);
+    this.detailTimer = setTimeout(() => this.fetchDetail(), 300);
+  }
+  async fetchDetail() {
+    if (!this.live.enabled || !this.live.paused) return;
+    if (this.detailInflight) { this.detailAgain = true; return; }
+    this.detailInflight = true;
+    const view = { start: this.view.start, end: this.view.end };
+    const url = this.liveUrl(view);
+    this.live.lastUrl = url;
+    try {
+      const data = await this.source.fetchParse(url, { defaultGroup: 'other processes' });
+      if (!this.live.enabled || !this.live.paused) return;
+      this.live.details = (this.live.details || 0) + 1;
+      this.setData(data, false);
+    } catch (err) {
+      this.setStatus('detail: ' + String(err && err.message || err), true);
+    } finally {
+      this.detailInflight = false;
+      if (this.detailAgain) { this.detailAgain = false; this.scheduleDetail(); }
+    }
   }
   async liveTick() {
     if (!this.live.enabled || this.live.paused || this.live.inflight) return;
@@ -920,18 +987,32 @@ class Viewer {
             rows.push({ type: 'track', g, p, t, y, h });
             y += h;
           };
-          if (g.kind !== 'job') { p.tracks.forEach(push); continue; }
+          if (g.kind !== 'job') {
+            p.tracks.forEach(push);
+            // The agent's overview left this process's threads out: they open on demand.
+            const n = (p.named && p.named.thread) || 0;
+            if (n && !p.tracks.some((t) => t.kind === 'thread')) {
+              const key = g.key + '/' + p.key + '/thread';
+              const open = this.expanded.has(key);
+              rows.push({ type: 'fold', g, p, key, y, h: FOLD_H, label: `${open ? '▾' : '▸'} ${n} thread${n === 1 ? '' : 's'}${open ? ' (loading …)' : ' (click to open)'}` });
+              y += FOLD_H;
+            }
+            continue;
+          }
           // A job's rank: overview first (activities, threads' states), its counters
           // and cycles, then its threads and its tensors, each folded until opened.
           rows.push({ type: 'overview', g, p, y, h: OVERVIEW_H });
           y += OVERVIEW_H;
-          p.tracks.filter((t) => t.kind !== 'thread' || t.role === 'cycles').forEach(push);
+          // (The agent's overview counters are drawn in the lane, not as rows.)
+          p.tracks.filter((t) => (t.kind !== 'thread' || t.role === 'cycles') && !(t.kind === 'counter' && OVERVIEW_COUNTERS.has(t.name))).forEach(push);
           for (const [role, noun] of [['thread', 'thread'], ['tensor', 'tensor']]) {
             const list = p.tracks.filter((t) => t.kind === 'thread' && t.role === role);
-            if (!list.length) continue;
+            const n = Math.max(list.length, (p.named && p.named[role]) || 0);
+            if (!n) continue;
             const key = g.key + '/' + p.key + '/' + role;
             const open = this.expanded.has(key);
-            rows.push({ type: 'fold', g, p, key, y, h: FOLD_H, label: `${open ? '▾' : '▸'} ${list.length} ${noun}${list.length === 1 ? '' : 's'}${open ? '' : ' (click to open)'}` });
+            const more = open ? (list.length ? '' : ' (loading …)') : ' (click to open)';
+            rows.push({ type: 'fold', g, p, key, y, h: FOLD_H, label: `${open ? '▾' : '▸'} ${n} ${noun}${n === 1 ? '' : 's'}${more}` });
             y += FOLD_H;
             if (open) list.forEach(push);
           }
@@ -968,6 +1049,7 @@ class Viewer {
     if (end - start < minSpan) { const c = (start + end) / 2; start = c - minSpan / 2; end = c + minSpan / 2; }
     this.view = { start, end };
     this.invalidate();
+    this.scheduleDetail();
   }
   zoomAt(x, factor) {
     const t = this.xToTime(x);
@@ -1045,6 +1127,8 @@ class Viewer {
       if (this.expanded.has(row.key)) this.expanded.delete(row.key); else this.expanded.add(row.key);
       this.layout();
       this.invalidate();
+      // Live: an open fold needs every thread and tensor, not the overview.
+      if (this.live.enabled && !this.live.paused) this.liveTick();
       return;
     }
     if (row.type === 'group') key = row.g.key;
@@ -1459,11 +1543,48 @@ class Viewer {
       }
     }
     settle(run); settle(rq);
+    // The agent's overview counters (view=overview) add to what the tracks hold
+    // (a recorded trace's B/E activities stay as they are there).
+    const fromAgent = this.overviewFromCounters(p, vs, ve, cols);
+    if (fromAgent) {
+      for (let c = 0; c < cols; c++) {
+        run.bins[c] += fromAgent.run[c]; rq.bins[c] += fromAgent.rq[c];
+        for (let i = 0; i < classes.length; i++) classes[i][c] = Math.max(classes[i][c], fromAgent.classes[i][c]);
+      }
+      threads = Math.max(threads, fromAgent.threads);
+    }
     let runSum = 0, rqSum = 0, peak = 0;
     for (let c = 0; c < cols; c++) { runSum += run.bins[c]; rqSum += rq.bins[c]; peak = Math.max(peak, run.bins[c] + rq.bins[c]); }
     const share = classes.map((a) => { let x = 0; for (let c = 0; c < cols; c++) x += a[c]; return x / cols; });
     p.ov = { key, cols, run: run.bins, rq: rq.bins, classes, threads, peak, running: runSum / cols, waiting: rqSum / cols, share };
     return p.ov;
+  }
+  // The overview from the agent's counters (view=overview), sampled at each
+  // column's middle; null when the process has none.
+  overviewFromCounters(p, vs, ve, cols) {
+    const threadsC = p.tracks.find((t) => t.kind === 'counter' && t.name === 'threads');
+    const actC = p.tracks.find((t) => t.kind === 'counter' && t.name === 'activity');
+    if (!threadsC && !actC) return null;
+    const k = cols / (ve - vs);
+    const series = (c, name) => c && (c.series.find((s) => s.name === name) || null);
+    const at = (c, s, t) => {
+      if (!c || !s) return 0;
+      const i = upperBound(c.ts, 0, c.ts.length, t) - 1;
+      return i >= 0 ? s.values[i] : 0;
+    };
+    const run = new Float64Array(cols), rq = new Float64Array(cols);
+    const classes = ACTIVITY_CLASSES.map(() => new Float64Array(cols));
+    const sRun = series(threadsC, 'running'), sRq = series(threadsC, 'runnable');
+    const sAct = OVERVIEW_ACTIVITY_KEYS.map((n) => series(actC, n));
+    let runSum = 0, rqSum = 0, peak = 0;
+    for (let c = 0; c < cols; c++) {
+      const t = vs + (c + 0.5) / k;
+      run[c] = at(threadsC, sRun, t); rq[c] = at(threadsC, sRq, t);
+      runSum += run[c]; rqSum += rq[c]; peak = Math.max(peak, run[c] + rq[c]);
+      for (let i = 0; i < classes.length; i++) classes[i][c] = at(actC, sAct[i], t);
+    }
+    const share = classes.map((a) => { let x = 0; for (let c = 0; c < cols; c++) x += a[c]; return x / cols; });
+    return { cols, run, rq, classes, threads: (p.named && p.named.thread) || (threadsC ? 1 : 0), peak, running: runSum / cols, waiting: rqSum / cols, share };
   }
   // Whether a job looks compute-, network- or scheduling-bound over the view, from its ranks' overviews.
   verdict(g) {
@@ -1501,13 +1622,13 @@ class Viewer {
     this.clippedText(ctx, 'overview', 28, y + 10, LABEL_W - 34);
     ctx.font = '11px system-ui, sans-serif';
     ctx.fillStyle = '#495057';
-    this.clippedText(ctx, `CPU: ${o.running.toFixed(2)} running · ${o.waiting.toFixed(2)} waiting`, 28, y + 24, LABEL_W - 34);
+    const scale = Math.max(1, o.peak);
+    this.clippedText(ctx, `threads: ${o.running.toFixed(2)} running · ${o.waiting.toFixed(2)} waiting (top ${fmtNum(scale)})`, 28, y + 24, LABEL_W - 34);
     const top = ACTIVITY_CLASSES.map((c, i) => [c, o.share[i]]).filter((x) => x[1] > 0.005).slice(0, 2)
       .map(([c, x]) => `${c.label} ${Math.round(100 * x)}%`).join(' · ');
     this.clippedText(ctx, top ? 'job: ' + top : 'job: no activity in view', 28, y + 37, LABEL_W - 34);
     // Threads: running (green) from the bottom, waiting for a CPU (orange) on top.
     const cpuTop = y + 3, cpuH = 28, base = cpuTop + cpuH;
-    const scale = Math.max(1, o.peak);
     for (let c = 0; c < o.cols; c++) {
       const r = o.run[c], q = o.rq[c];
       if (r > 0.001) { const h = r / scale * cpuH; ctx.fillStyle = STATE_COLORS[1]; ctx.fillRect(x0 + c, base - h, 1, h); }
@@ -1515,9 +1636,6 @@ class Viewer {
     }
     ctx.fillStyle = '#adb5bd';
     ctx.fillRect(x0, base, W - x0, 1);
-    ctx.fillStyle = '#868e96';
-    ctx.font = '10px system-ui, sans-serif';
-    ctx.fillText(fmtNum(scale) + ' thr', W - 40, cpuTop + 6);
     // Activities: per column the class with the most of it, shaded by how much.
     const actTop = base + 3, actH = row.h - (base - y) - 6;
     for (let c = 0; c < o.cols; c++) {
@@ -1744,6 +1862,7 @@ class Viewer {
     }
     this.layout();
     this.invalidate();
+    if (this.live.enabled && !this.live.paused) this.liveTick();
   }
   /** The verdict on a job over the view (what its group row says), for tests. */
   jobVerdict(name) {
@@ -2127,7 +2246,7 @@ async function main() {
     canvasRect: () => { const r = viewer.canvas.getBoundingClientRect(); return { x: r.x, y: r.y, width: r.width, height: r.height }; },
     setFilter: (v) => { viewer.setFilter(v); return viewer.nextFrame(); },
     stats: () => Object.assign({}, viewer.stats),
-    live: () => ({ available: viewer.live.available, enabled: viewer.live.enabled, paused: viewer.live.paused, polls: viewer.live.polls, lastUrl: viewer.live.lastUrl }),
+    live: () => ({ available: viewer.live.available, enabled: viewer.live.enabled, paused: viewer.live.paused, polls: viewer.live.polls, lastUrl: viewer.live.lastUrl, details: viewer.live.details || 0 }),
     loadUrl: (url) => viewer.loadUrl(url),
     axisLabels: () => viewer.ticks().filter((t) => t.x >= LABEL_W).map((t) => t.label),
     pixel: (x, y) => {

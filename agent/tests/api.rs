@@ -236,6 +236,34 @@ fn a_recorded_trace_is_served_as_a_bounded_chrome_trace() {
         total - slices + kept + summaries,
         "{detail}"
     );
+    // The overview: per process, its threads' states and its activities
+    // merged into two counters; a valid trace, and a bad view is refused.
+    let (status, overview) = server.get_json("/api/timeline?view=overview&width=50");
+    assert_eq!(status, 200);
+    common::assert_trace_event_format(&overview);
+    let events = overview["traceEvents"].as_array().unwrap();
+    assert!(
+        !events.iter().any(|e| e["cat"] == "thread_state"),
+        "states left in the overview"
+    );
+    for pid in [4101, 4201] {
+        for name in ["threads", "activity"] {
+            assert!(
+                events
+                    .iter()
+                    .any(|e| e["ph"] == "C" && e["name"] == name && e["pid"] == pid),
+                "no {name} counter for {pid}"
+            );
+        }
+    }
+    assert!(
+        overview["metadata"]["detail"]["overview"]["slices_merged"]
+            .as_u64()
+            .unwrap()
+            > 0
+    );
+    let (status, _) = server.get_json("/api/timeline?view=summary");
+    assert_eq!(status, 400);
     let (status, same) =
         server.get_json(&format!("/api/timeline?resolution={}", detail["pixel_us"]));
     assert_eq!(status, 200);

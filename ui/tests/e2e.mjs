@@ -472,7 +472,7 @@ try {
     await page.waitForFunction(() => window.ringwatchViewer.live().polls >= 2, null, { timeout: 8000 });
     assert(await ready() === 'ready', 'state');
     const live = await hook(() => window.ringwatchViewer.live());
-    assert(live.enabled && !live.paused && /^\/api\/timeline\?from=now-10s&downsample=true&max_events=100000&width=\d+$/.test(live.lastUrl), 'live: ' + JSON.stringify(live));
+    assert(live.enabled && !live.paused && /^\/api\/timeline\?from=now-10s&downsample=true&max_events=100000&width=\d+&view=overview$/.test(live.lastUrl), 'live: ' + JSON.stringify(live));
     await hook(() => window.ringwatchViewer.expandAll());
     const tracks = await hook(() => window.ringwatchViewer.tracks());
     assert(tracks.some((t) => t.rank === 1 && t.name === 'horovod background'), 'live tracks');
@@ -643,12 +643,29 @@ try {
         await page.goto(`${base}/`);
         await page.waitForFunction(() => window.ringwatchViewer.live().polls >= 1, null, { timeout: 8000 });
         assert(await ready() === 'ready', 'state');
+        // First the overview: per rank, the agent's counters in place of threads and tensors.
+        const first = await hook(() => window.ringwatchViewer.live());
+        assert(/&view=overview$/.test(first.lastUrl), 'the first poll asks for the overview: ' + first.lastUrl);
+        const lanes = (await hook(() => window.ringwatchViewer.tracks())).filter((r) => r.type === 'overview');
+        assert(lanes.length === 2 && lanes.every((o) => o.running > 0 && o.share.coll > 0), 'overview lanes from the agent: ' + JSON.stringify(lanes));
+        assert(!(await hook(() => window.ringwatchViewer.tracks())).some((r) => r.type === 'track' && r.kind === 'thread' && r.job === 'resnet50' && r.states > 0), 'thread states came with the overview');
+        const verdict = await hook(() => window.ringwatchViewer.jobVerdict('resnet50'));
+        assert(verdict && /^looks /.test(verdict.text), 'verdict from the agent overview: ' + JSON.stringify(verdict));
+        await page.screenshot({ path: join(OUT_DIR, 'screenshot-agent-overview.png') });
+        // Opened: every thread and tensor.
+        const polls = first.polls;
         await hook(() => window.ringwatchViewer.expandAll());
+        await page.waitForFunction(() => window.ringwatchViewer.tracks().some((t) => t.type === 'track' && t.kind === 'thread' && t.job === 'resnet50' && t.states > 0), null, { timeout: 8000 });
+        assert((await hook(() => window.ringwatchViewer.live())).polls > polls, 'no new poll');
         const tracks = await hook(() => window.ringwatchViewer.tracks());
         for (const [job, rank, name] of EXPECTED_TRACKS) {
           assert(tracks.some((t) => t.type === 'track' && t.job === job && t.rank === rank && t.name === name), `missing track ${job}/rank ${rank}/${name}`);
         }
+        // Zoomed in (live pauses): the agent answers the window at the screen's pixels, every slice again.
+        const details = (await hook(() => window.ringwatchViewer.live())).details;
         await hook(() => window.ringwatchViewer.setRange(1_049_000, 1_061_000));
+        await page.waitForFunction((d) => window.ringwatchViewer.live().details > d, details, { timeout: 8000 });
+        assert(/from=1049000&to=1061000&.*width=\d+/.test((await hook(() => window.ringwatchViewer.live())).lastUrl), 'the zoomed window was asked for');
         const [s] = (await hook((k) => window.ringwatchViewer.findSlices(k.name, k.pid, k.tid), KNOWN)).filter((x) => x.ts === KNOWN.ts);
         assert(s, 'the known slice is not in the agent-served trace');
         const p = await slicePoint(s);

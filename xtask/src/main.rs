@@ -156,9 +156,10 @@ enum Bench {
     Train,
     /// `GET /api/timeline` on a live 4-rank collbench job (release agent,
     /// root): 1, 10 and 60 s windows, node and job, asked at full detail,
-    /// downsampled as the viewer asked before, and at the viewer's level of
-    /// detail (width=1600); status, events, bytes, time, interleaved over 3
-    /// rounds. Writes target/bench/timeline.json. About 4 minutes.
+    /// downsampled as the viewer asked before, at a level of detail
+    /// (width=1600) and as the viewer asks now (width=1600&view=overview);
+    /// status, events, bytes, time, interleaved over 3 rounds. Writes
+    /// target/bench/timeline.json. About 8 minutes.
     Timeline,
 }
 

@@ -3,11 +3,13 @@
 //!
 //! The release agent (`serve --jobs`) watches a `collbench -n 4 resnet50`
 //! job until its live window (60 s) is full; then, in interleaved rounds,
-//! each window (1 s, 10 s, 60 s) is asked for three ways, for the whole
+//! each window (1 s, 10 s, 60 s) is asked for four ways, for the whole
 //! node and for the job alone: as it was before the level of detail (no
 //! parameters: every event, up to the server's limits), as the viewer asked
-//! before (`downsample=true&max_events=100000`: the longest thread states)
-//! and as it asks now (`width=1600`: summaries per pixel). Each answer's
+//! before (`downsample=true&max_events=100000`: the longest thread states),
+//! at the level of detail (`width=1600`: summaries per pixel and track) and
+//! as the viewer asks now (`width=1600&view=overview`: per process, its
+//! threads and tensors merged into counters). Each answer's
 //! status, events, bytes and time to the last byte; medians over the rounds
 //! with the machine's load average beside them. Writes
 //! target/bench/timeline.json.
@@ -27,10 +29,11 @@ use crate::hostile::{self, Agent, Group};
 const WINDOW: Duration = Duration::from_secs(60);
 
 /// One way of asking.
-const MODES: [(&str, &str); 3] = [
+const MODES: [(&str, &str); 4] = [
     ("full", ""),
     ("downsample", "&downsample=true&max_events=100000"),
     ("width=1600", "&width=1600"),
+    ("overview", "&width=1600&view=overview"),
 ];
 
 /// One answer.

@@ -40,7 +40,7 @@ use crate::metrics::render_metrics;
 use crate::reports::ReportFormat;
 use crate::timeline::{
     AnswerLimits, QueryError, RecordedTrace, TIME_POINT_PATTERN, TimePoint, TimelineQuery,
-    TraceAnswer,
+    TraceAnswer, View,
 };
 use crate::tuning::{Keep, StartError, TuningRequest, Tunings};
 
@@ -599,6 +599,7 @@ async fn timeline(
             "clock",
             "width",
             "resolution",
+            "view",
         ],
     )?;
     let point = |name: &str| -> Result<Option<TimePoint>, ApiError> {
@@ -625,6 +626,16 @@ async fn timeline(
             }
         },
         detail: detail_param(&params)?,
+        view: match params.get("view").map(String::as_str) {
+            None | Some("full") => View::Full,
+            Some("overview") => View::Overview,
+            Some(other) => {
+                return Err(ApiError::bad_request(format!(
+                    "bad view: {other:?} (full: every thread and tensor; overview: per process, \
+                     its threads and tensors merged into counters)"
+                )));
+            }
+        },
     };
     // A client may ask for fewer events than the server's limit (the live
     // UI does: a screen cannot show more), never for more. Written as the
@@ -860,7 +871,7 @@ async fn cluster_timeline(
             "/api/timeline?clock=unix&job={}&max_events={per_node}",
             query_value(&job)
         );
-        for name in ["pid", "downsample", "width", "resolution"] {
+        for name in ["pid", "downsample", "width", "resolution", "view"] {
             if let Some(value) = params.get(name) {
                 path.push_str(&format!("&{name}={}", query_value(value)));
             }
@@ -1473,6 +1484,7 @@ pub fn openapi_document() -> serde_json::Value {
                     { "name": "max_events", "in": "query", "schema": { "type": "string", "pattern": "^([1-9][0-9]{0,8}|1000000000)$" }, "description": "at most this many events, 1 to 1000000000 (digits, no leading zero) (capped by the server's --timeline-event-limit)" },
                     { "name": "width", "in": "query", "schema": { "type": "string", "pattern": "^([1-9][0-9]{0,4}|100000)$" }, "description": "the pixels the client draws the window on (1 to 100000): slices shorter than a pixel are merged per track into summary slices (args.summary: how many slices; args.<state or activity>: its fraction of the summary's time), so the answer grows with the pixels, not the events; metadata.detail says what was merged" },
                     { "name": "resolution", "in": "query", "schema": { "type": "string", "maxLength": 24, "pattern": "^([0-9]*[1-9][0-9]*(\\.[0-9]+)?|[0-9]+\\.[0-9]*[1-9][0-9]*)$" }, "description": "µs per pixel (a positive number), as width but given directly; when both are given, resolution is used" },
+                    { "name": "view", "in": "query", "schema": { "type": "string", "enum": ["full", "overview"], "default": "full" }, "description": "overview: per process, its threads' states and its job's tensor activities merged into two counters per pixel (threads: running and runnable, the average number of its threads; activity: the share of the pixel with some tensor in a collective, fusion copy, negotiation or queued), so an answer's size follows the processes and the pixels only; 1000 pixels unless width or resolution says. full: every thread and tensor (at width/resolution, summarized per pixel)" },
                     { "name": "downsample", "in": "query", "schema": { "type": "string", "enum": ["true", "false", "1", "0"] }, "description": "over the event limit, keep every job activity, counter and NCCL call and the longest thread-state slices (metadata.downsampled says what was dropped) instead of answering 413" },
                     { "name": "clock", "in": "query", "schema": { "type": "string", "enum": ["trace", "unix"], "default": "trace" }, "description": "unix: timestamps (and absolute from/to) in Unix µs, this agent's CLOCK_MONOTONIC mapped to CLOCK_REALTIME (metadata.clock says so), comparable across nodes; a recorded trace stays on its own clock" },
                     { "name": "scope", "in": "query", "schema": { "type": "string", "enum": ["node", "cluster"], "default": "node" }, "description": "cluster (needs job): this node's part and that of every peer agent that has the job, each peer's wall-clock offset estimated from round trips and applied, merged in time order on this agent's Unix clock (whatever clock says); process ids become <node>/<pid>. metadata.nodes gives each node's clock_offset_us and clock_uncertainty_us; metadata.missing names the nodes or hosts that did not answer (metadata.partial)" }

@@ -506,10 +506,6 @@ impl Jobs {
 
     /// The newest per-cycle statistics of `job_id` (oldest first), or `None`
     /// for an unknown job.
-    #[cfg_attr(
-        not(test),
-        allow(dead_code, reason = "read by the HTTP API, which lands separately")
-    )]
     pub fn recent_stats(&self, job_id: &str) -> Option<Vec<CycleStats>> {
         self.lock()
             .jobs

@@ -31,7 +31,7 @@ use crate::model::Interval;
 use crate::model::{ProcessSnapshot, cause_name};
 use crate::session::Session;
 use crate::timeline::{
-    AnswerLimits, QueryError, RecordedTrace, TimelineQuery, TraceAnswer, TraceWriter,
+    AnswerLimits, QueryError, RecordedTrace, TimelineQuery, TraceAnswer, TraceWriter, View,
     downsample_note,
 };
 use crate::tracks::{self, CounterHistory};
@@ -301,12 +301,27 @@ impl LiveView {
         let mut summaries = Summaries::default();
         if let Some(pixel_us) = selection.pixel_us {
             let in_range = selection.events.len() + activities.len() + states.len();
+            let merged = match (query.view, selection.span) {
+                (View::Overview, Some((from, to))) => overview(
+                    &mut selection,
+                    &mut states,
+                    &mut activities,
+                    pixel_us,
+                    from,
+                    to,
+                ),
+                _ => (0, pixel_us),
+            };
             let (_, others, _) = selection.summarize(pixel_us);
             summaries.states = summarize_states(&mut states, pixel_us);
             summaries.activities = summarize_activities(&mut activities, pixel_us);
             let made = others + summaries.states.len() + summaries.activities.len();
             let kept = selection.events.len() + activities.len() + states.len();
-            selection.note("detail", lod::detail_note(pixel_us, in_range, made, kept));
+            let mut note = lod::detail_note(pixel_us, in_range, made, kept);
+            if query.view == View::Overview {
+                note["overview"] = lod::overview_note(merged.0, merged.1);
+            }
+            selection.note("detail", note);
         }
         let others = selection.events.len()
             + selection.summaries.len()
@@ -356,6 +371,53 @@ impl LiveView {
         }
         Ok(writer.finish(selection.metadata))
     }
+}
+
+/// The overview of a live answer (see [`View::Overview`]): every thread
+/// state and every job activity of a class (tensors', not the cycles')
+/// merged into their process's `threads` and `activity` counters, added to
+/// the selection's summaries. Returns how many slices were merged, and the
+/// overview's pixel (µs).
+fn overview(
+    selection: &mut crate::timeline::Selection<'_>,
+    states: &mut Vec<StateSlice>,
+    activities: &mut Vec<&tracks::JobActivity>,
+    pixel_us: f64,
+    from: f64,
+    to: f64,
+) -> (usize, f64) {
+    let mut overview = lod::Overview::new(pixel_us, from, to);
+    let mut keys: HashMap<u32, String> = HashMap::new();
+    let merged = states.len();
+    for slice in states.drain(..) {
+        let key = keys
+            .entry(slice.pid)
+            .or_insert_with(|| slice.pid.to_string());
+        let state = match slice.interval.kind {
+            ebpf::IntervalKind::OnCpu => lod::ThreadState::Running,
+            ebpf::IntervalKind::RunQueue => lod::ThreadState::Runnable,
+            ebpf::IntervalKind::OffCpu => lod::ThreadState::Off,
+        };
+        overview.add_state(
+            key,
+            || json!(slice.pid),
+            state,
+            slice.start_us(),
+            slice.duration_us(),
+        );
+    }
+    let before = activities.len();
+    activities.retain(|a| {
+        let Some(dur) = a.dur else { return true };
+        if &*a.tid == tracks::CYCLES_TID {
+            return true;
+        }
+        let pid = || serde_json::to_value(&a.pid).unwrap_or(Value::Null);
+        !overview.add_activity(&a.pid.key(), pid, &a.name, a.ts, dur)
+    });
+    let pixel_us = overview.pixel_us();
+    selection.summaries.extend(overview.counters());
+    (merged + before - activities.len(), pixel_us)
 }
 
 /// The summaries of one live answer: thread states per (pid, tid), job
@@ -527,6 +589,15 @@ pub fn build(
             let kept = registry
                 .timeline_events(&job.job_id, from_unix, to_unix)
                 .unwrap_or_default();
+            let stats = registry.recent_stats(&job.job_id).unwrap_or_default();
+            let (cycles_name, cycles) = tracks::cycle_slices(
+                job.into(),
+                &stats,
+                &here,
+                offset_us,
+                window_start_us,
+                now_us,
+            );
             let job = tracks::job_activities(
                 job.into(),
                 &kept,
@@ -536,7 +607,9 @@ pub fn build(
                 now_us,
             );
             events.extend(job.metadata);
+            events.extend(cycles_name);
             job_activities.extend(job.activities);
+            job_activities.extend(cycles);
         }
     }
     states.update(model, &pids, window_start_ns, now_ns);
@@ -867,5 +940,45 @@ mod tests {
                 .all(|e| e["args"].get("summary").is_none())
         );
         assert_eq!(answer["metadata"]["detail"]["pixel_us"], 0.1);
+    }
+
+    #[test]
+    fn the_overview_answers_counters_per_process_in_place_of_threads_and_tensors() {
+        let view = view();
+        let overview = TimelineQuery {
+            view: View::Overview,
+            detail: lod::Detail::Resolution(100.0),
+            ..TimelineQuery::default()
+        };
+        let answer = ask(&view, &overview, 1_000).unwrap();
+        let events = answer["traceEvents"].as_array().unwrap();
+        assert!(
+            !events
+                .iter()
+                .any(|e| e["cat"] == "thread_state" || e["cat"] == "job"),
+            "threads and tensors are merged: {answer}"
+        );
+        let counters = |name: &str, pid: u64| -> Vec<Value> {
+            events
+                .iter()
+                .filter(|e| e["ph"] == "C" && e["name"] == name && e["pid"] == pid)
+                .map(|e| e["args"].clone())
+                .collect()
+        };
+        // Pid 1's states are run-queue waits (slice()): [0,30), [100,300), [400,420).
+        let threads = counters("threads", 1);
+        assert_eq!(threads[0], json!({ "running": 0.0, "runnable": 0.3 }));
+        assert!(threads.contains(&json!({ "running": 0.0, "runnable": 1.0 })));
+        // Its ALLREDUCE over [50, 60): a tenth of its pixel.
+        assert_eq!(
+            counters("activity", 1)[0],
+            json!({ "collective": 0.1, "fusion": 0.0, "negotiate": 0.0, "queued": 0.0 })
+        );
+        assert!(!counters("threads", 2).is_empty());
+        assert!(counters("activity", 2).is_empty());
+        // The tcp counter stays.
+        assert!(events.iter().any(|e| e["name"] == "tcp"));
+        let note = &answer["metadata"]["detail"]["overview"];
+        assert_eq!(note["slices_merged"], 6, "{note}");
     }
 }

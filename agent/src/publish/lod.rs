@@ -17,6 +17,8 @@
 //! Pure: a [`Track`] is fed one track's slices in time order and returns
 //! [`Piece`]s; the callers (`live`, `timeline`) write them as events.
 
+use std::collections::HashMap;
+
 use serde::Serialize;
 use serde::ser::SerializeMap;
 
@@ -332,6 +334,300 @@ pub fn detail_note(
     })
 }
 
+/// What the overview (`view=overview`) puts in place of a process's threads
+/// and a job rank's tensors: per pixel, how many of its threads were
+/// running and waiting for a CPU (on average), and what share of the pixel
+/// its job's activities covered, by class (the union over its tensors), as
+/// two counter tracks of the process (`threads`, `activity`). A sample is
+/// written where a value changes (to 2 decimals), so a steady process costs
+/// a few samples, and any costs at most one per pixel.
+#[derive(Debug)]
+pub struct Overview {
+    pixel_us: f64,
+    first_pixel: i64,
+    pixels: usize,
+    procs: HashMap<String, OverviewProcess>,
+}
+
+/// The classes of job activity the overview tells apart, by Horovod's
+/// activity names (the first that matches).
+pub const ACTIVITY_CLASSES: [(&str, &[&str]); 4] = [
+    (
+        "collective",
+        &[
+            "ALLREDUCE",
+            "ALLGATHER",
+            "BROADCAST",
+            "ALLTOALL",
+            "REDUCESCATTER",
+            "NCCL",
+            "MPI_",
+            "RING_",
+            "HIERARCHICAL_",
+        ],
+    ),
+    ("fusion", &["MEMCPY"]),
+    ("negotiate", &["NEGOTIATE"]),
+    ("queued", &["QUEUE", "WAIT"]),
+];
+
+/// The class of an activity name, if the overview counts it.
+pub fn activity_class(name: &str) -> Option<usize> {
+    ACTIVITY_CLASSES
+        .iter()
+        .position(|(_, prefixes)| prefixes.iter().any(|p| name.starts_with(p)))
+}
+
+/// A thread state as the overview counts it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ThreadState {
+    /// On a CPU.
+    Running,
+    /// Ready, waiting for a CPU.
+    Runnable,
+    /// Off-CPU (not counted).
+    Off,
+}
+
+impl ThreadState {
+    /// By the timeline's state names.
+    pub fn of_name(name: &str) -> Option<Self> {
+        match name {
+            "running" => Some(Self::Running),
+            "runnable" | "waiting on run queue" => Some(Self::Runnable),
+            "blocked" | "sleeping" | "uninterruptible" | "iowait" => Some(Self::Off),
+            _ => None,
+        }
+    }
+}
+
+#[derive(Debug)]
+struct OverviewProcess {
+    pid: serde_json::Value,
+    running: Vec<f64>,
+    runnable: Vec<f64>,
+    /// Where whole pixels start and stop adding (a difference array per
+    /// lane: running, runnable).
+    diff: [Vec<f64>; 2],
+    has_states: bool,
+    /// Per class, the intervals of its activities (µs).
+    activities: [Vec<(f64, f64)>; 4],
+}
+
+impl Overview {
+    /// Most pixels an overview keeps per process: finer resolutions over a
+    /// long window get coarser pixels.
+    pub const MAX_PIXELS: usize = 20_000;
+
+    /// An overview of `[from_us, to_us]` in pixels of `pixel_us`.
+    pub fn new(pixel_us: f64, from_us: f64, to_us: f64) -> Self {
+        let span = (to_us - from_us).max(0.0);
+        let pixel_us = pixel_us.max(span / Self::MAX_PIXELS as f64).max(1e-3);
+        let first_pixel = (from_us / pixel_us).floor() as i64;
+        let last_pixel = (to_us / pixel_us).floor() as i64;
+        let pixels = usize::try_from(last_pixel - first_pixel + 1)
+            .unwrap_or(1)
+            .clamp(1, Self::MAX_PIXELS + 2);
+        Self {
+            pixel_us,
+            first_pixel,
+            pixels,
+            procs: HashMap::new(),
+        }
+    }
+
+    fn process(
+        &mut self,
+        key: &str,
+        pid: impl FnOnce() -> serde_json::Value,
+    ) -> &mut OverviewProcess {
+        let pixels = self.pixels;
+        self.procs
+            .entry(key.to_owned())
+            .or_insert_with(|| OverviewProcess {
+                pid: pid(),
+                running: vec![0.0; pixels],
+                runnable: vec![0.0; pixels],
+                diff: [vec![0.0; pixels + 1], vec![0.0; pixels + 1]],
+                has_states: false,
+                activities: Default::default(),
+            })
+    }
+
+    /// Counts a thread state of process `key` (written as `pid()`).
+    pub fn add_state(
+        &mut self,
+        key: &str,
+        pid: impl FnOnce() -> serde_json::Value,
+        state: ThreadState,
+        start_us: f64,
+        dur_us: f64,
+    ) {
+        let (origin, pixel_us, pixels) = (
+            self.first_pixel as f64 * self.pixel_us,
+            self.pixel_us,
+            self.pixels,
+        );
+        let process = self.process(key, pid);
+        process.has_states = true;
+        let lane = match state {
+            ThreadState::Running => 0,
+            ThreadState::Runnable => 1,
+            ThreadState::Off => return,
+        };
+        let bins = if lane == 0 {
+            &mut process.running
+        } else {
+            &mut process.runnable
+        };
+        add_span(
+            bins,
+            &mut process.diff[lane],
+            pixels,
+            (start_us - origin) / pixel_us,
+            (start_us + dur_us - origin) / pixel_us,
+        );
+    }
+
+    /// Counts a job activity of process `key`; `false` (not counted) when
+    /// its name is of no class.
+    pub fn add_activity(
+        &mut self,
+        key: &str,
+        pid: impl FnOnce() -> serde_json::Value,
+        name: &str,
+        start_us: f64,
+        dur_us: f64,
+    ) -> bool {
+        let Some(class) = activity_class(name) else {
+            return false;
+        };
+        self.process(key, pid).activities[class].push((start_us, start_us + dur_us));
+        true
+    }
+
+    /// The counter events, per process (`threads` where it had thread
+    /// states, `activity` where it had activities), in time order per track.
+    pub fn counters(self) -> Vec<serde_json::Value> {
+        let mut out = Vec::new();
+        let pixel_us = self.pixel_us;
+        let origin = self.first_pixel as f64 * pixel_us;
+        let round = |x: f64| (x * 100.0).round() / 100.0;
+        let mut procs: Vec<(String, OverviewProcess)> = self.procs.into_iter().collect();
+        procs.sort_by(|a, b| a.0.cmp(&b.0));
+        for (_, mut p) in procs {
+            if p.has_states {
+                settle(&mut p.running, &p.diff[0]);
+                settle(&mut p.runnable, &p.diff[1]);
+                let mut last = None;
+                for c in 0..self.pixels {
+                    let now = (round(p.running[c]), round(p.runnable[c]));
+                    if last != Some(now) {
+                        out.push(serde_json::json!({
+                            "ph": "C", "name": "threads", "cat": "overview", "pid": p.pid,
+                            "ts": origin + c as f64 * pixel_us,
+                            "args": { "running": now.0, "runnable": now.1 },
+                        }));
+                        last = Some(now);
+                    }
+                }
+            }
+            if p.activities.iter().any(|a| !a.is_empty()) {
+                let mut shares: Vec<Vec<f64>> = Vec::new();
+                for intervals in &mut p.activities {
+                    let mut bins = vec![0.0; self.pixels];
+                    let mut diff = vec![0.0; self.pixels + 1];
+                    for (a, b) in union(intervals) {
+                        add_span(
+                            &mut bins,
+                            &mut diff,
+                            self.pixels,
+                            (a - origin) / pixel_us,
+                            (b - origin) / pixel_us,
+                        );
+                    }
+                    settle(&mut bins, &diff);
+                    shares.push(bins);
+                }
+                let mut last: Option<Vec<f64>> = None;
+                for c in 0..self.pixels {
+                    let now: Vec<f64> = shares.iter().map(|s| round(s[c].min(1.0))).collect();
+                    if last.as_ref() != Some(&now) {
+                        let args: serde_json::Map<String, serde_json::Value> = ACTIVITY_CLASSES
+                            .iter()
+                            .zip(&now)
+                            .map(|((name, _), v)| ((*name).to_owned(), serde_json::json!(v)))
+                            .collect();
+                        out.push(serde_json::json!({
+                            "ph": "C", "name": "activity", "cat": "overview", "pid": p.pid,
+                            "ts": origin + c as f64 * pixel_us, "args": args,
+                        }));
+                        last = Some(now);
+                    }
+                }
+            }
+        }
+        out
+    }
+
+    /// One pixel's length (µs), after the cap on pixels.
+    pub fn pixel_us(&self) -> f64 {
+        self.pixel_us
+    }
+}
+
+/// Adds 1 per unit of time over `[xa, xb]` (in pixels) to `bins`: partial
+/// pixels directly, whole ones through `diff` (see [`settle`]).
+fn add_span(bins: &mut [f64], diff: &mut [f64], pixels: usize, xa: f64, xb: f64) {
+    let end = pixels as f64;
+    let (xa, xb) = (xa.max(0.0), xb.min(end));
+    if xb <= xa || xb.is_nan() || xa.is_nan() {
+        return;
+    }
+    let (ia, ib) = (xa.floor() as usize, xb.floor() as usize);
+    if ia == ib {
+        bins[ia] += xb - xa;
+        return;
+    }
+    bins[ia] += (ia + 1) as f64 - xa;
+    diff[ia + 1] += 1.0;
+    diff[ib] -= 1.0;
+    if ib < pixels {
+        bins[ib] += xb - ib as f64;
+    }
+}
+
+/// Adds the whole pixels that `diff` marks to `bins`.
+fn settle(bins: &mut [f64], diff: &[f64]) {
+    let mut acc = 0.0;
+    for (bin, d) in bins.iter_mut().zip(diff) {
+        acc += d;
+        *bin += acc;
+    }
+}
+
+/// The union of intervals, sorted and merged.
+fn union(intervals: &mut [(f64, f64)]) -> Vec<(f64, f64)> {
+    intervals.sort_by(|a, b| a.0.total_cmp(&b.0));
+    let mut out: Vec<(f64, f64)> = Vec::new();
+    for &(a, b) in intervals.iter() {
+        match out.last_mut() {
+            Some(last) if a <= last.1 => last.1 = last.1.max(b),
+            _ => out.push((a, b)),
+        }
+    }
+    out
+}
+
+/// What `metadata.detail.overview` says.
+pub fn overview_note(merged: usize, pixel_us: f64) -> serde_json::Value {
+    serde_json::json!({
+        "slices_merged": merged,
+        "pixel_us": pixel_us,
+        "how": "each process's thread states and its job's tensor activities are merged into two counters: threads (running, runnable: the average number of its threads per pixel) and activity (the share of each pixel with some tensor in a collective, fusion copy, negotiation or queued); ask view=full (the default) for every thread and tensor",
+    })
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -481,5 +777,64 @@ mod tests {
                 "args": { "summary": 3, "running": 0.2, "blocked": 0.6, "runnable": 0.2 },
             })
         );
+    }
+
+    #[test]
+    fn the_overview_counts_threads_per_pixel_and_the_union_of_activities() {
+        // Pixels of 100 µs over [0, 400).
+        let mut o = Overview::new(100.0, 0.0, 399.0);
+        let pid = || serde_json::json!(7);
+        // Two threads running over [0, 200), one waiting over [50, 150).
+        o.add_state("7", pid, ThreadState::Running, 0.0, 200.0);
+        o.add_state("7", pid, ThreadState::Running, 0.0, 200.0);
+        o.add_state("7", pid, ThreadState::Runnable, 50.0, 100.0);
+        o.add_state("7", pid, ThreadState::Off, 200.0, 200.0);
+        // Two tensors allreducing over [0, 100) and [50, 150): the union is [0, 150).
+        assert!(o.add_activity("7", pid, "ALLREDUCE", 0.0, 100.0));
+        assert!(o.add_activity("7", pid, "ALLREDUCE", 50.0, 100.0));
+        assert!(o.add_activity("7", pid, "QUEUE", 300.0, 50.0));
+        assert!(!o.add_activity("7", pid, "SOMETHING", 0.0, 10.0));
+        let events = o.counters();
+        let threads: Vec<(f64, f64, f64)> = events
+            .iter()
+            .filter(|e| e["name"] == "threads")
+            .map(|e| {
+                (
+                    e["ts"].as_f64().unwrap(),
+                    e["args"]["running"].as_f64().unwrap(),
+                    e["args"]["runnable"].as_f64().unwrap(),
+                )
+            })
+            .collect();
+        // Pixels 0 and 1 alike (2 running, 0.5 waiting): one sample; then 0.
+        assert_eq!(threads, [(0.0, 2.0, 0.5), (200.0, 0.0, 0.0)]);
+        let activity: Vec<(f64, f64, f64)> = events
+            .iter()
+            .filter(|e| e["name"] == "activity")
+            .map(|e| {
+                (
+                    e["ts"].as_f64().unwrap(),
+                    e["args"]["collective"].as_f64().unwrap(),
+                    e["args"]["queued"].as_f64().unwrap(),
+                )
+            })
+            .collect();
+        assert_eq!(
+            activity,
+            [
+                (0.0, 1.0, 0.0),
+                (100.0, 0.5, 0.0),
+                (200.0, 0.0, 0.0),
+                (300.0, 0.0, 0.5)
+            ]
+        );
+        assert!(events.iter().all(|e| e["pid"] == 7 && e["ph"] == "C"));
+    }
+
+    #[test]
+    fn an_overview_has_at_most_its_cap_of_pixels() {
+        let o = Overview::new(0.001, 0.0, 60e6);
+        assert!(o.pixels <= Overview::MAX_PIXELS + 2, "{}", o.pixels);
+        assert!((o.pixel_us() - 3000.0).abs() < 1e-9);
     }
 }

@@ -135,6 +135,22 @@ pub struct TimelineQuery {
     /// The level of detail: slices shorter than a pixel merged into
     /// summaries (see [`lod`]).
     pub detail: Detail,
+    /// Every thread and tensor (the default), or the overview: per
+    /// process, its threads and its job's tensors merged into counters.
+    pub view: View,
+}
+
+/// What a timeline answer shows of each process.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub enum View {
+    /// Every thread's states and every tensor's activities.
+    #[default]
+    Full,
+    /// Per process: `threads` (running, runnable: average threads per
+    /// pixel) and `activity` (share of each pixel per class of job
+    /// activity) counters in place of its threads' states and its tensors'
+    /// activities (see [`lod::Overview`]).
+    Overview,
 }
 
 /// Why a query could not be answered.
@@ -313,11 +329,18 @@ impl RecordedTrace {
     ) -> Result<TraceAnswer, QueryError> {
         let mut selection = self.select(query)?;
         if let Some(pixel_us) = selection.pixel_us {
-            let (slices, summaries, kept) = selection.summarize(pixel_us);
-            selection.note(
-                "detail",
-                lod::detail_note(pixel_us, slices, summaries, kept),
-            );
+            let is_slice = |e: &&&Value| e.get("ph").and_then(Value::as_str) == Some("X");
+            let in_range = selection.events.iter().filter(is_slice).count();
+            let merged = match (query.view, selection.span) {
+                (View::Overview, Some((from, to))) => selection.overview(pixel_us, from, to),
+                _ => (0, pixel_us),
+            };
+            let (_, summaries, kept) = selection.summarize(pixel_us);
+            let mut note = lod::detail_note(pixel_us, in_range, summaries, kept);
+            if query.view == View::Overview {
+                note["overview"] = lod::overview_note(merged.0, merged.1);
+            }
+            selection.note("detail", note);
         }
         let limit = limits.max_events;
         let count = selection.events.len() + selection.summaries.len();
@@ -401,16 +424,23 @@ impl RecordedTrace {
         let window = metadata.get("empty_window").is_none().then_some((from, to));
         // A window open at the start begins with the trace's first event,
         // and one open at the end with its present.
-        let pixel_us = window.and_then(|(from, to)| {
+        let span = window.map(|(from, to)| {
             let first = self.events.first().map_or(self.now_us, ts);
             let from = if from.is_finite() { from } else { first };
             let to = if to.is_finite() { to } else { self.now_us };
-            query.detail.pixel_us(from, to)
+            (from, to)
         });
+        // The overview needs pixels: 1,000 over the window unless told.
+        let detail = match (query.view, query.detail) {
+            (View::Overview, Detail::Full) => Detail::Width(1_000),
+            (_, detail) => detail,
+        };
+        let pixel_us = span.and_then(|(from, to)| detail.pixel_us(from, to));
         Ok(Selection {
             names,
             events,
             window,
+            span,
             pixel_us,
             summaries: Vec::new(),
             metadata,
@@ -438,7 +468,11 @@ pub struct Selection<'a> {
     /// The resolved `[from, to]` in µs, or `None` when the window is
     /// empty (see `metadata.empty_window`).
     pub window: Option<(f64, f64)>,
-    /// One pixel's length (µs) when the query asked for a level of detail.
+    /// The window with its open ends closed (the trace's first event, its
+    /// present), when it is not empty.
+    pub span: Option<(f64, f64)>,
+    /// One pixel's length (µs) when the query asked for a level of detail
+    /// (or an overview).
     pub pixel_us: Option<f64>,
     /// Summary slices standing for events of the range (see
     /// [`Selection::summarize`]), written after them.
@@ -461,6 +495,44 @@ impl Selection<'_> {
         for summary in &self.summaries {
             writer.push(summary);
         }
+    }
+
+    /// The overview (see [`View::Overview`]): the selected thread states and
+    /// job activities (by their names) become each process's `threads` and
+    /// `activity` counters, added to the summaries; every other event stays.
+    /// Returns how many slices were merged, and the overview's pixel (µs).
+    pub fn overview(&mut self, pixel_us: f64, from: f64, to: f64) -> (usize, f64) {
+        let mut overview = lod::Overview::new(pixel_us, from, to);
+        let mut merged = 0;
+        let mut rest = Vec::new();
+        for event in std::mem::take(&mut self.events) {
+            let name = event.get("name").and_then(Value::as_str).unwrap_or("");
+            let (Some("X"), Some(key)) = (event.get("ph").and_then(Value::as_str), pid_key(event))
+            else {
+                rest.push(event);
+                continue;
+            };
+            let (start, dur) = (ts(event), end(event) - ts(event));
+            let pid = || event["pid"].clone();
+            let cycles =
+                event.get("tid").and_then(Value::as_str) == Some(crate::tracks::CYCLES_TID);
+            let counted = match lod::ThreadState::of_name(name) {
+                Some(state) => {
+                    overview.add_state(&key, pid, state, start, dur);
+                    true
+                }
+                None => !cycles && overview.add_activity(&key, pid, name, start, dur),
+            };
+            if counted {
+                merged += 1;
+            } else {
+                rest.push(event);
+            }
+        }
+        self.events = rest;
+        let pixel_us = overview.pixel_us();
+        self.summaries.extend(overview.counters());
+        (merged, pixel_us)
     }
 
     /// Merges the selected slices (`X` events) shorter than `pixel_us` per

@@ -367,6 +367,77 @@ pub fn job_activities(
     out
 }
 
+/// The track of a job's cycles (on rank 0's pid: rank 0 reports them).
+pub const CYCLES_TID: &str = "cycles";
+
+/// A job's cycles (rank 0's statistics, as its control socket sends them) as
+/// slices on rank 0's `cycles` track: one per cycle that did work, as long
+/// as the cycle's work took, with its fused bytes and tensors in `args`
+/// (`bytes` is what the level of detail adds up), and the knobs it ran
+/// with. Only cycles overlapping `[window_start_us, now_us]`. Returns the
+/// track's name and its slices.
+pub fn cycle_slices(
+    job: JobRanks<'_>,
+    stats: &[collectives::control::CycleStats],
+    here: &Here<'_>,
+    offset_us: i64,
+    window_start_us: f64,
+    now_us: f64,
+) -> (Option<Value>, Vec<JobActivity>) {
+    let pid = match rank_pid(job, 0, here) {
+        Value::Number(n) => {
+            TracePid::Local(n.as_u64().and_then(|p| u32::try_from(p).ok()).unwrap_or(0))
+        }
+        other => TracePid::Remote(Arc::from(other.as_str().unwrap_or_default())),
+    };
+    let tid: Arc<str> = Arc::from(CYCLES_TID);
+    let name: Arc<str> = Arc::from("cycle");
+    let slices: Vec<JobActivity> = stats
+        .iter()
+        .filter_map(|s| {
+            let ts = (i128::from(s.start_unix_us) - i128::from(offset_us)) as f64;
+            let dur = s.duration_us as f64;
+            if ts + dur < window_start_us || ts > now_us {
+                return None;
+            }
+            let pairs = vec![
+                ("cycle".to_owned(), s.cycle.to_string()),
+                ("bytes".to_owned(), s.bytes_total.to_string()),
+                ("tensors".to_owned(), s.tensors.to_string()),
+                ("fused_buffers".to_owned(), s.fused_buffers.to_string()),
+                (
+                    "fusion_threshold_bytes".to_owned(),
+                    s.knobs.fusion_threshold_bytes.to_string(),
+                ),
+                (
+                    "cycle_time_us".to_owned(),
+                    s.knobs.cycle_time_us.to_string(),
+                ),
+                (
+                    "hierarchical".to_owned(),
+                    s.knobs.hierarchical_allreduce.to_string(),
+                ),
+            ];
+            Some(JobActivity {
+                ph: "X",
+                s: None,
+                cat: "job",
+                name: name.clone(),
+                pid: pid.clone(),
+                tid: tid.clone(),
+                ts,
+                dur: Some(dur),
+                args: ActivityArgs { pairs, open: false },
+            })
+        })
+        .collect();
+    let meta = (!slices.is_empty()).then(|| {
+        json!({ "ph": "M", "name": "thread_name", "pid": &pid, "tid": CYCLES_TID,
+                "args": { "name": "cycles (rank 0: each cycle's work and fused bytes)" } })
+    });
+    (meta, slices)
+}
+
 /// A connection's identity: its process and 4-tuple.
 type ConnKey = (u32, String, String);
 
@@ -660,6 +731,52 @@ mod tests {
         ];
         let out = job_activities(j, &events, &local, 0, 1_000.0, 2_000.0).to_values();
         assert_eq!(timed(&out), ["X 1 tensor t ALLREDUCE@900.0+200.0"]);
+    }
+
+    #[test]
+    fn cycles_are_slices_on_rank_zeros_cycles_track_with_their_bytes() {
+        let list = ranks(&[(0, 7, "n1"), (1, 8, "n2")]);
+        let pids: BTreeSet<u32> = [7].into();
+        let here = Here { pids: &pids };
+        let stat =
+            |cycle: u64, start: u64, dur: u64, bytes: u64| collectives::control::CycleStats {
+                cycle,
+                start_unix_us: start,
+                duration_us: dur,
+                bytes_reduced: bytes,
+                bytes_total: bytes,
+                tensors: 3,
+                fused_buffers: 1,
+                knobs: collectives::control::Knobs::default(),
+            };
+        // Unix µs 10_000 is trace µs 1_000 (offset 9_000); the window is [1_000, 2_000].
+        let stats = [
+            stat(1, 9_500, 100, 64),
+            stat(2, 10_200, 300, 4096),
+            stat(3, 12_000, 10, 1),
+        ];
+        let (meta, slices) = cycle_slices(job(&list), &stats, &here, 9_000, 1_000.0, 2_000.0);
+        assert_eq!(slices.len(), 1, "{slices:?}");
+        let c = &slices[0];
+        assert_eq!(
+            (c.pid.key(), &*c.tid, &*c.name, c.ts, c.dur),
+            ("7".to_owned(), CYCLES_TID, "cycle", 1_200.0, Some(300.0))
+        );
+        assert_eq!(c.args.number("bytes"), Some(4096.0));
+        assert_eq!(c.args.number("cycle"), Some(2.0));
+        let meta = meta.unwrap();
+        assert_eq!((&meta["pid"], &meta["tid"]), (&json!(7), &json!("cycles")));
+        // Rank 0 elsewhere: its track is under the remote rank's name.
+        let far: BTreeSet<u32> = BTreeSet::new();
+        let (_, remote) = cycle_slices(
+            job(&list),
+            &stats,
+            &Here { pids: &far },
+            9_000,
+            1_000.0,
+            2_000.0,
+        );
+        assert_eq!(remote[0].pid.key(), "j1 rank 0");
     }
 
     fn conn(
