@@ -283,9 +283,50 @@ impl LiveView {
         };
         // Which pids the query wants, decided once per pid, not per slice.
         let mut wanted: HashMap<u32, bool> = HashMap::new();
-        let mut states: Vec<StateSlice> = match selection.window {
-            None => Vec::new(),
-            Some((from, to)) => self
+        // The overview counts the states where they lie (millions in a
+        // minute of a busy job), without copying them first.
+        let mut overview = match (query.view, selection.pixel_us, selection.span) {
+            (View::Overview, Some(pixel_us), Some((from, to))) => {
+                Some(lod::Overview::new(pixel_us, from, to))
+            }
+            _ => None,
+        };
+        let mut merged = 0;
+        let mut states: Vec<StateSlice> = match (selection.window, overview.as_mut()) {
+            (None, _) => Vec::new(),
+            (Some((from, to)), Some(overview)) => {
+                // Chunks hold each pid's slices together: one lookup per run.
+                let mut last: Option<(u32, Option<usize>)> = None;
+                for slice in self.states.iter().flat_map(|chunk| chunk.slices.iter()) {
+                    if slice.start_us() > to || slice.start_us() + slice.duration_us() < from {
+                        continue;
+                    }
+                    let slot = match last {
+                        Some((pid, slot)) if pid == slice.pid => slot,
+                        _ => {
+                            let want = *wanted.entry(slice.pid).or_insert_with(|| {
+                                self.timeline.wanted_pid(query, &slice.pid.to_string())
+                            });
+                            let slot = want.then(|| {
+                                overview.slot(&slice.pid.to_string(), || json!(slice.pid))
+                            });
+                            last = Some((slice.pid, slot));
+                            slot
+                        }
+                    };
+                    if let Some(slot) = slot {
+                        let state = match slice.interval.kind {
+                            ebpf::IntervalKind::OnCpu => lod::ThreadState::Running,
+                            ebpf::IntervalKind::RunQueue => lod::ThreadState::Runnable,
+                            ebpf::IntervalKind::OffCpu => lod::ThreadState::Off,
+                        };
+                        overview.add_state_at(slot, state, slice.start_us(), slice.duration_us());
+                        merged += 1;
+                    }
+                }
+                Vec::new()
+            }
+            (Some((from, to)), None) => self
                 .states
                 .iter()
                 .flat_map(|chunk| chunk.slices.iter())
@@ -300,17 +341,14 @@ impl LiveView {
         };
         let mut summaries = Summaries::default();
         if let Some(pixel_us) = selection.pixel_us {
-            let in_range = selection.events.len() + activities.len() + states.len();
-            let merged = match (query.view, selection.span) {
-                (View::Overview, Some((from, to))) => overview(
-                    &mut selection,
-                    &mut states,
-                    &mut activities,
-                    pixel_us,
-                    from,
-                    to,
-                ),
-                _ => (0, pixel_us),
+            let in_range = selection.events.len() + activities.len() + states.len() + merged;
+            let merged = match overview.take() {
+                Some(overview) => {
+                    let (more, pixel_us) =
+                        finish_overview(&mut selection, overview, &mut activities);
+                    (merged + more, pixel_us)
+                }
+                None => (0, pixel_us),
             };
             let (_, others, _) = selection.summarize(pixel_us);
             summaries.states = summarize_states(&mut states, pixel_us);
@@ -373,39 +411,16 @@ impl LiveView {
     }
 }
 
-/// The overview of a live answer (see [`View::Overview`]): every thread
-/// state and every job activity of a class (tensors', not the cycles')
-/// merged into their process's `threads` and `activity` counters, added to
-/// the selection's summaries. Returns how many slices were merged, and the
-/// overview's pixel (µs).
-fn overview(
+/// Ends the overview of a live answer (see [`View::Overview`]), whose
+/// thread states are counted already: every job activity of a class
+/// (tensors', not the cycles') is merged into its process's `activity`
+/// counter, and the counters go to the selection's summaries. Returns how
+/// many activities were merged, and the overview's pixel (µs).
+fn finish_overview(
     selection: &mut crate::timeline::Selection<'_>,
-    states: &mut Vec<StateSlice>,
+    mut overview: lod::Overview,
     activities: &mut Vec<&tracks::JobActivity>,
-    pixel_us: f64,
-    from: f64,
-    to: f64,
 ) -> (usize, f64) {
-    let mut overview = lod::Overview::new(pixel_us, from, to);
-    let mut keys: HashMap<u32, String> = HashMap::new();
-    let merged = states.len();
-    for slice in states.drain(..) {
-        let key = keys
-            .entry(slice.pid)
-            .or_insert_with(|| slice.pid.to_string());
-        let state = match slice.interval.kind {
-            ebpf::IntervalKind::OnCpu => lod::ThreadState::Running,
-            ebpf::IntervalKind::RunQueue => lod::ThreadState::Runnable,
-            ebpf::IntervalKind::OffCpu => lod::ThreadState::Off,
-        };
-        overview.add_state(
-            key,
-            || json!(slice.pid),
-            state,
-            slice.start_us(),
-            slice.duration_us(),
-        );
-    }
     let before = activities.len();
     activities.retain(|a| {
         let Some(dur) = a.dur else { return true };
@@ -417,7 +432,7 @@ fn overview(
     });
     let pixel_us = overview.pixel_us();
     selection.summaries.extend(overview.counters());
-    (merged + before - activities.len(), pixel_us)
+    (before - activities.len(), pixel_us)
 }
 
 /// The summaries of one live answer: thread states per (pid, tid), job

@@ -346,7 +346,9 @@ pub struct Overview {
     pixel_us: f64,
     first_pixel: i64,
     pixels: usize,
-    procs: HashMap<String, OverviewProcess>,
+    /// The processes, in the order first seen, and where each key is.
+    procs: Vec<OverviewProcess>,
+    slots: HashMap<String, usize>,
 }
 
 /// The classes of job activity the overview tells apart, by Horovod's
@@ -403,6 +405,7 @@ impl ThreadState {
 
 #[derive(Debug)]
 struct OverviewProcess {
+    key: String,
     pid: serde_json::Value,
     running: Vec<f64>,
     runnable: Vec<f64>,
@@ -432,8 +435,29 @@ impl Overview {
             pixel_us,
             first_pixel,
             pixels,
-            procs: HashMap::new(),
+            procs: Vec::new(),
+            slots: HashMap::new(),
         }
+    }
+
+    /// Where process `key` (written as `pid()`) is counted: pass it to
+    /// [`Overview::add_state_at`] to skip the lookup per slice.
+    pub fn slot(&mut self, key: &str, pid: impl FnOnce() -> serde_json::Value) -> usize {
+        if let Some(&slot) = self.slots.get(key) {
+            return slot;
+        }
+        let pixels = self.pixels;
+        self.procs.push(OverviewProcess {
+            key: key.to_owned(),
+            pid: pid(),
+            running: vec![0.0; pixels],
+            runnable: vec![0.0; pixels],
+            diff: [vec![0.0; pixels + 1], vec![0.0; pixels + 1]],
+            has_states: false,
+            activities: Default::default(),
+        });
+        self.slots.insert(key.to_owned(), self.procs.len() - 1);
+        self.procs.len() - 1
     }
 
     fn process(
@@ -441,17 +465,8 @@ impl Overview {
         key: &str,
         pid: impl FnOnce() -> serde_json::Value,
     ) -> &mut OverviewProcess {
-        let pixels = self.pixels;
-        self.procs
-            .entry(key.to_owned())
-            .or_insert_with(|| OverviewProcess {
-                pid: pid(),
-                running: vec![0.0; pixels],
-                runnable: vec![0.0; pixels],
-                diff: [vec![0.0; pixels + 1], vec![0.0; pixels + 1]],
-                has_states: false,
-                activities: Default::default(),
-            })
+        let slot = self.slot(key, pid);
+        &mut self.procs[slot]
     }
 
     /// Counts a thread state of process `key` (written as `pid()`).
@@ -463,12 +478,18 @@ impl Overview {
         start_us: f64,
         dur_us: f64,
     ) {
+        let slot = self.slot(key, pid);
+        self.add_state_at(slot, state, start_us, dur_us);
+    }
+
+    /// Counts a thread state of the process at `slot` (from [`Overview::slot`]).
+    pub fn add_state_at(&mut self, slot: usize, state: ThreadState, start_us: f64, dur_us: f64) {
         let (origin, pixel_us, pixels) = (
             self.first_pixel as f64 * self.pixel_us,
             self.pixel_us,
             self.pixels,
         );
-        let process = self.process(key, pid);
+        let process = &mut self.procs[slot];
         process.has_states = true;
         let lane = match state {
             ThreadState::Running => 0,
@@ -513,9 +534,9 @@ impl Overview {
         let pixel_us = self.pixel_us;
         let origin = self.first_pixel as f64 * pixel_us;
         let round = |x: f64| (x * 100.0).round() / 100.0;
-        let mut procs: Vec<(String, OverviewProcess)> = self.procs.into_iter().collect();
-        procs.sort_by(|a, b| a.0.cmp(&b.0));
-        for (_, mut p) in procs {
+        let mut procs = self.procs;
+        procs.sort_by(|a, b| a.key.cmp(&b.key));
+        for mut p in procs {
             if p.has_states {
                 settle(&mut p.running, &p.diff[0]);
                 settle(&mut p.runnable, &p.diff[1]);
