@@ -1623,7 +1623,7 @@ class Viewer {
     ctx.font = '11px system-ui, sans-serif';
     ctx.fillStyle = '#495057';
     const scale = Math.max(1, o.peak);
-    this.clippedText(ctx, `threads: ${o.running.toFixed(2)} running · ${o.waiting.toFixed(2)} waiting (top ${fmtNum(scale)})`, 28, y + 24, LABEL_W - 34);
+    this.clippedText(ctx, `${o.running.toFixed(2)} run · ${o.waiting.toFixed(2)} wait for CPU (of ${fmtNum(scale)})`, 28, y + 24, LABEL_W - 34);
     const top = ACTIVITY_CLASSES.map((c, i) => [c, o.share[i]]).filter((x) => x[1] > 0.005).slice(0, 2)
       .map(([c, x]) => `${c.label} ${Math.round(100 * x)}%`).join(' · ');
     this.clippedText(ctx, top ? 'job: ' + top : 'job: no activity in view', 28, y + 37, LABEL_W - 34);
