@@ -238,7 +238,7 @@ function traceParserModule() {
       }
     };
 
-    // A job's cycles (the agent's "cycles" track on rank 0) also become two
+    // A job's cycles (the agent's "cycles" track on the rank serving its node) also become two
     // counters: each cycle's work and its fused bytes, what the tuner changes.
     // A summary of n cycles gives their means.
     const counterOf = (p, name) => {
@@ -1389,25 +1389,14 @@ class Viewer {
       return;
     }
     if (row.type === 'fold') {
-      ctx.fillStyle = '#f8f9fa';
-      ctx.fillRect(0, y, W, row.h);
-      ctx.fillStyle = '#dee2e6';
-      ctx.fillRect(0, y + row.h - 1, W, 1);
-      ctx.fillStyle = '#495057';
-      ctx.font = '12px system-ui, sans-serif';
-      this.clippedText(ctx, row.label, 28, y + row.h / 2, W - 36);
+      this.drawHeader(ctx, row, y, '#f8f9fa', '#495057', '12px system-ui, sans-serif', row.label, 28);
       return;
     }
     if (row.type === 'overview') { this.drawOverview(ctx, row, y); return; }
     if (row.type === 'process') {
-      ctx.fillStyle = '#e9ecef';
-      ctx.fillRect(0, y, W, row.h);
-      ctx.fillStyle = '#dee2e6';
-      ctx.fillRect(0, y + row.h - 1, W, 1);
-      ctx.fillStyle = '#212529';
-      ctx.font = 'bold 12px system-ui, sans-serif';
       const key = row.g.key + '/' + row.p.key;
-      this.clippedText(ctx, (this.collapsed.has(key) ? '▸ ' : '▾ ') + row.label, 16, y + row.h / 2, W - 24);
+      this.drawHeader(ctx, row, y, '#e9ecef', '#212529', 'bold 12px system-ui, sans-serif',
+        (this.collapsed.has(key) ? '▸ ' : '▾ ') + row.label, 16);
       return;
     }
     const t = row.t;
@@ -1472,6 +1461,17 @@ class Viewer {
       ctx.strokeRect(Math.max(x0, LABEL_W - 2) - 0.5, top - 0.5, Math.max(2, Math.min(x1, W + 2) - Math.max(x0, LABEL_W - 2)) + 1, hh + 1);
     }
     ctx.restore();
+  }
+  // A header row (a process, a fold): its band, a rule under it, its text.
+  drawHeader(ctx, row, y, background, color, font, text, x) {
+    const W = this.viewW;
+    ctx.fillStyle = background;
+    ctx.fillRect(0, y, W, row.h);
+    ctx.fillStyle = '#dee2e6';
+    ctx.fillRect(0, y + row.h - 1, W, 1);
+    ctx.fillStyle = color;
+    ctx.font = font;
+    this.clippedText(ctx, text, x, y + row.h / 2, W - x - 8);
   }
   classOf(idx) {
     let c = this.nameClass[idx];

@@ -209,6 +209,7 @@ fn a_recorded_trace_is_served_as_a_bounded_chrome_trace() {
         "resolution=0",
         "resolution=-3",
         "resolution=inf",
+        "resolution=1.00000000000000000000000",
     ] {
         let (status, error) = server.get_json(&format!("/api/timeline?{bad}"));
         assert_eq!(status, 400, "{bad}: {error}");

@@ -538,11 +538,16 @@ fn detail_param(params: &HashMap<String, String>) -> Result<Detail, ApiError> {
     let resolution = params.get("resolution").map(|text| {
         text.parse::<f64>()
             .ok()
-            .filter(|us| us.is_finite() && *us > 0.0 && is_plain_number(text))
+            .filter(|us| {
+                us.is_finite()
+                    && *us > 0.0
+                    && text.len() <= MAX_RESOLUTION_CHARS
+                    && is_plain_number(text)
+            })
             .map(Detail::Resolution)
             .ok_or_else(|| {
                 ApiError::bad_request(format!(
-                    "bad resolution: {text:?} (µs per pixel, a positive number like 1000 or 0.5)"
+                    "bad resolution: {text:?} (µs per pixel, a positive number like 1000 or 0.5, at most {MAX_RESOLUTION_CHARS} characters)"
                 ))
             })
     });
@@ -552,6 +557,9 @@ fn detail_param(params: &HashMap<String, String>) -> Result<Detail, ApiError> {
         (None, None) => Ok(Detail::Full),
     }
 }
+
+/// The longest `resolution` the document allows (`maxLength`).
+const MAX_RESOLUTION_CHARS: usize = 24;
 
 /// Digits with at most one `.` between digits: what the document's
 /// pattern for `resolution` allows (Rust's parser also takes `inf`, `1e3`).

@@ -607,6 +607,7 @@ pub fn build(
             let stats = registry.recent_stats(&job.job_id).unwrap_or_default();
             let (cycles_name, cycles) = tracks::cycle_slices(
                 job.into(),
+                job.served_by_rank,
                 &stats,
                 &here,
                 offset_us,

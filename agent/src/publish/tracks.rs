@@ -367,24 +367,27 @@ pub fn job_activities(
     out
 }
 
-/// The track of a job's cycles (on rank 0's pid: rank 0 reports them).
+/// The track of a job's cycles, on the pid of the rank that serves the
+/// node's control socket (it sends its cycles' statistics; every rank runs
+/// the same cycles).
 pub const CYCLES_TID: &str = "cycles";
 
-/// A job's cycles (rank 0's statistics, as its control socket sends them) as
-/// slices on rank 0's `cycles` track: one per cycle that did work, as long
-/// as the cycle's work took, with its fused bytes and tensors in `args`
-/// (`bytes` is what the level of detail adds up), and the knobs it ran
-/// with. Only cycles overlapping `[window_start_us, now_us]`. Returns the
-/// track's name and its slices.
+/// A job's cycles (the statistics of `rank`, the rank serving this node's
+/// control socket) as slices on that rank's `cycles` track: one per cycle
+/// that did work, as long as the cycle's work took, with its fused bytes
+/// and tensors in `args` (`bytes` is what the level of detail adds up), and
+/// the knobs it ran with. Only cycles overlapping `[window_start_us,
+/// now_us]`. Returns the track's name and its slices.
 pub fn cycle_slices(
     job: JobRanks<'_>,
+    rank: usize,
     stats: &[collectives::control::CycleStats],
     here: &Here<'_>,
     offset_us: i64,
     window_start_us: f64,
     now_us: f64,
 ) -> (Option<Value>, Vec<JobActivity>) {
-    let pid = match rank_pid(job, 0, here) {
+    let pid = match rank_pid(job, rank, here) {
         Value::Number(n) => {
             TracePid::Local(n.as_u64().and_then(|p| u32::try_from(p).ok()).unwrap_or(0))
         }
@@ -433,7 +436,7 @@ pub fn cycle_slices(
         .collect();
     let meta = (!slices.is_empty()).then(|| {
         json!({ "ph": "M", "name": "thread_name", "pid": &pid, "tid": CYCLES_TID,
-                "args": { "name": "cycles (rank 0: each cycle's work and fused bytes)" } })
+                "args": { "name": format!("cycles (rank {rank}: each cycle's work and fused bytes)") } })
     });
     (meta, slices)
 }
@@ -734,7 +737,7 @@ mod tests {
     }
 
     #[test]
-    fn cycles_are_slices_on_rank_zeros_cycles_track_with_their_bytes() {
+    fn cycles_are_slices_on_the_serving_ranks_cycles_track_with_their_bytes() {
         let list = ranks(&[(0, 7, "n1"), (1, 8, "n2")]);
         let pids: BTreeSet<u32> = [7].into();
         let here = Here { pids: &pids };
@@ -755,7 +758,7 @@ mod tests {
             stat(2, 10_200, 300, 4096),
             stat(3, 12_000, 10, 1),
         ];
-        let (meta, slices) = cycle_slices(job(&list), &stats, &here, 9_000, 1_000.0, 2_000.0);
+        let (meta, slices) = cycle_slices(job(&list), 0, &stats, &here, 9_000, 1_000.0, 2_000.0);
         assert_eq!(slices.len(), 1, "{slices:?}");
         let c = &slices[0];
         assert_eq!(
@@ -766,17 +769,9 @@ mod tests {
         assert_eq!(c.args.number("cycle"), Some(2.0));
         let meta = meta.unwrap();
         assert_eq!((&meta["pid"], &meta["tid"]), (&json!(7), &json!("cycles")));
-        // Rank 0 elsewhere: its track is under the remote rank's name.
-        let far: BTreeSet<u32> = BTreeSet::new();
-        let (_, remote) = cycle_slices(
-            job(&list),
-            &stats,
-            &Here { pids: &far },
-            9_000,
-            1_000.0,
-            2_000.0,
-        );
-        assert_eq!(remote[0].pid.key(), "j1 rank 0");
+        // Served by rank 1 (pid 8, not on this node): its track, by its name.
+        let (_, other) = cycle_slices(job(&list), 1, &stats, &here, 9_000, 1_000.0, 2_000.0);
+        assert_eq!(other[0].pid.key(), "j1 rank 1");
     }
 
     fn conn(
