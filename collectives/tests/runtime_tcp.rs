@@ -308,6 +308,36 @@ fn every_op_and_dtype_matches_the_reference_over_tcp_alone() {
 }
 
 #[test]
+fn an_idle_job_starts_a_cycle_when_work_arrives_instead_of_waiting_out_its_cycle_time() {
+    // A cycle time of 20 s: three blocking allreduces one after the other
+    // would take a minute if each waited for the next cycle. The job is
+    // idle before each (nothing in flight), so each starts at once. (The
+    // bound is a third of one cycle time: a check of the behaviour, not of
+    // speed, which `cargo xtask bench compare` measures.)
+    let cycle = Duration::from_secs(20);
+    let elapsed = run_job(
+        3,
+        3,
+        Duration::from_secs(120),
+        move |c| c.knobs.cycle_time_us = cycle.as_micros() as u64,
+        |rt| {
+            let started = Instant::now();
+            for seed in 0..3 {
+                let t = input(DType::F32, rt.rank(), 1024, seed);
+                let got = rt
+                    .allreduce(&format!("idle.{seed}"), t, ReduceOp::Sum)
+                    .unwrap();
+                assert_eq!(got, reference(DType::F32, ReduceOp::Sum, 3, 1024, seed));
+            }
+            started.elapsed()
+        },
+    );
+    for e in elapsed {
+        assert!(e < cycle / 3, "three idle allreduces took {e:?}");
+    }
+}
+
+#[test]
 fn fusion_disabled_and_tiny_threshold_give_the_same_results() {
     for threshold in [0u64, 100] {
         run_job(

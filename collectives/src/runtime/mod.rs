@@ -19,7 +19,7 @@ use std::collections::{BTreeMap, HashMap, HashSet};
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::mpsc;
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Condvar, Mutex};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
@@ -152,6 +152,9 @@ struct Inbox {
 struct Shared {
     rank: usize,
     inbox: Mutex<Inbox>,
+    /// Signalled when work (or a knob change, or shutdown) lands in the
+    /// inbox: an idle cycle thread starts its next cycle at once.
+    work: Condvar,
     in_flight: Mutex<HashSet<String>>,
     knobs: Arc<Mutex<(Knobs, u64)>>,
     cycles: AtomicU64,
@@ -336,6 +339,7 @@ impl Runtime {
         let shared = Arc::new(Shared {
             rank,
             inbox: Mutex::new(Inbox::default()),
+            work: Condvar::new(),
             in_flight: Mutex::new(HashSet::new()),
             knobs: knobs_state.clone(),
             cycles: AtomicU64::new(0),
@@ -526,6 +530,7 @@ impl Runtime {
     pub fn set_knobs(&self, update: KnobUpdate) {
         if let Ok(mut inbox) = self.shared.inbox.lock() {
             inbox.knobs.push(update);
+            self.shared.work.notify_one();
         }
     }
 
@@ -579,6 +584,8 @@ impl Runtime {
             return Err(e);
         }
         inbox.entries.push(entry);
+        drop(inbox);
+        self.shared.work.notify_one();
         Ok(Handle {
             name: name.to_string(),
             rank,
@@ -626,6 +633,7 @@ impl Runtime {
         if let Ok(mut inbox) = self.shared.inbox.lock() {
             inbox.shutdown = true;
         }
+        self.shared.work.notify_one();
         if self.finished.recv_timeout(self.timeout).is_err() {
             tracing::warn!(
                 rank = self.shared.rank,
@@ -802,6 +810,34 @@ struct Work {
 }
 
 impl CycleThread {
+    /// Waits until `next`, the start of the next cycle. A cycle thread with
+    /// nothing in flight (idle) starts at once when work arrives instead:
+    /// the cycle time bounds how long tensors wait to be fused with others,
+    /// it is not a sleep every request pays. Ranks meet at rank 0 in every
+    /// cycle anyway, so one that starts early waits there for the others,
+    /// as it would have at its own timer; results do not depend on when
+    /// cycles run (see the determinism contract in the crate's docs).
+    fn wait_for_next_cycle(&self, next: Instant) {
+        let idle = self.pending.is_empty();
+        let Ok(mut inbox) = self.shared.inbox.lock() else {
+            return;
+        };
+        loop {
+            let ready = !inbox.entries.is_empty() || !inbox.knobs.is_empty() || inbox.shutdown;
+            if idle && ready {
+                return;
+            }
+            let now = Instant::now();
+            if now >= next {
+                return;
+            }
+            inbox = match self.shared.work.wait_timeout(inbox, next - now) {
+                Ok((inbox, _)) => inbox,
+                Err(_) => return,
+            };
+        }
+    }
+
     fn run(&mut self) {
         let outcome = loop {
             let start = Instant::now();
@@ -818,11 +854,7 @@ impl CycleThread {
                 Ok(false) => {}
                 Err(e) => break Err(e),
             }
-            let next = start + self.knobs.cycle_time();
-            let now = Instant::now();
-            if next > now {
-                std::thread::sleep(next - now);
-            }
+            self.wait_for_next_cycle(start + self.knobs.cycle_time());
         };
         let error = match outcome {
             Ok(()) => CollectiveError::ShutDown { rank: self.rank },
