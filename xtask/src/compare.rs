@@ -74,6 +74,52 @@ pub struct Args {
     /// compare: where to write the results as JSON.
     #[arg(long, default_value = "target/bench/compare.json")]
     pub compare_out: PathBuf,
+    /// compare: busy compute beside every contender, as a framework's
+    /// compute threads share the cores with its collectives: N busy
+    /// processes per rank (a floating-point loop each, `nice 10`), started
+    /// before each contender's run and killed after it. 0: none.
+    #[arg(long, default_value_t = 0)]
+    pub contention: usize,
+}
+
+/// Busy compute processes (see `--contention`), killed on drop.
+struct Contention {
+    group: Option<i32>,
+}
+
+impl Contention {
+    /// `count` busy processes in one process group of their own, niced.
+    fn start(count: usize) -> Result<Self> {
+        use std::os::unix::process::CommandExt;
+        if count == 0 {
+            return Ok(Self { group: None });
+        }
+        // One shell leads the group; each child spins on floating point
+        // (awk: a multiply-add loop that never ends, no I/O).
+        let script = format!(
+            "for i in $(seq {count}); do awk 'BEGIN {{ x = 1; while (1) {{ x = x * 1.0000001 + 0.5; if (x > 1e9) x = 1 }} }}' & done; wait"
+        );
+        let child = Command::new("nice")
+            .args(["-n", "10", "sh", "-c", &script])
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .process_group(0)
+            .spawn()
+            .context("starting the --contention processes (nice, sh, awk)")?;
+        let group = i32::try_from(child.id()).context("pid out of range")?;
+        // Let them reach the CPU before the contender starts.
+        std::thread::sleep(Duration::from_millis(200));
+        Ok(Self { group: Some(group) })
+    }
+}
+
+impl Drop for Contention {
+    fn drop(&mut self) {
+        if let Some(group) = self.group {
+            kill_group(group);
+        }
+    }
 }
 
 /// One allreduce implementation under test.
@@ -655,6 +701,8 @@ struct Report {
     ranks: usize,
     cores: usize,
     rounds: usize,
+    /// Busy processes per rank beside every contender (`--contention`).
+    contention: usize,
     warmup_iters: usize,
     statistic: &'static str,
     busbw: &'static str,
@@ -760,6 +808,13 @@ pub fn run(root: &Path, args: &Args) -> Result<()> {
             .collect::<Vec<_>>()
             .join(", ")
     );
+    if args.contention > 0 {
+        println!(
+            "# contention: {} busy process(es) per rank ({} in all, nice 10) beside every contender",
+            args.contention,
+            args.contention * args.ranks
+        );
+    }
     println!(
         "# timed calls per size: {}; MPI and gloo warm up with {} more calls",
         plan.iter()
@@ -776,9 +831,11 @@ pub fn run(root: &Path, args: &Args) -> Result<()> {
         let mut spent = Vec::new();
         for (i, &contender) in contenders.iter().enumerate() {
             let t0 = Instant::now();
-            let (times, runtime) = setup
-                .run(contender, &plan)
-                .with_context(|| format!("round {}: {}", round + 1, contender.name()))?;
+            let busy = Contention::start(args.contention * args.ranks)?;
+            let ran = setup.run(contender, &plan);
+            drop(busy);
+            let (times, runtime) =
+                ran.with_context(|| format!("round {}: {}", round + 1, contender.name()))?;
             for (k, time) in times.into_iter().enumerate() {
                 samples[i][k].push(time);
             }
@@ -892,6 +949,7 @@ pub fn run(root: &Path, args: &Args) -> Result<()> {
         ranks: args.ranks,
         cores,
         rounds: args.rounds,
+        contention: args.contention,
         warmup_iters: args.warmup_iters,
         statistic: "time_us is the median over rounds of each round's mean time per call (rank 0's wall clock); ours warms up with its one checked call only",
         busbw: "algbw = bytes / time; busbw = algbw * 2(n-1)/n (GB/s = 1e9 B/s)",
