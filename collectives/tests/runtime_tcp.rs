@@ -309,12 +309,13 @@ fn every_op_and_dtype_matches_the_reference_over_tcp_alone() {
 
 #[test]
 fn an_idle_job_starts_a_cycle_when_work_arrives_instead_of_waiting_out_its_cycle_time() {
-    // A cycle time of 20 s: three blocking allreduces one after the other
-    // would take a minute if each waited for the next cycle. The job is
-    // idle before each (nothing in flight), so each starts at once. (The
-    // bound is a third of one cycle time: a check of the behaviour, not of
-    // speed, which `cargo xtask bench compare` measures.)
-    let cycle = Duration::from_secs(20);
+    // A cycle time of 60 s: three blocking allreduces one after the other
+    // would take three minutes if each waited for the next cycle (past this
+    // test's limit of two). The job is idle before each (nothing in flight),
+    // so each starts at once. The bound, half of one cycle time, is a check
+    // of that behaviour with a wide margin for a loaded machine, not of
+    // speed (`cargo xtask bench compare` measures that).
+    let cycle = Duration::from_secs(60);
     let elapsed = run_job(
         3,
         3,
@@ -333,7 +334,7 @@ fn an_idle_job_starts_a_cycle_when_work_arrives_instead_of_waiting_out_its_cycle
         },
     );
     for e in elapsed {
-        assert!(e < cycle / 3, "three idle allreduces took {e:?}");
+        assert!(e < cycle / 2, "three idle allreduces took {e:?}");
     }
 }
 
