@@ -82,6 +82,7 @@ pub mod control;
 pub mod error;
 pub mod knobs;
 pub mod mesh;
+mod poll;
 pub mod rendezvous;
 pub mod runtime;
 pub mod shm;

@@ -182,7 +182,10 @@ impl Handle {
 
     /// Waits for the result. Never waits forever: the runtime completes or fails every
     /// handle within its peer timeout.
-    pub fn wait(self) -> Result<Tensor> {
+    pub fn wait(mut self) -> Result<Tensor> {
+        if let Some(result) = self.poll() {
+            return result;
+        }
         self.rx
             .recv()
             .unwrap_or(Err(CollectiveError::ShutDown { rank: self.rank }))
@@ -192,6 +195,9 @@ impl Handle {
     /// (`None`), so that a caller can wake up in between (a Python front end checks for
     /// Ctrl-C). After a `Some`, the handle is spent: a further call reports a shut-down.
     pub fn wait_for(&mut self, timeout: Duration) -> Option<Result<Tensor>> {
+        if let Some(result) = self.poll() {
+            return Some(result);
+        }
         match self.rx.recv_timeout(timeout) {
             Ok(r) => Some(r),
             Err(mpsc::RecvTimeoutError::Timeout) => None,
@@ -199,6 +205,17 @@ impl Handle {
                 Some(Err(CollectiveError::ShutDown { rank: self.rank }))
             }
         }
+    }
+
+    /// The result if it comes while this thread yields the core for a moment (the
+    /// cycle thread finishing a small collective), without a futex sleep and wake-up.
+    fn poll(&mut self) -> Option<Result<Tensor>> {
+        let mut got = None;
+        crate::poll::yield_until(|| {
+            got = self.try_wait();
+            got.is_some()
+        });
+        got
     }
 
     /// The result if it is there, without waiting (`None`: still running).
@@ -819,6 +836,16 @@ impl CycleThread {
     /// cycles run (see the determinism contract in the crate's docs).
     fn wait_for_next_cycle(&self, next: Instant) {
         let idle = self.pending.is_empty();
+        if idle {
+            // The caller's next tensor often follows within microseconds (a blocking
+            // allreduce in a loop): yield to it rather than sleep.
+            crate::poll::yield_until(|| {
+                Instant::now() >= next
+                    || self.shared.inbox.lock().map_or(true, |i| {
+                        !i.entries.is_empty() || !i.knobs.is_empty() || i.shutdown
+                    })
+            });
+        }
         let Ok(mut inbox) = self.shared.inbox.lock() else {
             return;
         };
