@@ -684,6 +684,22 @@ struct Row {
     bytes: u64,
     iters: usize,
     results: Vec<Measured>,
+    /// Ours over shared memory: bytes of memory traffic per call (all
+    /// ranks; see `ours_shared_memory_traffic`), that over ours' time, and
+    /// that over the memory bound. Absent when ours ran over TCP or not at all.
+    ours_traffic_bytes: Option<f64>,
+    ours_traffic_gbps: Option<f64>,
+    ours_of_memory_bound: Option<f64>,
+}
+
+/// The memory bound beside the contenders (see [`copy_bandwidth`]).
+#[derive(Debug, Serialize)]
+struct MemoryBound {
+    threads: usize,
+    what: &'static str,
+    /// Median over rounds.
+    traffic_gbps: f64,
+    samples_gbps: Vec<f64>,
 }
 
 #[derive(Debug, Serialize)]
@@ -708,8 +724,64 @@ struct Report {
     busbw: &'static str,
     contenders: Vec<ContenderReport>,
     ours_runtime: Option<OursRuntime>,
+    memory_bound: MemoryBound,
     rows: Vec<Row>,
     wall_seconds: f64,
+}
+
+/// The machine's memory bound, measured in the same run as the contenders:
+/// `threads` threads (one per core) each copy a buffer of [`COPY_BYTES`]
+/// into another, [`COPY_PASSES`] times; traffic counts every byte read and
+/// every byte written (a copy of B bytes moves 2B), per second, all threads
+/// together.
+const COPY_BYTES: usize = 64 << 20;
+const COPY_PASSES: usize = 4;
+
+fn copy_bandwidth(threads: usize) -> f64 {
+    let threads = threads.max(1);
+    let mut buffers: Vec<(Vec<u8>, Vec<u8>)> = (0..threads)
+        .map(|t| (vec![t as u8 + 1; COPY_BYTES], vec![0u8; COPY_BYTES]))
+        .collect();
+    // Every page touched once before the clock starts.
+    for (src, dst) in &mut buffers {
+        dst.copy_from_slice(src);
+    }
+    let start = Instant::now();
+    std::thread::scope(|scope| {
+        for (src, dst) in &mut buffers {
+            scope.spawn(move || {
+                for pass in 0..COPY_PASSES {
+                    dst.copy_from_slice(src);
+                    src[pass] = dst[COPY_BYTES - 1 - pass];
+                }
+            });
+        }
+    });
+    let seconds = start.elapsed().as_secs_f64();
+    std::hint::black_box(&buffers);
+    (2 * COPY_BYTES * COPY_PASSES * threads) as f64 / seconds / 1e9
+}
+
+/// Largest allreduce ours does in one shot over shared memory (the
+/// runtime's `ONE_SHOT_MAX_BYTES`).
+const OURS_ONE_SHOT_MAX_BYTES: u64 = 64 << 10;
+
+/// Bytes of memory traffic (reads + writes, all ranks) of one of ours'
+/// shared-memory allreduces of `bytes` on `n` ranks, as docs/BENCHMARKS.md
+/// counts them. Per rank, with S = bytes:
+/// - one shot (S ≤ 64 KiB): copy in (2S), start each segment from its
+///   owner's copy (2S), n−1 folds of every segment (read both, write one:
+///   3(n−1)S): (3n+1)S.
+/// - chunked fold: copy in the n−1 parts for the others (2(n−1)S/n), n−1
+///   folds of its own part (3(n−1)S/n), publish it (2S/n), copy out the
+///   others' results (2(n−1)S/n): (7(n−1)+2)S/n.
+fn ours_shared_memory_traffic(bytes: u64, n: usize) -> f64 {
+    let (s, n) = (bytes as f64, n as f64);
+    if bytes <= OURS_ONE_SHOT_MAX_BYTES {
+        n * (3.0 * n + 1.0) * s
+    } else {
+        (7.0 * (n - 1.0) + 2.0) * s
+    }
 }
 
 fn busbw_factor(ranks: usize) -> f64 {
@@ -827,8 +899,13 @@ pub fn run(root: &Path, args: &Args) -> Result<()> {
     // samples[contender][size] = one time per round.
     let mut samples: Vec<Vec<Vec<f64>>> = vec![vec![Vec::new(); plan.len()]; contenders.len()];
     let mut ours_runtime = None;
+    let mut copy_samples = Vec::new();
     for round in 0..args.rounds {
         let mut spent = Vec::new();
+        // The memory bound, under the same contention as the contenders.
+        let busy = Contention::start(args.contention * args.ranks)?;
+        copy_samples.push(copy_bandwidth(cores));
+        drop(busy);
         for (i, &contender) in contenders.iter().enumerate() {
             let t0 = Instant::now();
             let busy = Contention::start(args.contention * args.ranks)?;
@@ -849,12 +926,19 @@ pub fn run(root: &Path, args: &Args) -> Result<()> {
             ));
         }
         eprintln!(
-            "xtask: round {}/{}: {}",
+            "xtask: round {}/{}: memory {:.1} GB/s; {}",
             round + 1,
             args.rounds,
+            copy_samples.last().copied().unwrap_or(0.0),
             spent.join(", ")
         );
     }
+    let memory_bound = MemoryBound {
+        threads: cores.max(1),
+        what: "memcpy of 64 MiB buffers, one thread per core; traffic = bytes read + bytes written per second, all threads",
+        traffic_gbps: median(&copy_samples),
+        samples_gbps: copy_samples,
+    };
 
     let factor = busbw_factor(args.ranks);
     let ours_index = contenders.iter().position(|&c| c == Contender::Ours);
@@ -882,10 +966,26 @@ pub fn run(root: &Path, args: &Args) -> Result<()> {
                     }
                 })
                 .collect();
+            let ours_shm = ours_runtime.as_ref().is_some_and(|o: &OursRuntime| {
+                o.shared_memory_peers
+                    .as_ref()
+                    .and_then(|p| p.as_array())
+                    .is_some_and(|p| p.len() + 1 == args.ranks)
+            });
+            let traffic = ours_index.filter(|_| ours_shm).map(|i| {
+                (
+                    ours_shared_memory_traffic(size.bytes, args.ranks),
+                    median(&samples[i][k]),
+                )
+            });
+            let traffic_gbps = traffic.map(|(bytes, time_us)| bytes / (time_us * 1e-6) / 1e9);
             Row {
                 bytes: size.bytes,
                 iters: size.iters,
                 results,
+                ours_traffic_bytes: traffic.map(|(bytes, _)| bytes),
+                ours_traffic_gbps: traffic_gbps,
+                ours_of_memory_bound: traffic_gbps.map(|t| t / memory_bound.traffic_gbps),
             }
         })
         .collect();
@@ -899,6 +999,25 @@ pub fn run(root: &Path, args: &Args) -> Result<()> {
         );
     }
     print!("{}", table(&contenders, &rows));
+    println!(
+        "# memory bound: {:.1} GB/s of traffic (memcpy, {} threads, median over rounds)",
+        memory_bound.traffic_gbps, memory_bound.threads
+    );
+    for row in &rows {
+        if let (Some(bytes), Some(gbps), Some(of)) = (
+            row.ours_traffic_bytes,
+            row.ours_traffic_gbps,
+            row.ours_of_memory_bound,
+        ) {
+            println!(
+                "# ours {:>9}: {:.1} MB of memory traffic per call, {:.2} GB/s = {:.0}% of the bound",
+                human(row.bytes),
+                bytes / 1e6,
+                gbps,
+                of * 100.0
+            );
+        }
+    }
 
     let version = |c: Contender| match c {
         Contender::Ours => first_line(
@@ -955,6 +1074,7 @@ pub fn run(root: &Path, args: &Args) -> Result<()> {
         busbw: "algbw = bytes / time; busbw = algbw * 2(n-1)/n (GB/s = 1e9 B/s)",
         contenders: reports,
         ours_runtime,
+        memory_bound,
         rows,
         wall_seconds: started.elapsed().as_secs_f64(),
     };
@@ -1151,6 +1271,28 @@ mod tests {
         assert_eq!(human(16 << 20), "16 MiB");
         assert_eq!(human(1000), "1000 B");
         assert_eq!(human(1536), "1536 B");
+    }
+
+    #[test]
+    fn memory_traffic_counts_each_copy_and_fold_of_ours_algorithms() {
+        // 4 ranks, chunked fold: per rank 2·3/4 in + 3·3/4 folds + 2/4
+        // publish + 2·3/4 out = 23/4 S; all ranks 23 S.
+        let s = 64u64 << 20;
+        assert_eq!(ours_shared_memory_traffic(s, 4), 23.0 * s as f64);
+        // 2 ranks: (7 + 2)/2 S per rank, 9 S in all.
+        assert_eq!(ours_shared_memory_traffic(s, 2), 9.0 * s as f64);
+        // One shot, 4 KiB on 4 ranks: (3·4 + 1) S per rank.
+        assert_eq!(ours_shared_memory_traffic(4096, 4), 4.0 * 13.0 * 4096.0);
+        assert_eq!(
+            ours_shared_memory_traffic(OURS_ONE_SHOT_MAX_BYTES + 4, 4),
+            23.0 * (OURS_ONE_SHOT_MAX_BYTES + 4) as f64
+        );
+    }
+
+    #[test]
+    fn the_copy_bound_is_a_positive_rate() {
+        let gbps = copy_bandwidth(1);
+        assert!(gbps.is_finite() && gbps > 0.0, "{gbps}");
     }
 
     #[test]
