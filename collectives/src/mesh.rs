@@ -554,7 +554,8 @@ mod tests {
         use crate::tensor::{DType, ReduceOp};
         use crate::transport::MemoryTransport;
         // Random floats make the result depend on the order of every operation: the
-        // shared-memory fold must match the ring's reduce-scatter bit for bit. Sizes cross
+        // shared-memory fold (and its one-shot form for small buffers) must match the
+        // ring's reduce-scatter bit for bit. Sizes cross
         // the slot parts (several chunks) and leave segments of unequal and zero length.
         let run = |transports: Vec<Box<dyn Transport>>, inputs: &[Vec<f32>], op: ReduceOp| {
             let handles: Vec<_> = transports
@@ -586,6 +587,11 @@ mod tests {
                 (0usize, ReduceOp::Sum),
                 (1, ReduceOp::Sum),
                 (n + 1, ReduceOp::Average),
+                // Up to 64 KiB in one shot (every member folds every segment), above
+                // it the chunked fold: both must give the ring's bits.
+                (1000, ReduceOp::Max),
+                (16_384, ReduceOp::Sum),
+                (16_385, ReduceOp::Average),
                 (3_000_001, ReduceOp::Sum),
                 (777_777, ReduceOp::Min),
             ] {
