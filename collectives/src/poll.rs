@@ -26,6 +26,12 @@ use std::time::{Duration, Instant};
 /// How long a rank yields before it sleeps: about ten hand-offs between ranks.
 pub(crate) const YIELD_BUDGET: Duration = Duration::from_micros(250);
 
+/// A yield shorter than this found nothing else to run on this core.
+pub(crate) const EMPTY_YIELD: Duration = Duration::from_micros(3);
+
+/// How long a rank keeps yielding to nobody (spinning, in effect) before it sleeps.
+pub(crate) const EMPTY_BUDGET: Duration = Duration::from_micros(20);
+
 /// A yield longer than this handed the core to something that ran a full slice.
 pub(crate) const SLOW_YIELD: Duration = Duration::from_millis(1);
 
@@ -56,6 +62,7 @@ pub(crate) fn yield_until(mut done: impl FnMut() -> bool) -> bool {
         return false;
     }
     let start = Instant::now();
+    let mut empty = Duration::ZERO;
     while start.elapsed() < YIELD_BUDGET {
         let before = Instant::now();
         // SAFETY: no arguments and no memory effects; it cannot fail on Linux.
@@ -67,6 +74,14 @@ pub(crate) fn yield_until(mut done: impl FnMut() -> bool) -> bool {
         if took > SLOW_YIELD {
             note_slow_yield();
             return false;
+        }
+        if took < EMPTY_YIELD {
+            // Nothing else wanted this core: the rank we wait for runs (or waits)
+            // elsewhere. Sleeping lets this core go idle and pull it over.
+            empty += took;
+            if empty > EMPTY_BUDGET {
+                return false;
+            }
         }
     }
     false
