@@ -50,9 +50,8 @@ pub struct Args {
     /// [default: collbench's rule, 1 GiB / size within 3..=50].
     #[arg(long)]
     pub iters: Option<usize>,
-    /// compare: untimed calls per size before the timed ones (MPI, gloo),
-    /// after the one checked call; collbench has no such flag, so ours warms
-    /// up with its checked call only.
+    /// compare: untimed calls per size before the timed ones, after the one
+    /// checked call, for every contender (collbench sweep --warmup for ours).
     #[arg(long, default_value_t = 5)]
     pub warmup_iters: usize,
     /// compare: which contenders to run, comma-separated, in round order.
@@ -477,12 +476,14 @@ impl Setup {
                         .args(["sweep", "--min-bytes", &size.bytes.to_string()])
                         .args(["--max-bytes", &size.bytes.to_string()])
                         .args(["--iters", &size.iters.to_string()])
+                        .args(["--warmup", &self.warmup.to_string()])
                         // No agent involved: no control socket, no tuning.
                         .env("RINGWATCH_CONTROL_SOCKET", "0")
                         .env_remove("RINGWATCH_AUTOTUNE")
                         .env_remove("HOROVOD_AUTOTUNE")
                         .current_dir(&self.root);
-                    let out = run_program("collbench", &mut command, timeout(&[*size], 0))?;
+                    let out =
+                        run_program("collbench", &mut command, timeout(&[*size], self.warmup))?;
                     let json = out
                         .lines()
                         .find(|l| l.trim_start().starts_with('{'))
@@ -502,13 +503,18 @@ impl Setup {
                         .map(|r| ResultLine {
                             bytes: r.bytes,
                             count: r.count,
-                            warmup: 0,
+                            warmup: self.warmup,
                             iters: size.iters,
                             time_us: r.time_us,
                             wrong: r.wrong,
                         })
                         .collect();
-                    times.extend(check_results(contender, &[*size], None, &lines)?);
+                    times.extend(check_results(
+                        contender,
+                        &[*size],
+                        Some(self.warmup),
+                        &lines,
+                    )?);
                     runtime = Some(OursRuntime {
                         knobs: sweep.knobs,
                         shared_memory_peers: sweep.shared_memory_peers,
@@ -553,9 +559,9 @@ compare, in detail (cargo xtask bench compare [-n 4] [--sizes 64K,1M,16M,64M] [-
   rather than timing a wrong allreduce. A size's time is rank 0's mean over its timed calls;
   a round runs every contender once (in --contenders order), and the table shows, per size,
   the median over rounds: time per call, busbw = bytes/time * 2(n-1)/n in GB/s, and ours/X =
-  ours' busbw over X's (above 1: ours is faster). MPI and gloo make --warmup-iters untimed
-  calls after the checked one; collbench has no such flag, so ours warms up with that one.
-  ours:    collbench -n N --json sweep --min-bytes S --max-bytes S --iters I, one run per size
+  ours' busbw over X's (above 1: ours is faster). Every contender makes --warmup-iters untimed
+  calls after the checked one.
+  ours:    collbench -n N --json sweep --min-bytes S --max-bytes S --iters I --warmup W, one run per size
            (collbench from `cargo build -p collectives`, the dev profile other benches use), on
            the runtime's own transport; RINGWATCH_* in the environment passes through.
   mpi-shm: xtask/bench/mpi_allreduce.c, built with mpicc into <target>/bench/, run by
@@ -1085,7 +1091,7 @@ pub fn run(root: &Path, args: &Args) -> Result<()> {
         rounds: args.rounds,
         contention: args.contention,
         warmup_iters: args.warmup_iters,
-        statistic: "time_us is the median over rounds of each round's mean time per call (rank 0's wall clock); ours warms up with its one checked call only",
+        statistic: "time_us is the median over rounds of each round's mean time per call (rank 0's wall clock), after the checked call and --warmup-iters untimed ones",
         busbw: "algbw = bytes / time; busbw = algbw * 2(n-1)/n (GB/s = 1e9 B/s)",
         contenders: reports,
         ours_runtime,

@@ -111,6 +111,10 @@ enum Workload {
         /// Timed iterations per size (default: adaptive, about 1 GiB of data per size).
         #[arg(long)]
         iters: Option<usize>,
+        /// Untimed calls per size after the checked one, before the timed ones (the
+        /// first calls of a tensor also negotiate its name and fill the response cache).
+        #[arg(long, default_value_t = 0)]
+        warmup: usize,
     },
     /// Each step allreduces ResNet-50's 161 gradient tensors (real sizes, f32) in backward
     /// order, as a framework would; prints steps/s and effective bandwidth.
@@ -411,7 +415,15 @@ fn worker(cli: &Cli, workload: &Workload) -> Result<Option<i32>> {
             max_bytes,
             factor,
             iters,
-        } => sweep(cli, *min_bytes, *max_bytes, (*factor).max(2), *iters),
+            warmup,
+        } => sweep(
+            cli,
+            *min_bytes,
+            *max_bytes,
+            (*factor).max(2),
+            *iters,
+            *warmup,
+        ),
         Workload::Resnet50 {
             steps,
             warmup,
@@ -462,7 +474,14 @@ struct SweepRow {
     wrong: u64,
 }
 
-fn sweep(cli: &Cli, min: u64, max: u64, factor: u64, iters: Option<usize>) -> Result<()> {
+fn sweep(
+    cli: &Cli,
+    min: u64,
+    max: u64,
+    factor: u64,
+    iters: Option<usize>,
+    warmup: usize,
+) -> Result<()> {
     let rt = runtime(cli)?;
     let n = rt.world_size();
     let rank = rt.rank();
@@ -487,6 +506,9 @@ fn sweep(cli: &Cli, min: u64, max: u64, factor: u64, iters: Option<usize>) -> Re
             .filter(|&&v| v != want)
             .count() as u64;
         let iters = iters.unwrap_or_else(|| ((1u64 << 30) / bytes).clamp(3, 50) as usize);
+        for _ in 0..warmup {
+            t = rt.allreduce(&format!("sweep.{bytes}"), t, ReduceOp::Sum)?;
+        }
         let start = Instant::now();
         for _ in 0..iters {
             t = rt.allreduce(&format!("sweep.{bytes}"), t, ReduceOp::Sum)?;
