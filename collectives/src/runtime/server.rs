@@ -23,7 +23,7 @@ use std::time::Duration;
 use crate::control::{
     AutotuneState, ClientMessage, ControlError, CycleStats, Hello, KnobUpdate, Knobs,
     MAX_MESSAGE_BYTES, ServerMessage, TimelineEvent, default_runtime_dir, fallback_runtime_dirs,
-    read_message, socket_path,
+    read_client_message, read_server_message, socket_path,
 };
 use crate::error::{CollectiveError, Result};
 use crate::runtime::claim::TuningClaims;
@@ -502,7 +502,7 @@ impl ControlServer {
 
     fn serve_client(&self, client: &Arc<Client>, reader: &mut UnixStream) {
         loop {
-            match read_message::<_, ClientMessage>(reader) {
+            match read_client_message(reader) {
                 Ok(ClientMessage::Subscribe { stats, timeline }) => {
                     let was = client.stats.swap(stats, Ordering::AcqRel);
                     adjust(&self.stats_subscribers, was, stats);
@@ -856,7 +856,7 @@ impl Feeder {
             .name("ringwatch-feeder".into())
             .spawn(move || {
                 let mut reader = reader;
-                while let Ok(message) = read_message::<_, ServerMessage>(&mut reader) {
+                while let Ok(message) = read_server_message(&mut reader) {
                     if let ServerMessage::TimelineWanted { wanted: w } = message {
                         wanted.store(w, Ordering::Relaxed);
                     }
@@ -1015,7 +1015,7 @@ mod tests {
         reader.subscribe(false, true).unwrap();
         // The slow one: reads its hello, subscribes, then never reads again.
         let mut slow = UnixStream::connect(&path).unwrap();
-        let hello: ServerMessage = read_message(&mut slow).unwrap();
+        let hello: ServerMessage = crate::control::read_message(&mut slow).unwrap();
         assert!(matches!(hello, ServerMessage::Hello(_)));
         write_message(
             &mut slow,
@@ -1083,7 +1083,7 @@ mod tests {
         let mut got = Vec::new();
         for f in &frames {
             assert!(f.len() <= 4 + MAX_MESSAGE_BYTES);
-            match read_message::<_, ServerMessage>(&mut &f[..]).unwrap() {
+            match crate::control::read_message::<_, ServerMessage>(&mut &f[..]).unwrap() {
                 ServerMessage::Timeline { events } => got.extend(events),
                 other => panic!("{other:?}"),
             }
