@@ -51,10 +51,11 @@ fn now_us() -> u64 {
 static LAST_SLOW_US: AtomicU64 = AtomicU64::new(0);
 static OFF_UNTIL_US: AtomicU64 = AtomicU64::new(0);
 
-/// Yields the core until `done()` holds, for at most [`YIELD_BUDGET`]; returns
-/// `done()`'s last answer. The caller sleeps properly (futex, condvar) when this
-/// returns `false`. Does not yield at all while contention keeps yielding off.
-pub(crate) fn yield_until(mut done: impl FnMut() -> bool) -> bool {
+/// Yields the core until `done()` holds, for at most `budget` (at most
+/// [`YIELD_BUDGET`] is meant); returns `done()`'s last answer. The caller sleeps
+/// properly (futex, condvar) when this returns `false`. Does not yield at all while
+/// contention keeps yielding off.
+pub(crate) fn yield_until(budget: Duration, mut done: impl FnMut() -> bool) -> bool {
     if done() {
         return true;
     }
@@ -63,7 +64,7 @@ pub(crate) fn yield_until(mut done: impl FnMut() -> bool) -> bool {
     }
     let start = Instant::now();
     let mut empty = Duration::ZERO;
-    while start.elapsed() < YIELD_BUDGET {
+    while start.elapsed() < budget {
         let before = Instant::now();
         // SAFETY: no arguments and no memory effects; it cannot fail on Linux.
         unsafe { libc::sched_yield() };
@@ -117,13 +118,20 @@ mod tests {
     #[test]
     fn returns_at_once_when_already_done_and_gives_up_after_its_budget() {
         let mut calls = 0;
-        assert!(yield_until(|| {
+        assert!(yield_until(YIELD_BUDGET, || {
             calls += 1;
             true
         }));
         assert_eq!(calls, 1);
         let start = Instant::now();
-        assert!(!yield_until(|| false));
+        assert!(!yield_until(YIELD_BUDGET, || false));
+        // A zero budget looks once and never yields.
+        let mut calls = 0;
+        assert!(!yield_until(Duration::ZERO, || {
+            calls += 1;
+            false
+        }));
+        assert_eq!(calls, 1);
         // It stops: never much past its budget unless a yield itself was slow.
         assert!(start.elapsed() < Duration::from_secs(5));
     }
@@ -136,7 +144,7 @@ mod tests {
             std::thread::spawn(move || flag.store(true, Ordering::SeqCst))
         };
         setter.join().unwrap();
-        assert!(yield_until(|| flag.load(Ordering::SeqCst)));
+        assert!(yield_until(YIELD_BUDGET, || flag.load(Ordering::SeqCst)));
     }
 
     #[test]

@@ -900,7 +900,9 @@ impl ShmGroup {
             std::hint::spin_loop();
         }
         // The peer may be waiting for this core (more ranks than cores): hand it over.
-        if crate::poll::yield_until(|| bell.seq.load(Ordering::Relaxed) != seq) {
+        if crate::poll::yield_until(crate::poll::YIELD_BUDGET, || {
+            bell.seq.load(Ordering::Relaxed) != seq
+        }) {
             return Ok(());
         }
         bell.waiters.fetch_add(1, Ordering::SeqCst);

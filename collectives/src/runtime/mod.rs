@@ -183,7 +183,7 @@ impl Handle {
     /// Waits for the result. Never waits forever: the runtime completes or fails every
     /// handle within its peer timeout.
     pub fn wait(mut self) -> Result<Tensor> {
-        if let Some(result) = self.poll() {
+        if let Some(result) = self.poll(crate::poll::YIELD_BUDGET) {
             return result;
         }
         self.rx
@@ -195,7 +195,7 @@ impl Handle {
     /// (`None`), so that a caller can wake up in between (a Python front end checks for
     /// Ctrl-C). After a `Some`, the handle is spent: a further call reports a shut-down.
     pub fn wait_for(&mut self, timeout: Duration) -> Option<Result<Tensor>> {
-        if let Some(result) = self.poll() {
+        if let Some(result) = self.poll(timeout.min(crate::poll::YIELD_BUDGET)) {
             return Some(result);
         }
         match self.rx.recv_timeout(timeout) {
@@ -209,9 +209,9 @@ impl Handle {
 
     /// The result if it comes while this thread yields the core for a moment (the
     /// cycle thread finishing a small collective), without a futex sleep and wake-up.
-    fn poll(&mut self) -> Option<Result<Tensor>> {
+    fn poll(&mut self, budget: Duration) -> Option<Result<Tensor>> {
         let mut got = None;
-        crate::poll::yield_until(|| {
+        crate::poll::yield_until(budget, || {
             got = self.try_wait();
             got.is_some()
         });
@@ -839,7 +839,7 @@ impl CycleThread {
         if idle {
             // The caller's next tensor often follows within microseconds (a blocking
             // allreduce in a loop): yield to it rather than sleep.
-            crate::poll::yield_until(|| {
+            crate::poll::yield_until(crate::poll::YIELD_BUDGET, || {
                 Instant::now() >= next
                     || self.shared.inbox.lock().map_or(true, |i| {
                         !i.entries.is_empty() || !i.knobs.is_empty() || i.shutdown
