@@ -204,6 +204,13 @@ fn one_collbench_run(
             &["--pid".into(), std::process::id().to_string()],
             "0s",
         )?),
+        // The defaults: the job serves its control socket, the agent
+        // connects and streams its cycle statistics and timeline.
+        Some(JOB_CONNECTED) => Some(start_agent(
+            sib,
+            &["--comm".into(), "collbench".into()],
+            "0s",
+        )?),
         Some(min_interval) => Some(start_agent(
             sib,
             &["--comm".into(), "collbench".into()],
@@ -212,10 +219,15 @@ fn one_collbench_run(
         None => None,
     };
     let started = Instant::now();
-    let output = Command::new(&sib.collbench)
+    let mut command = Command::new(&sib.collbench);
+    command
         .args(["-n", &cli.ranks.to_string(), "--json", "resnet50"])
-        .args(["--steps", &cli.steps.to_string(), "--warmup", "2"])
-        .env("RINGWATCH_CONTROL_SOCKET", "0")
+        .args(["--steps", &cli.steps.to_string(), "--warmup", "2"]);
+    if watched != Some(JOB_CONNECTED) {
+        // The probes alone: no socket for the agent to connect to.
+        command.env("RINGWATCH_CONTROL_SOCKET", "0");
+    }
+    let output = command
         .stderr(Stdio::inherit())
         .output()
         .context("running collbench")?;
@@ -236,6 +248,10 @@ fn one_collbench_run(
     };
     Ok((steps_per_sec, agent))
 }
+
+/// The collbench variant in which the job serves its control socket and the
+/// agent streams from it, as in a real deployment.
+const JOB_CONNECTED: &str = "job-connected";
 
 struct AgentRun {
     events: u64,
@@ -304,7 +320,12 @@ fn main() -> Result<()> {
     let sib = Sibling::find()?;
     // Agent attached but the load not watched; watched with every record;
     // and bounded: intervals under 100 µs only in the histograms.
-    let variants = ["unwatched", "0s", "100us"];
+    let mut variants = vec!["unwatched", "0s", "100us"];
+    if cli.workload == Workload::Collbench {
+        // And everything a deployment has: probes at the defaults plus the
+        // job's control socket streamed (cycle statistics, timeline).
+        variants.push(JOB_CONNECTED);
+    }
     let run = |watched: Option<&str>| match cli.workload {
         Workload::PingPong => one_run(&sib, &cli, watched),
         Workload::Collbench => one_collbench_run(&sib, &cli, watched),
@@ -353,6 +374,7 @@ fn main() -> Result<()> {
         let rss = runs[i].iter().map(|r| r.peak_rss_mib).fold(0.0, f64::max);
         let label = match *v {
             "unwatched" => "agent running, load not watched".to_owned(),
+            JOB_CONNECTED => "watched, job's socket streamed too (the defaults)".to_owned(),
             v => format!("watched, --min-interval {v}"),
         };
         println!(
