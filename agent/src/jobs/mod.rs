@@ -18,7 +18,7 @@
 use std::collections::{BTreeMap, HashMap, VecDeque};
 use std::os::unix::fs::{FileTypeExt, MetadataExt};
 use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
@@ -64,6 +64,22 @@ pub struct JobsConfig {
     /// New sockets tried in one scan of one directory (each may take up to
     /// `connect_timeout`); the rest wait for the next scans.
     pub max_connects_per_scan: usize,
+    /// When jobs stream their tensor timeline (see [`JobTimeline`]).
+    pub job_timeline: JobTimeline,
+    /// With [`JobTimeline::OnDemand`]: how long a read of a job's timeline
+    /// keeps the jobs streaming it.
+    pub timeline_interest: Duration,
+}
+
+/// When the agent asks jobs for their tensor timeline.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum JobTimeline {
+    /// From the moment a job is found: its history is there when someone
+    /// looks, at the cost of building and sending every event.
+    Always,
+    /// While someone reads job timelines (and for `timeline_interest`
+    /// after): a job nobody looks at sends only its cycle statistics.
+    OnDemand,
 }
 
 impl JobsConfig {
@@ -89,6 +105,8 @@ impl JobsConfig {
             max_jobs: 64,
             max_jobs_per_user: 8,
             max_connects_per_scan: 16,
+            job_timeline: JobTimeline::OnDemand,
+            timeline_interest: Duration::from_secs(60),
         }
     }
 }
@@ -449,6 +467,11 @@ struct Shared {
     config: JobsConfig,
     registry: Mutex<Registry>,
     stop: Arc<AtomicBool>,
+    /// The clock of `timeline_read_ms`.
+    epoch: Instant,
+    /// When a job timeline was last read (ms since `epoch`, plus one; 0:
+    /// never).
+    timeline_read_ms: AtomicU64,
 }
 
 impl Drop for Shared {
@@ -471,6 +494,8 @@ impl Jobs {
                 config,
                 registry: Mutex::new(Registry::default()),
                 stop: stop.clone(),
+                epoch: Instant::now(),
+                timeline_read_ms: AtomicU64::new(0),
             }),
         };
         let weak = Arc::downgrade(&jobs.inner);
@@ -522,6 +547,7 @@ impl Jobs {
         from_us: u64,
         to_us: u64,
     ) -> Option<Vec<TimelineEvent>> {
+        self.note_timeline_read();
         self.lock().jobs.get(job_id).map(|job| {
             job.timeline
                 .iter()
@@ -529,6 +555,27 @@ impl Jobs {
                 .cloned()
                 .collect()
         })
+    }
+
+    /// Someone reads job timelines: with [`JobTimeline::OnDemand`], jobs
+    /// stream theirs for the next `timeline_interest`.
+    pub fn note_timeline_read(&self) {
+        let ms = self.inner.epoch.elapsed().as_millis() as u64 + 1;
+        self.inner.timeline_read_ms.store(ms, Ordering::Relaxed);
+    }
+
+    /// Whether jobs should stream their timeline now.
+    pub fn timeline_wanted(&self) -> bool {
+        match self.inner.config.job_timeline {
+            JobTimeline::Always => true,
+            JobTimeline::OnDemand => {
+                let read = self.inner.timeline_read_ms.load(Ordering::Relaxed);
+                let now = self.inner.epoch.elapsed().as_millis() as u64 + 1;
+                read != 0
+                    && now.saturating_sub(read)
+                        <= self.inner.config.timeline_interest.as_millis() as u64
+            }
+        }
     }
 
     fn lock(&self) -> MutexGuard<'_, Registry> {
@@ -699,7 +746,8 @@ impl Jobs {
         if let Err(why) = self.lock().make_room(config, owner.uid) {
             return self.reject(path, inode, &why);
         }
-        if let Err(error) = client.subscribe(true, true) {
+        let timeline = self.timeline_wanted();
+        if let Err(error) = client.subscribe(true, timeline) {
             return self.reject(path, inode, &format!("subscribing failed: {error}"));
         }
         let hello = client.hello().clone();
@@ -788,12 +836,26 @@ fn read_job(
     stop: &AtomicBool,
 ) {
     let poll = Duration::from_millis(250);
+    let mut timeline = None;
     while !stop.load(Ordering::Acquire) {
         let result = client.next_message(poll);
         let Some(inner) = registry.upgrade() else {
             return;
         };
         let jobs = Jobs { inner };
+        // Ask for the timeline while someone reads it (--job-timeline).
+        let wanted = jobs.timeline_wanted();
+        let result = match result {
+            Ok(_) if timeline != Some(wanted) => match client.subscribe(true, wanted) {
+                Ok(()) => {
+                    tracing::debug!(job_id, timeline = wanted, "job timeline subscription");
+                    timeline = Some(wanted);
+                    result
+                }
+                Err(e) => Err(e),
+            },
+            other => other,
+        };
         let mut registry = jobs.lock();
         let max_stats = jobs.inner.config.max_stats_per_job;
         let max_events = jobs.inner.config.max_timeline_events_per_job;
@@ -974,6 +1036,8 @@ mod tests {
             max_jobs: 64,
             max_jobs_per_user: 8,
             max_connects_per_scan: 16,
+            job_timeline: JobTimeline::OnDemand,
+            timeline_interest: Duration::from_secs(60),
         }
     }
 
@@ -1030,9 +1094,14 @@ mod tests {
         for s in &stats {
             assert_eq!((s.bytes_reduced, s.tensors), (4096, 1), "{s:?}");
         }
+        // Nobody has read the job's timeline yet: it streams none (on demand).
+        assert!(!jobs.timeline_wanted());
+        assert_eq!(jobs.lock().jobs[&job_id].timeline.len(), 0);
+        // A read asks for it; it comes.
         let events = wait_for(Duration::from_secs(20), "timeline events", || {
             Some(jobs.timeline_events(&job_id, 0, u64::MAX).unwrap()).filter(|e| !e.is_empty())
         });
+        assert!(jobs.timeline_wanted());
         assert!(events.iter().any(|e| e.tensor == "sweep.4096"));
         let first = events[0].ts_us;
         assert!(

@@ -19,7 +19,7 @@ use tokio::signal::unix::{Signal, SignalKind, signal};
 use crate::discovery::{self, ByCgroup, ByComm, Discovery, FixedPids, GpuPids};
 use crate::events::decode;
 use crate::gpu::Gpus;
-use crate::jobs::{JobPids, Jobs, JobsConfig};
+use crate::jobs::{JobPids, JobTimeline, Jobs, JobsConfig};
 use crate::lock::{AgentLock, DEFAULT_LOCK_FILE};
 use crate::model::Model;
 use crate::probes::{ProbeConfig, ProbeSet, Probes};
@@ -92,6 +92,20 @@ pub struct TargetArgs {
     /// How long to keep per-thread and per-connection series in memory.
     #[arg(long, default_value = "10m", value_parser = humantime::parse_duration, env = "RINGWATCH_RETENTION")]
     pub retention: Duration,
+
+    /// When jobs stream their tensor timeline (negotiate, queue, allreduce
+    /// per tensor) to the agent: `on-demand` while someone reads it (a
+    /// timeline request in the last minute; the viewer asks every second),
+    /// `always` to keep its history from the start. Streaming costs the job:
+    /// 4-rank collbench resnet50 on 2 cores ran ~13% slower with `always`
+    /// (README, "Using the agent"). Cycle statistics always stream.
+    #[arg(
+        long,
+        value_enum,
+        default_value = "on-demand",
+        env = "RINGWATCH_JOB_TIMELINE"
+    )]
+    pub job_timeline: JobTimeline,
 
     /// Scheduling intervals shorter than this are counted and kept in the
     /// kernel's histograms but not sent as events (bounds the event rate).
@@ -168,8 +182,9 @@ pub fn start_jobs(args: &TargetArgs) -> Result<Jobs> {
     }
     let mut dirs = vec![args.runtime_dir.clone()];
     dirs.extend(args.also_scan.iter().cloned());
-    Jobs::start(JobsConfig::new(dirs, args.retention))
-        .context("starting the control-socket scanner thread")
+    let mut config = JobsConfig::new(dirs, args.retention);
+    config.job_timeline = args.job_timeline;
+    Jobs::start(config).context("starting the control-socket scanner thread")
 }
 
 /// How often the ring buffer is drained without a wakeup from the kernel (which comes
