@@ -211,6 +211,18 @@ fn one_collbench_run(
             &["--comm".into(), "collbench".into()],
             "0s",
         )?),
+        // As while someone watches the job's timeline: every tensor's events
+        // built, sent and kept.
+        Some(JOB_TIMELINE) => Some(start_agent(
+            sib,
+            &[
+                "--comm".into(),
+                "collbench".into(),
+                "--job-timeline".into(),
+                "always".into(),
+            ],
+            "0s",
+        )?),
         Some(min_interval) => Some(start_agent(
             sib,
             &["--comm".into(), "collbench".into()],
@@ -223,7 +235,7 @@ fn one_collbench_run(
     command
         .args(["-n", &cli.ranks.to_string(), "--json", "resnet50"])
         .args(["--steps", &cli.steps.to_string(), "--warmup", "2"]);
-    if watched != Some(JOB_CONNECTED) {
+    if watched != Some(JOB_CONNECTED) && watched != Some(JOB_TIMELINE) {
         // The probes alone: no socket for the agent to connect to.
         command.env("RINGWATCH_CONTROL_SOCKET", "0");
     }
@@ -252,6 +264,10 @@ fn one_collbench_run(
 /// The collbench variant in which the job serves its control socket and the
 /// agent streams from it, as in a real deployment.
 const JOB_CONNECTED: &str = "job-connected";
+
+/// As [`JOB_CONNECTED`], with the job's timeline streamed all along
+/// (`--job-timeline always`: as while someone reads it).
+const JOB_TIMELINE: &str = "job-timeline";
 
 struct AgentRun {
     events: u64,
@@ -325,6 +341,7 @@ fn main() -> Result<()> {
         // And everything a deployment has: probes at the defaults plus the
         // job's control socket streamed (cycle statistics, timeline).
         variants.push(JOB_CONNECTED);
+        variants.push(JOB_TIMELINE);
     }
     let run = |watched: Option<&str>| match cli.workload {
         Workload::PingPong => one_run(&sib, &cli, watched),
@@ -374,7 +391,8 @@ fn main() -> Result<()> {
         let rss = runs[i].iter().map(|r| r.peak_rss_mib).fold(0.0, f64::max);
         let label = match *v {
             "unwatched" => "agent running, load not watched".to_owned(),
-            JOB_CONNECTED => "watched, job's socket streamed too (the defaults)".to_owned(),
+            JOB_CONNECTED => "watched, job connected (the defaults: statistics streamed, timeline on demand, nobody reading)".to_owned(),
+            JOB_TIMELINE => "watched, job's timeline streamed (`--job-timeline always`, as while it is read)".to_owned(),
             v => format!("watched, --min-interval {v}"),
         };
         println!(
