@@ -906,7 +906,7 @@ pub fn run(root: &Path, args: &Args) -> Result<()> {
         );
     }
     println!(
-        "# timed calls per size: {}; MPI and gloo warm up with {} more calls",
+        "# timed calls per size: {}; every contender warms up with {} more calls",
         plan.iter()
             .map(|s| format!("{} x{}", human(s.bytes), s.iters))
             .collect::<Vec<_>>()

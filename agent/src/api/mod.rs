@@ -610,6 +610,10 @@ async fn timeline(
             "view",
         ],
     )?;
+    // Someone reads the timeline: jobs stream theirs now (--job-timeline).
+    if let Some(jobs) = &state.jobs {
+        jobs.note_timeline_read();
+    }
     let point = |name: &str| -> Result<Option<TimePoint>, ApiError> {
         params
             .get(name)

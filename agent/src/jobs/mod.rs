@@ -547,7 +547,6 @@ impl Jobs {
         from_us: u64,
         to_us: u64,
     ) -> Option<Vec<TimelineEvent>> {
-        self.note_timeline_read();
         self.lock().jobs.get(job_id).map(|job| {
             job.timeline
                 .iter()
@@ -557,8 +556,10 @@ impl Jobs {
         })
     }
 
-    /// Someone reads job timelines: with [`JobTimeline::OnDemand`], jobs
-    /// stream theirs for the next `timeline_interest`.
+    /// Someone reads job timelines (an API request; not the agent's own
+    /// once-a-second live view, which reads them whether anyone looks or
+    /// not): with [`JobTimeline::OnDemand`], jobs stream theirs for the next
+    /// `timeline_interest`.
     pub fn note_timeline_read(&self) {
         let ms = self.inner.epoch.elapsed().as_millis() as u64 + 1;
         self.inner.timeline_read_ms.store(ms, Ordering::Relaxed);
@@ -1094,14 +1095,22 @@ mod tests {
         for s in &stats {
             assert_eq!((s.bytes_reduced, s.tensors), (4096, 1), "{s:?}");
         }
-        // Nobody has read the job's timeline yet: it streams none (on demand).
+        // Nobody has asked for the job's timeline yet: it streams none (on
+        // demand), and the agent's own reads (the live view) do not ask.
+        assert!(
+            jobs.timeline_events(&job_id, 0, u64::MAX)
+                .unwrap()
+                .is_empty()
+        );
+        std::thread::sleep(Duration::from_millis(600));
         assert!(!jobs.timeline_wanted());
         assert_eq!(jobs.lock().jobs[&job_id].timeline.len(), 0);
-        // A read asks for it; it comes.
+        // A request (the API's) asks for it; it comes.
+        jobs.note_timeline_read();
+        assert!(jobs.timeline_wanted());
         let events = wait_for(Duration::from_secs(20), "timeline events", || {
             Some(jobs.timeline_events(&job_id, 0, u64::MAX).unwrap()).filter(|e| !e.is_empty())
         });
-        assert!(jobs.timeline_wanted());
         assert!(events.iter().any(|e| e.tensor == "sweep.4096"));
         let first = events[0].ts_us;
         assert!(
