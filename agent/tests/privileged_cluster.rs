@@ -308,6 +308,13 @@ fn two_agents_see_a_two_node_job_whole_and_answer_without_each_other() {
     assert_eq!(job["nodes"].as_array().unwrap().len(), 2, "{job:#}");
 
     // The cluster timeline from either agent: all four ranks, in time order.
+    // Jobs stream their tensor timeline while someone reads it
+    // (--job-timeline on-demand): ask once (a cluster request reaches both
+    // agents), so that the window below has the ranks' activities.
+    let (status, _) = agents[0].get_json(&format!(
+        "/api/timeline?scope=cluster&job={job_id}&from=now-100ms&max_events=20000&downsample=true"
+    ));
+    assert_eq!(status, 200);
     std::thread::sleep(Duration::from_secs(3));
     // A busy job's second is tens of thousands of thread states: a debug
     // build takes seconds to merge them, so the answer is thinned.

@@ -911,8 +911,13 @@ pub fn check(options: &CheckOptions) -> Result<CheckReport> {
         "the container lists job {job_id} with ranks {ranks:?}"
     ));
 
-    // Thread states of both ranks on the timeline.
-    let timeline_path = format!("/api/timeline?job={job_id}&from=now-5s");
+    // Thread states of both ranks on the timeline, asked for as the viewer
+    // asks (a pixel grid: slices under a pixel summarized), so that the
+    // answer stays small however busy the job is: every event of 5 s of
+    // this 4 KiB sweep is tens of MB, which a debug agent took longer than
+    // the request timeout to write, and with the job's own events beside
+    // them more than the event limit.
+    let timeline_path = format!("/api/timeline?job={job_id}&from=now-5s&width=1000");
     let states = wait_for(Duration::from_secs(30), || {
         let (status, trace) = get_json(&base, &timeline_path)?;
         if status != 200 {

@@ -171,6 +171,10 @@ pub struct JobSnapshot {
     pub timeline_events_dropped: u64,
     /// Bytes the kept timeline events take in the agent's memory.
     pub timeline_bytes: usize,
+    /// Since when (Unix ms) the job streams its tensor timeline to this
+    /// agent; `None` while it does not (`--job-timeline on-demand` and no
+    /// timeline request in the last minute): its events start there.
+    pub timeline_streaming_since_unix_ms: Option<u64>,
     /// The uid of the process that serves the control socket (`SO_PEERCRED`):
     /// of the job's ranks, only processes of this user are watched (any, for root).
     pub owner_uid: u32,
@@ -201,6 +205,7 @@ struct Job {
     timeline_events_received: u64,
     timeline_events_dropped: u64,
     timeline_bytes: usize,
+    timeline_streaming_since: Option<SystemTime>,
     owner: PeerCredentials,
     /// Tells this connection's reader thread to stop.
     stop_reader: Arc<AtomicBool>,
@@ -233,6 +238,10 @@ impl Job {
             timeline_events_received: self.timeline_events_received,
             timeline_events_dropped: self.timeline_events_dropped,
             timeline_bytes: self.timeline_bytes,
+            timeline_streaming_since_unix_ms: self.timeline_streaming_since.map(|t| {
+                t.duration_since(UNIX_EPOCH)
+                    .map_or(0, |d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX))
+            }),
             owner_uid: self.owner.uid,
             owner_pid: self.owner.pid,
         }
@@ -792,6 +801,7 @@ impl Jobs {
                     stats: VecDeque::new(),
                     stats_received: 0,
                     timeline: VecDeque::new(),
+                    timeline_streaming_since: None,
                     timeline_events_received: 0,
                     timeline_events_dropped: 0,
                     timeline_bytes: 0,
@@ -846,11 +856,13 @@ fn read_job(
         let jobs = Jobs { inner };
         // Ask for the timeline while someone reads it (--job-timeline).
         let wanted = jobs.timeline_wanted();
+        let mut switched = None;
         let result = match result {
             Ok(_) if timeline != Some(wanted) => match client.subscribe(true, wanted) {
                 Ok(()) => {
                     tracing::debug!(job_id, timeline = wanted, "job timeline subscription");
                     timeline = Some(wanted);
+                    switched = Some(wanted);
                     result
                 }
                 Err(e) => Err(e),
@@ -868,6 +880,13 @@ fn read_job(
         else {
             return;
         };
+        match switched {
+            Some(true) if job.timeline_streaming_since.is_none() => {
+                job.timeline_streaming_since = Some(SystemTime::now());
+            }
+            Some(false) => job.timeline_streaming_since = None,
+            _ => {}
+        }
         match result {
             Ok(None) => {}
             Ok(Some(message)) => {
@@ -1105,13 +1124,27 @@ mod tests {
         std::thread::sleep(Duration::from_millis(600));
         assert!(!jobs.timeline_wanted());
         assert_eq!(jobs.lock().jobs[&job_id].timeline.len(), 0);
+        assert_eq!(jobs.jobs()[0].timeline_streaming_since_unix_ms, None);
         // A request (the API's) asks for it; it comes.
+        let asked_ms = SystemTime::now()
+            .duration_since(UNIX_EPOCH)
+            .unwrap()
+            .as_millis() as u64;
         jobs.note_timeline_read();
         assert!(jobs.timeline_wanted());
         let events = wait_for(Duration::from_secs(20), "timeline events", || {
             Some(jobs.timeline_events(&job_id, 0, u64::MAX).unwrap()).filter(|e| !e.is_empty())
         });
         assert!(events.iter().any(|e| e.tensor == "sweep.4096"));
+        // The snapshot says since when: after the request, and no event before.
+        let since = jobs.jobs()[0]
+            .timeline_streaming_since_unix_ms
+            .expect("streaming since");
+        assert!(since >= asked_ms, "{since} < {asked_ms}");
+        assert!(
+            events.iter().all(|e| e.ts_us / 1000 + 1 >= asked_ms),
+            "an event from before the request"
+        );
         let first = events[0].ts_us;
         assert!(
             jobs.timeline_events(&job_id, first + 1, u64::MAX)
