@@ -396,6 +396,37 @@ impl ShmGroup {
         }
     }
 
+    /// A wait on `members` (the others among them watched) that starts now.
+    fn patience<'p>(&self, members: &[usize], peer_gone: PeerGone<'p>) -> Patience<'p> {
+        let now = Instant::now();
+        Patience {
+            last_progress: now,
+            last_health_check: now,
+            peers: members.iter().copied().filter(|&m| m != self.me).collect(),
+            waiting_on: self.me,
+            cancel: None,
+            peer_gone,
+        }
+    }
+
+    /// The next shared-allreduce chunk's number and slot (of two), once every member
+    /// is done with the chunk that used that slot before (two chunks ago).
+    fn next_chunk(
+        &self,
+        chunks: &mut u64,
+        members: &[usize],
+        patience: &mut Patience<'_>,
+    ) -> Result<(u64, usize)> {
+        let g = *chunks;
+        *chunks += 1;
+        self.wait_for_all(
+            members,
+            |f| f.consumed.load(Ordering::Acquire) + 1 >= g,
+            patience,
+        )?;
+        Ok((g, (g % 2) as usize))
+    }
+
     fn notify_all(&self, members: &[usize]) {
         for &m in members.iter().filter(|&&m| m != self.me) {
             self.notify(m);
@@ -438,31 +469,15 @@ impl ShmGroup {
             return self.one_shot_allreduce(members, buf, segments, combine, finish, peer_gone);
         }
         let mut chunks = self.lock(&self.chunks, self.me)?;
-        let now = Instant::now();
-        let mut patience = Patience {
-            last_progress: now,
-            last_health_check: now,
-            peers: members.iter().copied().filter(|&m| m != self.me).collect(),
-            waiting_on: self.me,
-            cancel: None,
-            peer_gone,
-        };
+        let mut patience = self.patience(members, peer_gone);
         let me = self.flags(self.me);
         for round in 0..rounds {
-            let g = *chunks;
-            *chunks += 1;
-            let s = (g % 2) as usize;
+            let (g, s) = self.next_chunk(&mut chunks, members, &mut patience)?;
             let sub = |j: usize| {
                 let seg = &segments[j];
                 let start = (seg.start + round * part).min(seg.end);
                 start..(start + part).min(seg.end)
             };
-            // This slot was last used two chunks ago: everyone must be done with it.
-            self.wait_for_all(
-                members,
-                |f| f.consumed.load(Ordering::Acquire) + 1 >= g,
-                &mut patience,
-            )?;
             let my_slot = self.slot(self.me, s);
             for j in (0..n).filter(|&j| j != p) {
                 let r = sub(j);
@@ -548,25 +563,9 @@ impl ShmGroup {
     ) -> Result<()> {
         let n = members.len();
         let mut chunks = self.lock(&self.chunks, self.me)?;
-        let now = Instant::now();
-        let mut patience = Patience {
-            last_progress: now,
-            last_health_check: now,
-            peers: members.iter().copied().filter(|&m| m != self.me).collect(),
-            waiting_on: self.me,
-            cancel: None,
-            peer_gone,
-        };
+        let mut patience = self.patience(members, peer_gone);
         let me = self.flags(self.me);
-        let g = *chunks;
-        *chunks += 1;
-        let s = (g % 2) as usize;
-        // This slot was last used two chunks ago: everyone must be done with it.
-        self.wait_for_all(
-            members,
-            |f| f.consumed.load(Ordering::Acquire) + 1 >= g,
-            &mut patience,
-        )?;
+        let (g, s) = self.next_chunk(&mut chunks, members, &mut patience)?;
         // SAFETY: the slot holds a ring's bytes (at least `buf.len()`, checked by the
         // caller); nobody reads it until `written` says so.
         unsafe { std::ptr::copy_nonoverlapping(buf.as_ptr(), self.slot(self.me, s), buf.len()) };
