@@ -539,6 +539,16 @@ function unitFor(us) {
   return UNITS[3];
 }
 /** A duration in µs, with three decimals in the unit that fits it. */
+// A job's tensor events exist from when the agent asked for them (it asks
+// while someone reads the timeline: --job-timeline on-demand).
+function jobTimelineNote(metadata) {
+  const jt = metadata && metadata.job_timeline;
+  if (!jt) return '';
+  const since = jt.streaming_since_unix_ms;
+  if (typeof since !== 'number') return ' · the job\'s tensor events are not streamed yet (they start while the timeline is open)';
+  return ' · the job\'s tensor events since ' + new Date(since).toLocaleTimeString();
+}
+
 function fmtDur(us) {
   if (us === 0) return '0 µs';
   const u = unitFor(us);
@@ -746,7 +756,8 @@ class Viewer {
     this.setStatus(`${this.sourceName} · ${data.used.toLocaleString()} events` +
       (data.skipped ? ` (${data.skipped.toLocaleString()} skipped)` : '') + ` · ${span}` +
       (data.repaired ? ' · unterminated file, read up to its last complete event' : '') +
-      (data.metadata && data.metadata.downsampled ? ' · downsampled by the agent' : ''));
+      (data.metadata && data.metadata.downsampled ? ' · downsampled by the agent' : '') +
+      jobTimelineNote(data.metadata));
     this.invalidate();
   }
   fit() {

@@ -1511,6 +1511,7 @@ pub fn openapi_document() -> serde_json::Value {
                                 "source": { "type": "string" },
                                 "empty_window": { "type": "string", "description": "why a window holds nothing (after now, or from after to)" },
                                 "downsampled": { "type": "object", "description": "thread-state slices dropped to fit max_events (downsample=true)" },
+                                "job_timeline": { "type": "object", "description": "with job=: since when (streaming_since_unix_ms, null: not yet) the job streams its tensor events to this agent, which asks for them while someone reads its timeline (--job-timeline)" },
                                 "detail": { "type": "object", "description": "with width or resolution: the pixel's length and what was merged", "required": ["pixel_us", "slices_in_range", "summary_slices", "slices_kept"] },
                                 "truncated": { "type": "object", "description": "events left out at the answer's byte budget: narrow the window",
                                     "required": ["reason", "max_bytes", "events_written", "events_left_out"] }

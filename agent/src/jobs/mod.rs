@@ -112,7 +112,7 @@ impl JobsConfig {
 }
 
 /// Whether the agent still talks to a job.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, serde::Deserialize)]
 #[serde(rename_all = "snake_case")]
 pub enum JobState {
     /// The control connection is open and being read.
@@ -123,7 +123,7 @@ pub enum JobState {
 }
 
 /// What the registry knows about one job, for the API and the commands.
-#[derive(Debug, Clone, Serialize)]
+#[derive(Debug, Clone, Serialize, serde::Deserialize)]
 pub struct JobSnapshot {
     /// The job's id (from its `hello`).
     pub job_id: String,

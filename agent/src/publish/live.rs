@@ -272,6 +272,24 @@ impl LiveView {
         limits: AnswerLimits,
     ) -> Result<TraceAnswer, QueryError> {
         let mut selection = self.timeline.select(query)?;
+        // A job's tensor events exist only from when it was asked for them
+        // (--job-timeline on-demand): say so, so that an empty past is not
+        // read as an idle job.
+        if let Some(job) = query
+            .job
+            .as_ref()
+            .and_then(|id| self.jobs.iter().find(|j| &j.job_id == id))
+        {
+            selection.note(
+                "job_timeline",
+                json!({
+                    "streaming_since_unix_ms": job.timeline_streaming_since_unix_ms,
+                    "note": "the job streams its tensor events while someone reads its timeline \
+                             (agent --job-timeline); they start at streaming_since_unix_ms \
+                             (null: not streaming yet)",
+                }),
+            );
+        }
         let mut activities: Vec<&tracks::JobActivity> = match selection.window {
             None => Vec::new(),
             Some((from, to)) => self
@@ -695,6 +713,39 @@ mod tests {
             ringbuf_drops: 0,
             jobs: Vec::new(),
         }
+    }
+
+    #[test]
+    fn a_jobs_answer_says_since_when_its_tensor_events_stream() {
+        let mut view = view();
+        let job = |since: Option<u64>| -> JobSnapshot {
+            serde_json::from_value(json!({
+                "job_id": "j", "socket": "/run/ringwatch/j.sock", "protocol_version": 1,
+                "world_size": 1, "local_size": 1, "ranks": [], "host": "h", "served_by_rank": 0,
+                "ns_pids": {}, "knobs": collectives::control::Knobs::default(), "cycle": 0,
+                "autotune": "off", "state": "connected", "lost_reason": null,
+                "last_seen_unix_ms": 0, "stats_received": 0, "timeline_events_received": 0,
+                "timeline_events_dropped": 0, "timeline_bytes": 0,
+                "timeline_streaming_since_unix_ms": since, "owner_uid": 0, "owner_pid": 1,
+            }))
+            .unwrap()
+        };
+        view.jobs = vec![job(Some(1_700_000_000_000))];
+        let query = TimelineQuery {
+            job: Some("j".into()),
+            ..TimelineQuery::default()
+        };
+        let answer = ask(&view, &query, usize::MAX).unwrap();
+        assert_eq!(
+            answer["metadata"]["job_timeline"]["streaming_since_unix_ms"],
+            1_700_000_000_000u64
+        );
+        view.jobs = vec![job(None)];
+        let answer = ask(&view, &query, usize::MAX).unwrap();
+        assert!(answer["metadata"]["job_timeline"]["streaming_since_unix_ms"].is_null());
+        // Not asked about a job: no such note.
+        let answer = ask(&view, &TimelineQuery::default(), usize::MAX).unwrap();
+        assert!(answer["metadata"].get("job_timeline").is_none());
     }
 
     /// A query with no byte budget, parsed back.
