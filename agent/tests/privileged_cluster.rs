@@ -315,7 +315,10 @@ fn two_agents_see_a_two_node_job_whole_and_answer_without_each_other() {
         "/api/timeline?scope=cluster&job={job_id}&from=now-100ms&max_events=20000&downsample=true"
     ));
     assert_eq!(status, 200);
-    std::thread::sleep(Duration::from_secs(3));
+    // Streaming starts within a read of the job's socket (250 ms) of that:
+    // the window below begins 1 s after the request, with room on a
+    // loaded machine.
+    std::thread::sleep(Duration::from_secs(5));
     // A busy job's second is tens of thousands of thread states: a debug
     // build takes seconds to merge them, so the answer is thinned.
     let path = format!(
