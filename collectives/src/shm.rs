@@ -929,7 +929,11 @@ impl ShmGroup {
             }
         }
         let now = Instant::now();
-        if now.duration_since(patience.last_health_check) >= WAIT_SLICE {
+        // A peer that wrote its last bytes and then exited (closing its TCP link) is
+        // not a failure while those bytes wait in the ring: when the bell rang since
+        // the caller looked, let it look again before judging the peers.
+        let rang = bell.seq.load(Ordering::SeqCst) != seq;
+        if !rang && now.duration_since(patience.last_health_check) >= WAIT_SLICE {
             patience.last_health_check = now;
             for &m in &patience.peers {
                 if (patience.peer_gone)(self.ranks[m]) {
