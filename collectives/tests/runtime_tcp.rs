@@ -639,14 +639,24 @@ fn timeline_file_has_horovods_activities() {
         Duration::from_secs(60),
         move |c| c.timeline_path = Some(p2.clone()),
         |rt| {
-            let a = rt
-                .allreduce_async("a", Tensor::from_slice(&[1.0f32; 100]), ReduceOp::Sum)
-                .unwrap();
-            let b = rt
-                .allreduce_async("b", Tensor::from_slice(&[1.0f32; 100]), ReduceOp::Sum)
-                .unwrap();
-            a.wait().unwrap();
-            b.wait().unwrap();
+            // Fusion needs two tensors in one cycle. An idle rank starts a cycle as
+            // soon as the first tensor arrives, so the first of a burst may go alone:
+            // bursts of eight, a few times, as a training step's gradients come.
+            for round in 0..5 {
+                let handles: Vec<_> = (0..8)
+                    .map(|i| {
+                        rt.allreduce_async(
+                            &format!("t{round}.{i}"),
+                            Tensor::from_slice(&[1.0f32; 100]),
+                            ReduceOp::Sum,
+                        )
+                        .unwrap()
+                    })
+                    .collect();
+                for h in handles {
+                    h.wait().unwrap();
+                }
+            }
         },
     );
     let v: serde_json::Value = serde_json::from_slice(&std::fs::read(&path).unwrap()).unwrap();
