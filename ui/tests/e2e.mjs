@@ -164,6 +164,7 @@ const fixture = JSON.parse(readFileSync(join(FIXTURES, 'ringwatch-2ranks.json'),
 const fixtureEnd = fixture.metadata.now;
 const clockStart = performance.now();
 const agentNow = () => 5_000_000 + (performance.now() - clockStart) * 1000;
+let jobTimelineAskedMs = null;
 function mockApi(req, res, url) {
   const json = (code, body) => { res.writeHead(code, { 'content-type': 'application/json' }).end(JSON.stringify(body)); return true; };
   if (url.pathname === '/api/jobs') return json(200, [{ id: 'resnet50', ranks: [{ rank: 0, pid: 4101 }, { rank: 1, pid: 4201 }] }]);
@@ -178,7 +179,15 @@ function mockApi(req, res, url) {
     const ev = fixture.traceEvents
       .filter((e) => pid == null || String(e.pid) === pid)
       .map((e) => (e.ts == null ? e : Object.assign({}, e, { ts: e.ts + shift })));
-    return json(200, { traceEvents: ev, displayTimeUnit: 'ms', metadata: { now } });
+    const metadata = { now };
+    if (url.searchParams.get('job') != null) {
+      // As the agent with --job-timeline on-demand: the first request for a
+      // job's timeline starts its tensor events, so that answer has none yet.
+      const first = jobTimelineAskedMs == null;
+      if (first) jobTimelineAskedMs = Date.now();
+      metadata.job_timeline = { streaming_since_unix_ms: first ? null : jobTimelineAskedMs, note: 'on demand' };
+    }
+    return json(200, { traceEvents: ev, displayTimeUnit: 'ms', metadata });
   }
   return false;
 }
@@ -500,6 +509,16 @@ try {
     await page.waitForFunction(() => /pid=4201/.test(window.ringwatchViewer.live().lastUrl || ''), null, { timeout: 5000 });
     assert(agent.requests.some((q) => /^\/api\/timeline\?from=now-10s&pid=4201&downsample=true&max_events=100000&width=\d+$/.test(q)), 'the pid filter did not reach the API: ' + agent.requests.slice(-3));
     await page.screenshot({ path: join(OUT_DIR, 'screenshot-live.png') });
+  });
+
+  await check('a job\'s live view says whether its tensor events stream yet (--job-timeline on-demand)', async () => {
+    const sinceRe = /the job's tensor events since \d/;
+    await page.selectOption('#selector', 'job:resnet50');
+    await page.waitForFunction(() => /tensor events are not streamed yet/.test(document.querySelector('#status').textContent), null, { timeout: 5000 });
+    await page.waitForFunction((re) => new RegExp(re).test(document.querySelector('#status').textContent), sinceRe.source, { timeout: 5000 });
+    assert(agent.requests.some((q) => /^\/api\/timeline\?from=now-10s&job=resnet50&scope=cluster&/.test(q)), 'the job filter did not reach the API: ' + agent.requests.slice(-3));
+    await page.selectOption('#selector', '');
+    await page.waitForFunction((re) => !new RegExp(re).test(document.querySelector('#status').textContent) && !/[?&]job=/.test(window.ringwatchViewer.live().lastUrl || ''), sinceRe.source, { timeout: 5000 });
   });
 
   // The tuning panel against Contract C's endpoints, mocked with page.route
