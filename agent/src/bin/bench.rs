@@ -41,6 +41,10 @@ struct Cli {
     /// collbench: timed resnet50 steps per run.
     #[arg(long, default_value_t = 20)]
     steps: usize,
+    /// Run only these variants (comma-separated; default: all of the workload's):
+    /// unwatched, 0s, 100us, and for collbench job-connected, job-timeline, serve.
+    #[arg(long, value_delimiter = ',')]
+    variants: Vec<String>,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
@@ -197,7 +201,13 @@ fn one_collbench_run(
             sib.collbench.display()
         );
     }
+    let mut serve = None;
     let agent = match watched {
+        Some(SERVE) => {
+            let (child, address, dir) = start_serve_agent(sib)?;
+            serve = Some((address, dir));
+            Some(child)
+        }
         // The agent runs with every probe attached, watching only us.
         Some("unwatched") => Some(start_agent(
             sib,
@@ -235,7 +245,7 @@ fn one_collbench_run(
     command
         .args(["-n", &cli.ranks.to_string(), "--json", "resnet50"])
         .args(["--steps", &cli.steps.to_string(), "--warmup", "2"]);
-    if watched != Some(JOB_CONNECTED) && watched != Some(JOB_TIMELINE) {
+    if ![Some(JOB_CONNECTED), Some(JOB_TIMELINE), Some(SERVE)].contains(&watched) {
         // The probes alone: no socket for the agent to connect to.
         command.env("RINGWATCH_CONTROL_SOCKET", "0");
     }
@@ -254,11 +264,86 @@ fn one_collbench_run(
         .find_map(|l| serde_json::from_str::<serde_json::Value>(l).ok())
         .and_then(|v| v["steps_per_sec"].as_f64())
         .with_context(|| format!("collbench printed no steps_per_sec: {text}"))?;
-    let agent = match agent {
-        Some(child) => Some(reap_agent(child, load_s)?),
-        None => None,
+    let agent = match (agent, serve) {
+        (Some(child), Some((address, dir))) => {
+            // Drops as the agent exports them, before it stops.
+            let drops = scrape_counter(&address, "ringwatch_ringbuf_drops_total");
+            let (cpu_s, lifetime, peak_rss_mib, _) = stop_agent(child, load_s)?;
+            let _ = std::fs::remove_dir_all(dir);
+            Some(AgentRun {
+                events: 0,
+                drops: drops?,
+                load_s,
+                cpu_pct: 100.0 * cpu_s / lifetime.max(1e-9),
+                peak_rss_mib,
+            })
+        }
+        (Some(child), None) => Some(reap_agent(child, load_s)?),
+        (None, _) => None,
     };
     Ok((steps_per_sec, agent))
+}
+
+/// The agent as the DaemonSet runs it (deploy/ringwatch.yaml: `serve --jobs
+/// --probes sched,tcp`, every other setting at its default), on a free
+/// loopback port, with its reports in a directory of its own. Returns the
+/// child, the address it serves on and that directory.
+fn start_serve_agent(sib: &Sibling) -> Result<(Child, String, PathBuf)> {
+    let dir = std::env::temp_dir().join(format!("ringwatch-bench-serve-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).with_context(|| format!("creating {}", dir.display()))?;
+    let mut child = Command::new(&sib.agent)
+        .args([
+            "serve",
+            "--jobs",
+            "--probes",
+            "sched,tcp",
+            "--listen",
+            "127.0.0.1:0",
+        ])
+        .arg("--reports-dir")
+        .arg(dir.join("reports"))
+        .env("RINGWATCH_LOCK_FILE", dir.join("agent.lock"))
+        .env("RINGWATCH_LOG", "warn")
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .context("starting ringwatch-agent serve")?;
+    let stderr = child.stderr.take().context("no stderr")?;
+    let mut err_lines = BufReader::new(stderr).lines();
+    let address = loop {
+        match err_lines.next() {
+            Some(Ok(line)) => match line.split_once("serving the API on http://") {
+                Some((_, rest)) => break rest.split('/').next().unwrap_or_default().to_owned(),
+                None => eprintln!("[agent] {line}"),
+            },
+            _ => bail!("the agent exited before serving"),
+        }
+    };
+    std::thread::spawn(move || for _ in err_lines {});
+    Ok((child, address, dir))
+}
+
+/// The value of a counter in the agent's /metrics.
+fn scrape_counter(address: &str, name: &str) -> Result<u64> {
+    use std::io::Read;
+    let mut stream = std::net::TcpStream::connect(address)
+        .with_context(|| format!("connecting to the agent at {address}"))?;
+    stream.set_read_timeout(Some(std::time::Duration::from_secs(10)))?;
+    write!(stream, "GET /metrics HTTP/1.0\r\nHost: {address}\r\n\r\n")?;
+    let mut text = String::new();
+    stream
+        .read_to_string(&mut text)
+        .context("reading /metrics")?;
+    text.lines()
+        .find_map(|l| {
+            l.strip_prefix(name)?
+                .strip_prefix(' ')?
+                .trim()
+                .parse::<f64>()
+                .ok()
+        })
+        .map(|v| v as u64)
+        .with_context(|| format!("no {name} in the agent's /metrics"))
 }
 
 /// The collbench variant in which the job serves its control socket and the
@@ -268,6 +353,10 @@ const JOB_CONNECTED: &str = "job-connected";
 /// As [`JOB_CONNECTED`], with the job's timeline streamed all along
 /// (`--job-timeline always`: as while someone reads it).
 const JOB_TIMELINE: &str = "job-timeline";
+
+/// The agent as deployed: `serve` with the DaemonSet's arguments, the job
+/// found through its control socket.
+const SERVE: &str = "serve";
 
 struct AgentRun {
     events: u64,
@@ -279,13 +368,33 @@ struct AgentRun {
 
 /// Interrupts the agent (the load is over; an agent watching a name or only
 /// us would not end by itself), then waits for its summary and usage.
-fn reap_agent(mut child: Child, load_s: f64) -> Result<AgentRun> {
+fn reap_agent(child: Child, load_s: f64) -> Result<AgentRun> {
+    let (cpu_s, lifetime, peak_rss_mib, text) = stop_agent(child, load_s)?;
+    let v: serde_json::Value =
+        serde_json::from_str(&text).with_context(|| format!("agent output: {text}"))?;
+    Ok(AgentRun {
+        events: v["events"].as_u64().unwrap_or(0),
+        drops: v["ringbuf_drops"].as_u64().unwrap_or(0),
+        load_s,
+        // The agent lives a little longer than the load (startup excluded:
+        // it was already watching when the clock started).
+        cpu_pct: 100.0 * cpu_s / lifetime.max(1e-9),
+        peak_rss_mib,
+    })
+}
+
+/// SIGINT, then wait4: (CPU seconds, seconds it lived since the load
+/// started, peak RSS in MiB, what it printed).
+fn stop_agent(mut child: Child, load_s: f64) -> Result<(f64, f64, f64, String)> {
     // SAFETY: signalling our own, not yet reaped, child by its pid.
     unsafe { libc::kill(child.id() as libc::pid_t, libc::SIGINT) };
-    let mut stdout = child.stdout.take().context("no stdout")?;
+    // (`serve` prints nothing there: its stdout is not piped.)
+    let stdout = child.stdout.take();
     let reader = std::thread::spawn(move || {
         let mut text = String::new();
-        let _ = std::io::Read::read_to_string(&mut stdout, &mut text);
+        if let Some(mut stdout) = stdout {
+            let _ = std::io::Read::read_to_string(&mut stdout, &mut text);
+        }
         text
     });
     let started = Instant::now();
@@ -305,21 +414,11 @@ fn reap_agent(mut child: Child, load_s: f64) -> Result<AgentRun> {
     let text = reader
         .join()
         .map_err(|_| anyhow::anyhow!("reader panicked"))?;
-    let v: serde_json::Value =
-        serde_json::from_str(&text).with_context(|| format!("agent output: {text}"))?;
     let cpu_s = usage.ru_utime.tv_sec as f64
         + usage.ru_utime.tv_usec as f64 / 1e6
         + usage.ru_stime.tv_sec as f64
         + usage.ru_stime.tv_usec as f64 / 1e6;
-    Ok(AgentRun {
-        events: v["events"].as_u64().unwrap_or(0),
-        drops: v["ringbuf_drops"].as_u64().unwrap_or(0),
-        load_s,
-        // The agent lives a little longer than the load (startup excluded:
-        // it was already watching when the clock started).
-        cpu_pct: 100.0 * cpu_s / lifetime.max(1e-9),
-        peak_rss_mib: usage.ru_maxrss as f64 / 1024.0,
-    })
+    Ok((cpu_s, lifetime, usage.ru_maxrss as f64 / 1024.0, text))
 }
 
 fn median(values: &mut [f64]) -> f64 {
@@ -342,6 +441,20 @@ fn main() -> Result<()> {
         // job's control socket streamed (cycle statistics, timeline).
         variants.push(JOB_CONNECTED);
         variants.push(JOB_TIMELINE);
+        variants.push(SERVE);
+    }
+    if !cli.variants.is_empty() {
+        if let Some(unknown) = cli
+            .variants
+            .iter()
+            .find(|v| !variants.contains(&v.as_str()))
+        {
+            bail!(
+                "--variants: no variant '{unknown}' for this workload (it has: {})",
+                variants.join(", ")
+            );
+        }
+        variants.retain(|v| cli.variants.iter().any(|c| c == v));
     }
     let run = |watched: Option<&str>| match cli.workload {
         Workload::PingPong => one_run(&sib, &cli, watched),
@@ -350,13 +463,18 @@ fn main() -> Result<()> {
     let mut base = Vec::new();
     let mut watched: Vec<Vec<f64>> = vec![Vec::new(); variants.len()];
     let mut runs: Vec<Vec<AgentRun>> = variants.iter().map(|_| Vec::new()).collect();
+    // Each watched run against the run without an agent just before it: the
+    // machine drifts less within a pair than across the whole bench.
+    let mut slowdowns: Vec<Vec<f64>> = vec![Vec::new(); variants.len()];
     // Warm-up, not counted.
     run(None)?;
     for _ in 0..cli.pairs {
         for (i, v) in variants.iter().enumerate() {
-            base.push(run(None)?.0);
+            let alone = run(None)?.0;
+            base.push(alone);
             let (rate, agent) = run(Some(v))?;
             watched[i].push(rate);
+            slowdowns[i].push(100.0 * (alone - rate) / alone);
             runs[i].extend(agent);
         }
     }
@@ -379,10 +497,10 @@ fn main() -> Result<()> {
     };
     println!();
     println!(
-        "| run | {unit} (median) | slowdown | records/s (median) | ring-buffer drops (sum) | agent CPU % (median) | agent peak RSS MiB (max) |"
+        "| run | {unit} (median) | slowdown | slowdown per pair: median (min to max) | records/s (median) | ring-buffer drops (sum) | agent CPU % (median) | agent peak RSS MiB (max) |"
     );
-    println!("|---|---:|---:|---:|---:|---:|---:|");
-    println!("| no agent | {b:.3} | | | | | |");
+    println!("|---|---:|---:|---:|---:|---:|---:|---:|");
+    println!("| no agent | {b:.3} | | | | | | |");
     for (i, v) in variants.iter().enumerate() {
         let w = median(&mut watched[i]);
         let mut rates: Vec<f64> = runs[i].iter().map(|r| r.events as f64 / r.load_s).collect();
@@ -393,11 +511,16 @@ fn main() -> Result<()> {
             "unwatched" => "agent running, load not watched".to_owned(),
             JOB_CONNECTED => "watched, job connected (the defaults: statistics streamed, timeline on demand, nobody reading)".to_owned(),
             JOB_TIMELINE => "watched, job's timeline streamed (`--job-timeline always`, as while it is read)".to_owned(),
+            SERVE => "as deployed: `serve --jobs --probes sched,tcp`, the job found by its socket (records/s not exported)".to_owned(),
             v => format!("watched, --min-interval {v}"),
         };
+        let pairs = &mut slowdowns[i];
+        let per_pair = median(pairs);
         println!(
-            "| {label} | {w:.3} | {:.1} % | {:.0} | {drops} | {:.1} | {rss:.1} |",
+            "| {label} | {w:.3} | {:.1} % | {per_pair:.1} % ({:.1} to {:.1}) | {:.0} | {drops} | {:.1} | {rss:.1} |",
             100.0 * (b - w) / b,
+            pairs[0],
+            pairs[pairs.len() - 1],
             median(&mut rates),
             median(&mut cpu),
         );
