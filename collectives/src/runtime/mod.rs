@@ -3,7 +3,8 @@
 //! A background thread runs one cycle every `cycle_time`: every rank tells rank 0 which
 //! tensors became ready, rank 0 ([`coordinator`]) answers with the tensors ready on every
 //! rank, fused into buffers, and the knobs in force; every rank then runs exactly that
-//! list with [`crate::algorithms`]. This module must never let a rank decide anything the
+//! list with [`crate::algorithms`]. A caller waiting for its result on an idle rank runs
+//! that cycle itself (`Handle::drive`); cycles stay one at a time per rank either way. This module must never let a rank decide anything the
 //! others do not also decide, and must never leave a handle waiting forever: a failure
 //! fails every pending handle with an error that names the rank or tensor.
 
@@ -17,7 +18,7 @@ mod server;
 
 use std::collections::{BTreeMap, HashMap, HashSet};
 use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::mpsc;
 use std::sync::{Arc, Condvar, Mutex};
 use std::thread::JoinHandle;
@@ -147,6 +148,8 @@ struct Inbox {
     knobs: Vec<KnobUpdate>,
     shutdown: bool,
     closed: Option<CollectiveError>,
+    /// A caller's cycle ended the job: the background thread must tear it down now.
+    ended: bool,
 }
 
 struct Shared {
@@ -164,6 +167,8 @@ struct Shared {
     self_tune: Arc<Mutex<Option<SelfTuneOutcome>>>,
     /// Set by an [`Interrupter`]: why this rank leaves.
     interrupted: Mutex<Option<String>>,
+    /// The last cycle was run by a waiting caller ([`Handle::drive`]).
+    callers_drive: AtomicBool,
 }
 
 /// A pending collective; [`Handle::wait`] returns its result.
@@ -172,6 +177,18 @@ pub struct Handle {
     name: String,
     rank: usize,
     rx: mpsc::Receiver<Result<Tensor>>,
+    engine: EngineRef,
+}
+
+/// The rank's [`Engine`], for a waiting caller to run a cycle itself; gone once the
+/// background thread has ended.
+#[derive(Clone)]
+struct EngineRef(std::sync::Weak<Mutex<Engine>>);
+
+impl std::fmt::Debug for EngineRef {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("EngineRef")
+    }
 }
 
 impl Handle {
@@ -183,6 +200,9 @@ impl Handle {
     /// Waits for the result. Never waits forever: the runtime completes or fails every
     /// handle within its peer timeout.
     pub fn wait(mut self) -> Result<Tensor> {
+        if let Some(result) = self.drive() {
+            return result;
+        }
         if let Some(result) = self.poll(crate::poll::YIELD_BUDGET) {
             return result;
         }
@@ -195,6 +215,9 @@ impl Handle {
     /// (`None`), so that a caller can wake up in between (a Python front end checks for
     /// Ctrl-C). After a `Some`, the handle is spent: a further call reports a shut-down.
     pub fn wait_for(&mut self, timeout: Duration) -> Option<Result<Tensor>> {
+        if let Some(result) = self.drive() {
+            return Some(result);
+        }
         if let Some(result) = self.poll(timeout.min(crate::poll::YIELD_BUDGET)) {
             return Some(result);
         }
@@ -205,6 +228,34 @@ impl Handle {
                 Some(Err(CollectiveError::ShutDown { rank: self.rank }))
             }
         }
+    }
+
+    /// The result if it is there, or comes from a cycle this thread runs itself: when
+    /// nothing is in flight on this rank (so the background thread would start a cycle
+    /// for this tensor at once too) and no other thread runs one, the waiting caller
+    /// runs it, and the tensor does not cross to the background thread and back.
+    /// Cycles stay one at a time and matched across ranks, whoever runs them.
+    fn drive(&mut self) -> Option<Result<Tensor>> {
+        if let Some(result) = self.try_wait() {
+            return Some(result);
+        }
+        let engine = self.engine.0.upgrade()?;
+        let Ok(mut e) = engine.try_lock() else {
+            return None;
+        };
+        if e.outcome.is_some() || !e.cycle.pending.is_empty() {
+            return None;
+        }
+        e.step(true);
+        if e.outcome.is_some() {
+            // The background thread ends the job: wake it.
+            if let Ok(mut inbox) = e.cycle.shared.inbox.lock() {
+                inbox.ended = true;
+            }
+            e.cycle.shared.work.notify_all();
+        }
+        drop(e);
+        self.try_wait()
     }
 
     /// The result if it comes while this thread yields the core for a moment (the
@@ -282,6 +333,7 @@ pub struct Totals {
 pub struct Runtime {
     shared: Arc<Shared>,
     transport: Arc<dyn Transport>,
+    engine: EngineRef,
     thread: Option<JoinHandle<()>>,
     finished: mpsc::Receiver<()>,
     timeout: Duration,
@@ -365,6 +417,7 @@ impl Runtime {
             claims: claims.clone(),
             self_tune: Arc::new(Mutex::new(None)),
             interrupted: Mutex::new(None),
+            callers_drive: AtomicBool::new(false),
         });
         let layout = node_layout(&ranks);
         let timeline = match &config.timeline_path {
@@ -425,7 +478,7 @@ impl Runtime {
             .then(|| Feeder::new(config.runtime_dir.clone(), &job_id));
         let control_path = server.as_ref().map(|s| s.path().to_path_buf());
         let (finished_tx, finished) = mpsc::channel();
-        let mut cycle = CycleThread {
+        let cycle = CycleThread {
             shared: shared.clone(),
             transport: transport.clone(),
             rank,
@@ -458,16 +511,27 @@ impl Runtime {
                 _ => None,
             },
         };
+        // The background thread holds the only strong reference: the engine (and the
+        // links it holds) goes when the thread ends, not when the last handle does.
+        let engine = Arc::new(Mutex::new(Engine {
+            cycle,
+            last: None,
+            driven: false,
+            outcome: None,
+        }));
+        let engine_ref = EngineRef(Arc::downgrade(&engine));
+        let thread_shared = shared.clone();
         let thread = std::thread::Builder::new()
             .name(format!("ringwatch-cycle-{rank}"))
             .spawn(move || {
-                cycle.run();
+                Engine::run(engine, &thread_shared);
                 let _ = finished_tx.send(());
             })
             .map_err(|e| CollectiveError::Config(format!("cannot start the cycle thread: {e}")))?;
         Ok(Runtime {
             shared,
             transport,
+            engine: engine_ref,
             thread: Some(thread),
             finished,
             timeout: config.timeout,
@@ -602,11 +666,18 @@ impl Runtime {
         }
         inbox.entries.push(entry);
         drop(inbox);
-        self.shared.work.notify_one();
+        // While callers run the cycles (see `Handle::drive`), this one will run its own
+        // when it waits; the background thread's timer takes it within a cycle time if
+        // it does not. Waking the background thread for it would cost a wake-up per call
+        // and a thread that competes with the callers for the cores.
+        if !self.shared.callers_drive.load(Ordering::Relaxed) {
+            self.shared.work.notify_one();
+        }
         Ok(Handle {
             name: name.to_string(),
             rank,
             rx,
+            engine: self.engine.clone(),
         })
     }
 
@@ -833,79 +904,152 @@ struct Work {
     buffers: u64,
 }
 
-impl CycleThread {
-    /// Waits until `next`, the start of the next cycle. A cycle thread with
-    /// nothing in flight (idle) starts at once when work arrives instead:
-    /// the cycle time bounds how long tensors wait to be fused with others,
-    /// it is not a sleep every request pays. Ranks meet at rank 0 in every
-    /// cycle anyway, so one that starts early waits there for the others,
-    /// as it would have at its own timer; results do not depend on when
-    /// cycles run (see the determinism contract in the crate's docs).
-    fn wait_for_next_cycle(&self, next: Instant) {
-        let idle = self.pending.is_empty();
-        if idle {
-            // The caller's next tensor often follows within microseconds (a blocking
-            // allreduce in a loop): yield to it rather than sleep.
-            crate::poll::yield_until(crate::poll::YIELD_BUDGET, || {
-                Instant::now() >= next
-                    || self.shared.inbox.lock().map_or(true, |i| {
-                        !i.entries.is_empty() || !i.knobs.is_empty() || i.shutdown
-                    })
-            });
-        }
-        let Ok(mut inbox) = self.shared.inbox.lock() else {
-            return;
-        };
+/// One rank's cycles, run by whichever thread holds it: the background thread (on its
+/// timer, or when work arrives while it waits) or a caller waiting for its result while
+/// nothing else is in flight ([`Handle::drive`]).
+struct Engine {
+    cycle: CycleThread,
+    /// When the last cycle started and ended; `None` before the first.
+    last: Option<(Instant, Instant)>,
+    /// The last cycle was run by a waiting caller.
+    driven: bool,
+    /// How the job ended, once it has: the background thread then tears it down.
+    outcome: Option<Result<()>>,
+}
+
+impl Engine {
+    /// The background thread: runs every cycle that is due and nobody else runs, then,
+    /// when the job ends, fails what is left and closes the job.
+    fn run(engine: Arc<Mutex<Engine>>, shared: &Shared) {
         loop {
-            let ready = !inbox.entries.is_empty() || !inbox.knobs.is_empty() || inbox.shutdown;
-            if idle && ready {
+            let Ok(mut e) = engine.lock() else {
+                // A cycle panicked: nothing can be trusted; the links go when we do.
                 return;
-            }
-            let now = Instant::now();
-            if now >= next {
-                return;
-            }
-            inbox = match self.shared.work.wait_timeout(inbox, next - now) {
-                Ok((inbox, _)) => inbox,
-                Err(_) => return,
             };
+            if e.outcome.is_some() {
+                break;
+            }
+            let (next, idle) = e.next_cycle();
+            if Instant::now() >= next || (idle && shared.inbox_ready()) {
+                e.step(false);
+                continue;
+            }
+            // A caller that ran the last cycle runs the next one for its next tensor
+            // too: no yielding for it.
+            let yield_first = !e.driven;
+            drop(e);
+            wait_for_next_cycle(shared, next, idle, yield_first);
+        }
+        if let Ok(mut e) = engine.lock() {
+            let outcome = e.outcome.take().unwrap_or(Ok(()));
+            e.cycle.finish(outcome);
         }
     }
 
-    fn run(&mut self) {
-        let outcome = loop {
-            let start = Instant::now();
-            if let Some(reason) = self.shared.interrupted.lock().ok().and_then(|r| r.clone()) {
-                // A job of one rank has no link for the interrupt to break.
-                break Err(CollectiveError::Interrupted {
-                    rank: self.rank,
-                    reason,
-                });
-            }
-            self.autotune_tick();
-            match self.cycle() {
-                Ok(true) => break Ok(()),
-                Ok(false) => {}
-                Err(e) => break Err(e),
-            }
+    /// When the next cycle is due, and whether this rank is idle (nothing in flight).
+    fn next_cycle(&self) -> (Instant, bool) {
+        let idle = self.cycle.pending.is_empty();
+        match self.last {
             // With tensors in flight the next cycle comes `cycle_time` after this one
             // started: the cycle time bounds how long they wait for others to fuse
             // with. An idle rank's timer only keeps the job's cycles going (knobs,
-            // shutdown, ranks that wait on it); it counts from now, so that a cycle
-            // that ran longer than `cycle_time` is not followed at once by an empty
-            // one that the caller's next tensor misses: that rank would then send
-            // nothing while the others send the tensor, they would wait out a whole
-            // cycle time, overrun again, and the job would stay in that lock-step of
-            // one call per cycle time (seen: 64 KiB blocking calls at ~1.2 ms
-            // instead of ~0.1 ms in some runs).
-            let next = next_cycle_at(
-                start,
-                Instant::now(),
-                self.knobs.cycle_time(),
-                self.pending.is_empty(),
-            );
-            self.wait_for_next_cycle(next);
+            // shutdown, ranks that wait on it); it counts from the end of the last
+            // cycle, so that a cycle that ran longer than `cycle_time` is not followed
+            // at once by an empty one that the caller's next tensor misses: that rank
+            // would then send nothing while the others send the tensor, they would
+            // wait out a whole cycle time, overrun again, and the job would stay in
+            // that lock-step of one call per cycle time (seen: 64 KiB blocking calls
+            // at ~1.2 ms instead of ~0.1 ms in some runs).
+            Some((start, end)) => (
+                next_cycle_at(start, end, self.cycle.knobs.cycle_time(), idle),
+                idle,
+            ),
+            None => (Instant::now(), idle),
+        }
+    }
+
+    /// Runs one cycle (`by_caller`: on a waiting caller's thread).
+    fn step(&mut self, by_caller: bool) {
+        let start = Instant::now();
+        let interrupted = self
+            .cycle
+            .shared
+            .interrupted
+            .lock()
+            .ok()
+            .and_then(|r| r.clone());
+        let result = match interrupted {
+            // A job of one rank has no link for the interrupt to break.
+            Some(reason) => Err(CollectiveError::Interrupted {
+                rank: self.cycle.rank,
+                reason,
+            }),
+            None => {
+                self.cycle.autotune_tick();
+                self.cycle.cycle()
+            }
         };
+        self.last = Some((start, Instant::now()));
+        self.driven = by_caller;
+        self.cycle
+            .shared
+            .callers_drive
+            .store(by_caller, Ordering::Relaxed);
+        match result {
+            Ok(false) => {}
+            Ok(true) => self.outcome = Some(Ok(())),
+            Err(e) => self.outcome = Some(Err(e)),
+        }
+    }
+}
+
+impl Shared {
+    /// Whether the inbox holds something for a cycle (work, knobs, shutdown), or a
+    /// caller's cycle ended the job.
+    fn inbox_ready(&self) -> bool {
+        self.inbox.lock().map_or(true, |i| {
+            !i.entries.is_empty() || !i.knobs.is_empty() || i.shutdown || i.ended
+        })
+    }
+}
+
+/// Waits until `next`, the start of the next cycle. A rank with nothing in flight
+/// (`idle`) starts at once when work arrives instead: the cycle time bounds how long
+/// tensors wait to be fused with others, it is not a sleep every request pays. Ranks
+/// meet at rank 0 in every cycle anyway, so one that starts early waits there for the
+/// others, as it would have at its own timer; results do not depend on when cycles run
+/// (see the determinism contract in the crate's docs). Returns at once, too, when a
+/// caller's cycle ended the job.
+fn wait_for_next_cycle(shared: &Shared, next: Instant, idle: bool, yield_first: bool) {
+    if idle && yield_first {
+        // The caller's next tensor often follows within microseconds (a blocking
+        // allreduce in a loop): yield to it rather than sleep.
+        crate::poll::yield_until(crate::poll::YIELD_BUDGET, || {
+            Instant::now() >= next || shared.inbox_ready()
+        });
+    }
+    let Ok(mut inbox) = shared.inbox.lock() else {
+        return;
+    };
+    loop {
+        let ready = !inbox.entries.is_empty() || !inbox.knobs.is_empty() || inbox.shutdown;
+        if (idle && ready) || inbox.ended {
+            return;
+        }
+        let now = Instant::now();
+        if now >= next {
+            return;
+        }
+        inbox = match shared.work.wait_timeout(inbox, next - now) {
+            Ok((inbox, _)) => inbox,
+            Err(_) => return,
+        };
+    }
+}
+
+impl CycleThread {
+    /// Fails what is left with the job's final error and closes the job.
+    fn finish(&mut self, outcome: Result<()>) {
         let error = match outcome {
             Ok(()) => CollectiveError::ShutDown { rank: self.rank },
             Err(e) => {
