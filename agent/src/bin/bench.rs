@@ -177,15 +177,24 @@ fn start_agent(sib: &Sibling, target: &[String], min_interval: &str) -> Result<C
         .context("starting ringwatch-agent")?;
     let stderr = child.stderr.take().context("no stderr")?;
     let mut err_lines = BufReader::new(stderr).lines();
-    loop {
-        match err_lines.next() {
-            Some(Ok(line)) if line.contains("watching") => break,
-            Some(Ok(line)) => eprintln!("[agent] {line}"),
-            _ => bail!("the agent exited before watching"),
-        }
-    }
+    wait_for_line(&mut err_lines, "watching")?;
     std::thread::spawn(move || for _ in err_lines {});
     Ok(child)
+}
+
+/// Reads the agent's stderr up to the first line that contains `needle` and returns
+/// it; the lines before are echoed.
+fn wait_for_line(
+    lines: &mut std::io::Lines<BufReader<std::process::ChildStderr>>,
+    needle: &str,
+) -> Result<String> {
+    loop {
+        match lines.next() {
+            Some(Ok(line)) if line.contains(needle) => return Ok(line),
+            Some(Ok(line)) => eprintln!("[agent] {line}"),
+            _ => bail!("the agent exited before it said \"{needle}\""),
+        }
+    }
 }
 
 /// One collbench job (steps/s), watched by an agent started before it when
@@ -310,15 +319,13 @@ fn start_serve_agent(sib: &Sibling) -> Result<(Child, String, PathBuf)> {
         .context("starting ringwatch-agent serve")?;
     let stderr = child.stderr.take().context("no stderr")?;
     let mut err_lines = BufReader::new(stderr).lines();
-    let address = loop {
-        match err_lines.next() {
-            Some(Ok(line)) => match line.split_once("serving the API on http://") {
-                Some((_, rest)) => break rest.split('/').next().unwrap_or_default().to_owned(),
-                None => eprintln!("[agent] {line}"),
-            },
-            _ => bail!("the agent exited before serving"),
-        }
-    };
+    const SERVING: &str = "serving the API on http://";
+    let line = wait_for_line(&mut err_lines, SERVING)?;
+    let address = line
+        .split_once(SERVING)
+        .and_then(|(_, rest)| rest.split('/').next())
+        .unwrap_or_default()
+        .to_owned();
     std::thread::spawn(move || for _ in err_lines {});
     Ok((child, address, dir))
 }

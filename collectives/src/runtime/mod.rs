@@ -4,9 +4,10 @@
 //! tensors became ready, rank 0 ([`coordinator`]) answers with the tensors ready on every
 //! rank, fused into buffers, and the knobs in force; every rank then runs exactly that
 //! list with [`crate::algorithms`]. A caller waiting for its result on an idle rank runs
-//! that cycle itself (`Handle::drive`); cycles stay one at a time per rank either way. This module must never let a rank decide anything the
-//! others do not also decide, and must never leave a handle waiting forever: a failure
-//! fails every pending handle with an error that names the rank or tensor.
+//! that cycle itself (`Handle::drive`); cycles stay one at a time per rank either way.
+//! This module must never let a rank decide anything the others do not also decide, and
+//! must never leave a handle waiting forever: a failure fails every pending handle with
+//! an error that names the rank or tensor.
 
 pub mod cache;
 mod claim;
@@ -516,7 +517,6 @@ impl Runtime {
         let engine = Arc::new(Mutex::new(Engine {
             cycle,
             last: None,
-            driven: false,
             outcome: None,
         }));
         let engine_ref = EngineRef(Arc::downgrade(&engine));
@@ -911,8 +911,6 @@ struct Engine {
     cycle: CycleThread,
     /// When the last cycle started and ended; `None` before the first.
     last: Option<(Instant, Instant)>,
-    /// The last cycle was run by a waiting caller.
-    driven: bool,
     /// How the job ended, once it has: the background thread then tears it down.
     outcome: Option<Result<()>>,
 }
@@ -936,7 +934,7 @@ impl Engine {
             }
             // A caller that ran the last cycle runs the next one for its next tensor
             // too: no yielding for it.
-            let yield_first = !e.driven;
+            let yield_first = !shared.callers_drive.load(Ordering::Relaxed);
             drop(e);
             wait_for_next_cycle(shared, next, idle, yield_first);
         }
@@ -990,7 +988,6 @@ impl Engine {
             }
         };
         self.last = Some((start, Instant::now()));
-        self.driven = by_caller;
         self.cycle
             .shared
             .callers_drive
