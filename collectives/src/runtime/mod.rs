@@ -153,6 +153,13 @@ struct Inbox {
     ended: bool,
 }
 
+impl Inbox {
+    /// Something for a cycle: tensors, knob changes or the shutdown.
+    fn has_work(&self) -> bool {
+        !self.entries.is_empty() || !self.knobs.is_empty() || self.shutdown
+    }
+}
+
 struct Shared {
     rank: usize,
     inbox: Mutex<Inbox>,
@@ -1004,9 +1011,7 @@ impl Shared {
     /// Whether the inbox holds something for a cycle (work, knobs, shutdown), or a
     /// caller's cycle ended the job.
     fn inbox_ready(&self) -> bool {
-        self.inbox.lock().map_or(true, |i| {
-            !i.entries.is_empty() || !i.knobs.is_empty() || i.shutdown || i.ended
-        })
+        self.inbox.lock().map_or(true, |i| i.has_work() || i.ended)
     }
 }
 
@@ -1029,8 +1034,7 @@ fn wait_for_next_cycle(shared: &Shared, next: Instant, idle: bool, yield_first: 
         return;
     };
     loop {
-        let ready = !inbox.entries.is_empty() || !inbox.knobs.is_empty() || inbox.shutdown;
-        if (idle && ready) || inbox.ended {
+        if (idle && inbox.has_work()) || inbox.ended {
             return;
         }
         let now = Instant::now();
