@@ -439,6 +439,13 @@ impl Transport for HostTransport {
         Some(g.fold_allreduce(&members, buf, segments, combine, finish, &gone))
     }
 
+    fn same_posts(&self, ranks: &[usize], post: &[u8]) -> Option<Result<bool>> {
+        let g = self.shm.as_ref()?;
+        let members = g.whole_group(ranks)?;
+        let gone = |r: usize| self.tcp.peer_gone(r);
+        Some(g.same_posts(&members, post, &gone))
+    }
+
     fn abort(&self) {
         if let Some(g) = &self.shm {
             g.abort();

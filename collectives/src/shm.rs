@@ -88,13 +88,20 @@ const ONE_SHOT_MAX_BYTES: usize = 64 << 10;
 /// answers within this.
 const SPINS: u32 = 200;
 
-const SEGMENT_MAGIC: u64 = u64::from_le_bytes(*b"RWSHM\0v1");
+const SEGMENT_MAGIC: u64 = u64::from_le_bytes(*b"RWSHM\0v2");
 const MESSAGE_MAGIC: u64 = u64::from_le_bytes(*b"RWmsg\0v1");
 /// Header in front of every message: payload length, magic (detects a protocol slip).
 const HEADER: usize = ALIGN;
 /// Control words of different writers live on different cache-line pairs.
 const LINE: usize = 128;
 const PAGE: usize = 4096;
+
+/// Bytes of one member's post (of two, alternating) in [`ShmGroup::same_posts`]: the
+/// round it is for and its length, then the bytes posted.
+const POST_BYTES: usize = 1024;
+const POST_HEADER: usize = 16;
+/// Most bytes one [`ShmGroup::same_posts`] can post.
+pub const MAX_POST_BYTES: usize = POST_BYTES - POST_HEADER;
 
 /// The segment's first line.
 #[repr(C)]
@@ -134,9 +141,14 @@ impl Layout {
     fn ring_control(&self, src: usize, dst: usize) -> usize {
         LINE * (1 + 2 * self.members) + 2 * LINE * (src * self.members + dst)
     }
+    /// Member `i`'s post `parity` (of two) for [`ShmGroup::same_posts`].
+    fn post(&self, i: usize, parity: usize) -> usize {
+        LINE * (1 + 2 * self.members)
+            + 2 * LINE * self.members * self.members
+            + (2 * i + parity) * POST_BYTES
+    }
     fn data_start(&self) -> usize {
-        let control_end = LINE * (1 + 2 * self.members) + 2 * LINE * self.members * self.members;
-        control_end.div_ceil(PAGE) * PAGE
+        self.post(self.members, 0).div_ceil(PAGE) * PAGE
     }
     fn ring_data(&self, src: usize, dst: usize) -> usize {
         self.data_start() + (src * self.members + dst) * self.ring_bytes
@@ -191,6 +203,9 @@ pub struct ShmGroup {
     rx: Vec<Mutex<RxState>>,
     /// Chunks of shared allreduces this rank has started (the same count on every member).
     chunks: Mutex<u64>,
+    /// Rounds of [`Self::same_posts`] this rank has started (the same count on every
+    /// member).
+    posts: Mutex<u64>,
 }
 
 impl std::fmt::Debug for ShmGroup {
@@ -382,10 +397,20 @@ impl ShmGroup {
         ready: impl Fn(&Flags) -> bool,
         patience: &mut Patience<'_>,
     ) -> Result<()> {
+        self.wait_for_members(members, |m| ready(self.flags(m)), patience)
+    }
+
+    /// Waits until `ready(member)` holds for every one of `members`.
+    fn wait_for_members(
+        &self,
+        members: &[usize],
+        ready: impl Fn(usize) -> bool,
+        patience: &mut Patience<'_>,
+    ) -> Result<()> {
         let bell = self.bell(self.me);
         loop {
             let seq = bell.seq.load(Ordering::SeqCst);
-            match members.iter().find(|&&m| !ready(self.flags(m))) {
+            match members.iter().find(|&&m| !ready(m)) {
                 None => {
                     patience.last_progress = Instant::now();
                     return Ok(());
@@ -597,6 +622,66 @@ impl ShmGroup {
         me.consumed.store(g + 1, Ordering::Release);
         self.notify_all(members);
         Ok(())
+    }
+
+    /// Whether every one of `members` (member indices, this rank among them) posts exactly
+    /// the bytes of `post` (at most [`MAX_POST_BYTES`]) in this round: one barrier through
+    /// the segment, no round trip to anyone. Every member must take part in every round, in
+    /// the same order; all of them get the same answer (a member that posts something else
+    /// sees that too). Each member's post alternates between two buffers: a member writes
+    /// round `r` over round `r - 2`, which everyone has read, since it has seen everyone's
+    /// post of round `r - 1`, which each wrote after reading round `r - 2`.
+    pub(crate) fn same_posts(
+        &self,
+        members: &[usize],
+        post: &[u8],
+        peer_gone: PeerGone<'_>,
+    ) -> Result<bool> {
+        if post.len() > MAX_POST_BYTES || !members.contains(&self.me) {
+            return Err(self.link_error(self.my_rank(), "shared post: bad size or members"));
+        }
+        let mut rounds = self.lock(&self.posts, self.me)?;
+        let round = *rounds;
+        *rounds += 1;
+        let parity = (round % 2) as usize;
+        let header = |m: usize| {
+            // SAFETY: `Layout::post` is inside the mapping and 128-byte aligned; the
+            // first two words of a post are its round (plus one) and length.
+            unsafe {
+                let words = self.base().add(self.layout.post(m, parity)) as *const AtomicU64;
+                (&*words, &*words.add(1))
+            }
+        };
+        let (mine, my_len) = header(self.me);
+        // SAFETY: our own post, which nobody reads until its round says so.
+        unsafe {
+            std::ptr::copy_nonoverlapping(
+                post.as_ptr(),
+                self.base().add(self.layout.post(self.me, parity) + POST_HEADER),
+                post.len(),
+            )
+        };
+        my_len.store(post.len() as u64, Ordering::Relaxed);
+        mine.store(round + 1, Ordering::Release);
+        self.notify_all(members);
+        let mut patience = self.patience(members, peer_gone);
+        self.wait_for_members(
+            members,
+            |m| header(m).0.load(Ordering::Acquire) > round,
+            &mut patience,
+        )?;
+        Ok(members.iter().filter(|&&m| m != self.me).all(|&m| {
+            let len = header(m).1.load(Ordering::Relaxed);
+            // SAFETY: member m published this round's post (its round word, read with
+            // Acquire above) and leaves it alone until it has seen ours of the next round.
+            let theirs = unsafe {
+                std::slice::from_raw_parts(
+                    self.base().add(self.layout.post(m, parity) + POST_HEADER) as *const u8,
+                    post.len(),
+                )
+            };
+            len == post.len() as u64 && theirs == post
+        }))
     }
 
     /// The member index of global rank `rank`, if it shares memory with this rank.
@@ -1202,6 +1287,7 @@ pub fn map_segment(
         tx: (0..ranks.len()).map(|_| Mutex::default()).collect(),
         rx: (0..ranks.len()).map(|_| Mutex::default()).collect(),
         chunks: Mutex::new(0),
+        posts: Mutex::new(0),
     };
     let header = group.header();
     let ok = header.magic.load(Ordering::Acquire) == SEGMENT_MAGIC
@@ -1408,6 +1494,68 @@ mod tests {
                 "some pieces straddle the ring's end"
             );
         });
+    }
+
+    #[test]
+    fn posts_agree_only_when_every_member_posts_the_same_bytes_round_after_round() {
+        let n = 3;
+        let (_seg, g) = group(n, 4096, Duration::from_secs(10));
+        let members: Vec<usize> = (0..n).collect();
+        // Round r: everyone posts the same bytes, except that in every third round the
+        // last member changes one byte, and in every fifth it posts a shorter message.
+        // Lengths vary from round to round, so a post shorter than the last one in the
+        // same buffer must not pass for it.
+        let post = |r: usize, m: usize| {
+            let mut p = pattern(1 + (r * 37) % MAX_POST_BYTES, r as u8 + 1);
+            if m == n - 1 && r % 3 == 1 {
+                let at = r % p.len();
+                p[at] ^= 1;
+            }
+            if m == n - 1 && r % 5 == 4 {
+                p.pop();
+            }
+            p
+        };
+        let rounds = 200;
+        let answers: Vec<Vec<bool>> = std::thread::scope(|s| {
+            let threads: Vec<_> = g
+                .iter()
+                .enumerate()
+                .map(|(m, group)| {
+                    let members = &members;
+                    s.spawn(move || {
+                        (0..rounds)
+                            .map(|r| group.same_posts(members, &post(r, m), &never_gone).unwrap())
+                            .collect::<Vec<bool>>()
+                    })
+                })
+                .collect();
+            threads.into_iter().map(|t| t.join().unwrap()).collect()
+        });
+        let expected: Vec<bool> = (0..rounds).map(|r| post(r, 0) == post(r, n - 1)).collect();
+        assert!(expected.iter().any(|&e| e) && expected.iter().any(|&e| !e));
+        for (m, got) in answers.iter().enumerate() {
+            assert_eq!(got, &expected, "member {m}");
+        }
+        let too_long = vec![0u8; MAX_POST_BYTES + 1];
+        assert!(g[0].same_posts(&members, &too_long, &never_gone).is_err());
+    }
+
+    #[test]
+    fn a_post_nobody_answers_times_out_naming_the_silent_member() {
+        let (_seg, g) = group(2, 4096, Duration::from_millis(200));
+        let err = g[0].same_posts(&[0, 1], b"ready", &never_gone).unwrap_err();
+        assert!(
+            matches!(
+                err,
+                CollectiveError::PeerTimeout {
+                    rank: 10,
+                    peer: 11,
+                    ..
+                }
+            ),
+            "{err}"
+        );
     }
 
     #[test]

@@ -101,6 +101,15 @@ pub trait Transport: Send + Sync {
     ) -> Option<Result<()>> {
         None
     }
+
+    /// Whether every rank of `ranks` passes exactly the bytes of `post` to this call, found
+    /// through memory they all share, without a round trip to anyone; `None`: the transport
+    /// has no such way for exactly these ranks (then nothing was posted). Every rank of
+    /// `ranks` must make the same calls, in the same order; at most
+    /// [`crate::shm::MAX_POST_BYTES`] bytes.
+    fn same_posts(&self, _ranks: &[usize], _post: &[u8]) -> Option<Result<bool>> {
+        None
+    }
 }
 
 /// Sends one length-prefixed frame (4-byte big-endian length, then the payload).

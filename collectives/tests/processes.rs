@@ -96,6 +96,10 @@ fn shared_memory_within_pretend_nodes_tcp_between_and_tcp_only_all_check_out() {
     // One host: rank 0 shares memory with every other rank.
     let v = checked_sweep(&[&["-n", "4"], &sizes[..]].concat(), &[]);
     assert_eq!(peers(&v), serde_json::json!([1, 2, 3]));
+    // Every rank shares the segment: once cached, a blocking call's cycle is decided by
+    // every rank there (the results above checked bitwise), and so is an idle one.
+    let settled = |v: &serde_json::Value| v["settled_cycles"].as_u64().unwrap();
+    assert!(settled(&v) > 0, "{v}");
     // Two pretend nodes of 2: the flat ring has shared-memory and TCP links (ranks 1 and 3
     // send over one kind and receive over the other); hierarchical keeps each phase on one.
     for hierarchical in ["false", "true"] {
@@ -119,6 +123,8 @@ fn shared_memory_within_pretend_nodes_tcp_between_and_tcp_only_all_check_out() {
             serde_json::json!([1]),
             "hierarchical={hierarchical}"
         );
+        // Ranks on other hosts: every cycle goes through rank 0.
+        assert_eq!(settled(&v), 0, "hierarchical={hierarchical}");
     }
     // Shared memory off: TCP everywhere.
     let v = checked_sweep(
@@ -126,6 +132,7 @@ fn shared_memory_within_pretend_nodes_tcp_between_and_tcp_only_all_check_out() {
         &[("RINGWATCH_SHM", "0")],
     );
     assert_eq!(peers(&v), serde_json::json!([]));
+    assert_eq!(settled(&v), 0);
 }
 
 #[test]

@@ -536,6 +536,8 @@ fn sweep(
                     "world_size": n,
                     "knobs": knobs,
                     "shared_memory_peers": rt.shared_memory_peers(),
+                    "cycles": rt.totals().cycles,
+                    "settled_cycles": rt.totals().settled_cycles,
                     "rows": rows,
                 })
             );
@@ -751,7 +753,9 @@ fn resnet50(cli: &Cli, run: Resnet50Run) -> Result<()> {
     let negotiation_bytes = totals.negotiation_bytes - totals_before.negotiation_bytes;
     let cycles = totals.cycles - totals_before.cycles;
     let per = |n: u64| negotiation_bytes.checked_div(n).unwrap_or(0);
+    let settled = totals.settled_cycles - totals_before.settled_cycles;
     let negotiation = serde_json::json!({"bytes": negotiation_bytes, "cycles": cycles,
+        "settled_cycles": settled,
         "bytes_per_step": per(steps as u64), "bytes_per_cycle": per(cycles)});
     let total: f64 = records.iter().map(|r| r.seconds).sum();
     let steps_per_sec = if total > 0.0 {
@@ -815,10 +819,11 @@ fn resnet50(cli: &Cli, run: Resnet50Run) -> Result<()> {
             );
             println!(
                 "# negotiation (requests + responses on the wire): {} bytes per step, {} bytes \
-                 per cycle ({} cycles)",
+                 per cycle ({} cycles, {} of them settled in shared memory without a message)",
                 per(steps as u64),
                 per(cycles),
-                cycles
+                cycles,
+                settled
             );
             if decided_by_rank0 {
                 for (name, phase) in [("first", &first), ("last", &last)] {

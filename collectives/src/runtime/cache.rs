@@ -315,6 +315,12 @@ impl RankCache {
         out
     }
 
+    /// Changes the table as a response of `items` (with names) does on every rank (a
+    /// settled cycle's, which no message carried). `local(name)` is as in [`Self::decode`].
+    pub fn apply(&mut self, items: &[Item], local: impl Fn(&str) -> Option<TensorRequest>) {
+        self.table.apply(items, local);
+    }
+
     /// Rank 0's `response` with names, after which this rank's table is changed the way
     /// every other rank's is. `local(name)` is this rank's own request of a tensor it has
     /// pending. Fails if the response names a bit this table does not hold.

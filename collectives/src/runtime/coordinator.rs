@@ -314,9 +314,7 @@ impl Coordinator {
         }
         self.arrival = waiting;
 
-        // Fusion: an allreduce joins the open buffer of its dtype and op if it fits.
-        let threshold = self.knobs.fusion_threshold_bytes;
-        let mut open: HashMap<(DType, ReduceOp), (usize, u64)> = HashMap::new();
+        let mut fusion = Fusion::new(self.knobs.fusion_threshold_bytes);
         let caching = self.cache.capacity() > 0;
         let mut scheduled: HashMap<String, Negotiated> = HashMap::new();
         for reqs in ready {
@@ -326,44 +324,12 @@ impl Coordinator {
                     message,
                 }),
                 Ok(()) => {
-                    let first = &reqs[0];
                     if caching {
-                        scheduled.insert(first.name.clone(), Negotiated::of(&reqs));
+                        scheduled.insert(reqs[0].name.clone(), Negotiated::of(&reqs));
                     }
-                    match first.kind {
-                        OpKind::Allreduce(op) => {
-                            let bytes =
-                                (first.shape.iter().product::<usize>() * first.dtype.size()) as u64;
-                            let key = (first.dtype, op);
-                            match open.get_mut(&key) {
-                                Some((idx, used))
-                                    if threshold > 0 && *used + bytes <= threshold =>
-                                {
-                                    if let Some(Item::Allreduce { names, .. }) = items.get_mut(*idx)
-                                    {
-                                        names.push(first.name.clone());
-                                        *used += bytes;
-                                    }
-                                }
-                                _ => {
-                                    open.insert(key, (items.len(), bytes));
-                                    items.push(Item::Allreduce {
-                                        names: vec![first.name.clone()],
-                                        dtype: first.dtype,
-                                        op,
-                                    });
-                                }
-                            }
-                        }
-                        OpKind::Allgather => items.push(Item::Allgather {
-                            name: first.name.clone(),
-                            first_dims: reqs.iter().map(|r| r.shape[0]).collect(),
-                        }),
-                        OpKind::Broadcast(root) => items.push(Item::Broadcast {
-                            name: first.name.clone(),
-                            root,
-                        }),
-                    }
+                    fusion.push(&mut items, &reqs[0], || {
+                        reqs.iter().map(|r| r.shape[0]).collect()
+                    });
                 }
             }
         }
@@ -381,6 +347,36 @@ impl Coordinator {
         };
         self.cycle += 1;
         response
+    }
+
+    /// Whether nothing is waiting between cycles: no tensor some ranks have sent and others
+    /// not, no rank asking to shut down, the first response (with the cache's capacity)
+    /// sent. Then a cycle in which every rank sends the same cached bits and nothing else
+    /// is decided by [`settled_items`] alone, and every rank can decide it
+    /// ([`super::settled`]).
+    pub fn is_settled(&self) -> bool {
+        self.cycle > 0 && self.table.is_empty() && !self.shutdown.iter().any(|&s| s)
+    }
+
+    /// Records a cycle every rank decided itself (see [`Self::is_settled`]): `items` from
+    /// [`settled_items`], with every tensor cached. Changes the cache exactly as
+    /// [`Self::step`] would have, and returns the cycle's index.
+    pub fn settled_step(&mut self, items: &[Item]) -> u64 {
+        let cache = &self.cache;
+        let params: HashMap<String, Negotiated> = items
+            .iter()
+            .flat_map(|item| match item {
+                Item::Allreduce { names, .. } => names.iter().collect::<Vec<_>>(),
+                Item::Allgather { name, .. }
+                | Item::Broadcast { name, .. }
+                | Item::Error { name, .. } => vec![name],
+            })
+            .filter_map(|name| Some((name.clone(), cache.bit(name)?.1.clone())))
+            .collect();
+        self.cache.apply(items, |name| params.get(name).cloned());
+        let cycle = self.cycle;
+        self.cycle += 1;
+        cycle
     }
 
     /// Rank `rank` says `t` is ready.
@@ -419,6 +415,78 @@ impl Coordinator {
     pub fn knobs(&self) -> Knobs {
         self.knobs
     }
+}
+
+/// Puts ready tensors into a response's items, in order: an allreduce joins the open
+/// buffer of its dtype and op if it fits under the fusion threshold (0: no fusion).
+struct Fusion {
+    threshold: u64,
+    /// Per dtype and op: the open buffer's item and its bytes so far.
+    open: HashMap<(DType, ReduceOp), (usize, u64)>,
+}
+
+impl Fusion {
+    fn new(threshold: u64) -> Self {
+        Fusion {
+            threshold,
+            open: HashMap::new(),
+        }
+    }
+
+    /// Schedules `first` (rank 0's request of a tensor validated on every rank);
+    /// `first_dims` gives every rank's first dimension for an allgather.
+    fn push(
+        &mut self,
+        items: &mut Vec<Item>,
+        first: &TensorRequest,
+        first_dims: impl FnOnce() -> Vec<usize>,
+    ) {
+        match first.kind {
+            OpKind::Allreduce(op) => {
+                let bytes = (first.shape.iter().product::<usize>() * first.dtype.size()) as u64;
+                let key = (first.dtype, op);
+                match self.open.get_mut(&key) {
+                    Some((idx, used)) if self.threshold > 0 && *used + bytes <= self.threshold => {
+                        if let Some(Item::Allreduce { names, .. }) = items.get_mut(*idx) {
+                            names.push(first.name.clone());
+                            *used += bytes;
+                        }
+                    }
+                    _ => {
+                        self.open.insert(key, (items.len(), bytes));
+                        items.push(Item::Allreduce {
+                            names: vec![first.name.clone()],
+                            dtype: first.dtype,
+                            op,
+                        });
+                    }
+                }
+            }
+            OpKind::Allgather => items.push(Item::Allgather {
+                name: first.name.clone(),
+                first_dims: first_dims(),
+            }),
+            OpKind::Broadcast(root) => items.push(Item::Broadcast {
+                name: first.name.clone(),
+                root,
+            }),
+        }
+    }
+}
+
+/// The items of a settled cycle ([`Coordinator::is_settled`]) in which every rank sent
+/// exactly `ready` (cached, validated before, no allgather: its first dimensions are only
+/// rank 0's to know), in order, under `knobs`: what [`Coordinator::step`] would answer.
+pub fn settled_items<'a>(
+    ready: impl IntoIterator<Item = &'a TensorRequest>,
+    knobs: &Knobs,
+) -> Vec<Item> {
+    let mut items = Vec::new();
+    let mut fusion = Fusion::new(knobs.fusion_threshold_bytes);
+    for request in ready {
+        fusion.push(&mut items, request, Vec::new);
+    }
+    items
 }
 
 /// Shortest cycle time the coordinator accepts: a cycle of 0 would spin on negotiation.
@@ -743,6 +811,68 @@ mod tests {
             decoded.swap_remove(0)
         }
 
+        /// A cycle as the runtime runs it when every rank shares one segment: decided by
+        /// every rank itself when the coordinator is settled and every rank sends the same
+        /// cached bits (no allgather, no knob change); `None` (nothing changed) otherwise.
+        fn settled_cycle(&mut self, ready: &[Vec<TensorRequest>]) -> Option<Response> {
+            let sent: Vec<Vec<Ready>> = ready
+                .iter()
+                .enumerate()
+                .map(|(r, tensors)| self.ranks[r].encode(tensors))
+                .collect();
+            let settled = self.coordinator.is_settled()
+                && sent.iter().all(|s| *s == sent[0])
+                && sent[0].iter().all(|t| matches!(t, Ready::Cached(_)))
+                && ready.iter().flatten().all(|t| t.kind != OpKind::Allgather);
+            if !settled {
+                return None;
+            }
+            let knobs = self.coordinator.knobs();
+            let mut decided: Vec<Vec<Item>> = Vec::new();
+            for (r, tensors) in ready.iter().enumerate() {
+                for t in tensors {
+                    self.pending[r].insert(t.name.clone(), t.clone());
+                }
+                let cached: Vec<TensorRequest> = sent[r]
+                    .iter()
+                    .flat_map(|t| match t {
+                        Ready::Cached(run) => run.bits(),
+                        Ready::Full(_) => unreachable!("checked above"),
+                    })
+                    .map(|bit| self.ranks[r].table().get(bit).unwrap().1.clone())
+                    .collect();
+                decided.push(settled_items(&cached, &knobs));
+            }
+            assert!(decided.iter().all(|d| *d == decided[0]), "ranks decided apart");
+            let items = decided.swap_remove(0);
+            let cycle = self.coordinator.settled_step(&items);
+            for r in 0..self.ranks.len() {
+                let pending = &self.pending[r];
+                self.ranks[r].apply(&items, |name| pending.get(name).cloned());
+            }
+            for item in &items {
+                if let Item::Allreduce { names, .. } = item {
+                    for p in &mut self.pending {
+                        names.iter().for_each(|name| {
+                            p.remove(name);
+                        });
+                    }
+                } else if let Item::Broadcast { name, .. } = item {
+                    self.pending.iter_mut().for_each(|p| {
+                        p.remove(name);
+                    });
+                }
+            }
+            Some(Response {
+                cycle,
+                knobs,
+                items,
+                shutdown: false,
+                abort: None,
+                cache_capacity: None,
+            })
+        }
+
         /// The name under each bit on rank `r`'s table, checked against every other
         /// rank's and rank 0's coordinator's.
         fn table(&self) -> Vec<Option<String>> {
@@ -773,6 +903,81 @@ mod tests {
 
     fn some(names: &[&str]) -> Vec<Option<String>> {
         names.iter().map(|n| Some(n.to_string())).collect()
+    }
+
+    #[test]
+    fn settled_cycles_decided_by_every_rank_answer_as_rank_0_would() {
+        let n = 3;
+        let model: Vec<TensorRequest> = (0..20)
+            .map(|i| {
+                let op = [ReduceOp::Sum, ReduceOp::Average, ReduceOp::Max][i % 3];
+                TensorRequest {
+                    name: format!("w{i}"),
+                    kind: OpKind::Allreduce(op),
+                    dtype: [DType::F32, DType::F32, DType::I32, DType::BF16][i % 4],
+                    shape: vec![i * 13 + 1, 5],
+                }
+            })
+            .chain([request("bc", &[9], OpKind::Broadcast(2))])
+            .collect();
+        // Two jobs with the same history: one negotiates every cycle with rank 0, the
+        // other decides the cycles it can itself. Each step every rank reports its tensors
+        // at once (a settled cycle once cached) or spread over cycles at random (not
+        // settled: ranks send different bits); now and then a knob changes, an allgather
+        // comes, a tensor is new, or a cycle is idle. A capacity of 24 evicts now and then.
+        let mut rng = fastrand::Rng::with_seed(11);
+        let mut by_rank_0 = Job::new(n, 24);
+        let mut settled = Job::new(n, 24);
+        let mut settled_cycles = 0;
+        for step in 0..100 {
+            let mut tensors: Vec<TensorRequest> = model[..rng.usize(8..=model.len())].to_vec();
+            rng.shuffle(&mut tensors[..4]);
+            if step % 7 == 3 {
+                tensors.push(request("ag", &[2, 2], OpKind::Allgather));
+            }
+            if step % 9 == 5 {
+                tensors.push(request(&format!("new{step}"), &[3], sum()));
+            }
+            let mut left: Vec<std::collections::VecDeque<TensorRequest>> =
+                vec![tensors.clone().into(); n];
+            let at_once = rng.u32(0..3) > 0;
+            while left.iter().any(|l| !l.is_empty()) {
+                let ready: Vec<Vec<TensorRequest>> = left
+                    .iter_mut()
+                    .map(|l| {
+                        let k = if at_once { l.len() } else { rng.usize(0..=l.len().min(6)) };
+                        l.drain(..k).collect()
+                    })
+                    .collect();
+                let updates = if rng.u32(0..10) == 0 {
+                    vec![KnobUpdate {
+                        fusion_threshold_bytes: Some([0u64, 200, 2000, 1 << 20][rng.usize(0..4)]),
+                        ..Default::default()
+                    }]
+                } else {
+                    Vec::new()
+                };
+                let expected = by_rank_0.cycle(&ready, &updates);
+                let got = match updates.is_empty().then(|| settled.settled_cycle(&ready)) {
+                    Some(Some(response)) => {
+                        settled_cycles += 1;
+                        response
+                    }
+                    _ => settled.cycle(&ready, &updates),
+                };
+                assert_eq!(got, expected, "step {step}");
+                assert_eq!(settled.table(), by_rank_0.table(), "step {step}");
+                assert_eq!(settled.pending, by_rank_0.pending, "step {step}");
+            }
+            if rng.u32(0..4) == 0 {
+                let idle = vec![Vec::new(); n];
+                let expected = by_rank_0.cycle(&idle, &[]);
+                let got = settled.settled_cycle(&idle).expect("an idle cycle is settled");
+                settled_cycles += 1;
+                assert_eq!(got, expected, "idle after step {step}");
+            }
+        }
+        assert!(settled_cycles > 50, "{settled_cycles} settled cycles");
     }
 
     #[test]

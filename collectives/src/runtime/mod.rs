@@ -3,8 +3,12 @@
 //! A background thread runs one cycle every `cycle_time`: every rank tells rank 0 which
 //! tensors became ready, rank 0 ([`coordinator`]) answers with the tensors ready on every
 //! rank, fused into buffers, and the knobs in force; every rank then runs exactly that
-//! list with [`crate::algorithms`]. A caller waiting for its result on an idle rank runs
-//! that cycle itself (`Handle::drive`); cycles stay one at a time per rank either way.
+//! list with [`crate::algorithms`]. When every rank shares one host's memory and nothing
+//! waits between cycles, a cycle in which every rank sends the same cached tensors is
+//! decided by every rank at once instead, through the shared segment (`settled`): the
+//! answer is the one rank 0 would have given. A caller waiting for its result on an idle
+//! rank runs the cycle itself (`Handle::drive`); cycles stay one at a time per rank either
+//! way.
 //! This module must never let a rank decide anything the others do not also decide, and
 //! must never leave a handle waiting forever: a failure fails every pending handle with
 //! an error that names the rank or tensor.
@@ -171,6 +175,7 @@ struct Shared {
     cycles: AtomicU64,
     bytes_reduced: AtomicU64,
     negotiation_bytes: AtomicU64,
+    settled_cycles: AtomicU64,
     claims: Arc<TuningClaims>,
     self_tune: Arc<Mutex<Option<SelfTuneOutcome>>>,
     /// Set by an [`Interrupter`]: why this rank leaves.
@@ -335,6 +340,9 @@ pub struct Totals {
     /// this rank sent and received. Rank 0 takes part in every exchange, so its count is
     /// the job's whole negotiation traffic.
     pub negotiation_bytes: u64,
+    /// Cycles every rank decided at once through the host's shared memory, with no
+    /// message to rank 0 (nothing counted in `negotiation_bytes`).
+    pub settled_cycles: u64,
 }
 
 /// One rank of a collective job.
@@ -422,6 +430,7 @@ impl Runtime {
             cycles: AtomicU64::new(0),
             bytes_reduced: AtomicU64::new(0),
             negotiation_bytes: AtomicU64::new(0),
+            settled_cycles: AtomicU64::new(0),
             claims: claims.clone(),
             self_tune: Arc::new(Mutex::new(None)),
             interrupted: Mutex::new(None),
@@ -497,6 +506,9 @@ impl Runtime {
                     .with_cache_capacity(config.cache_capacity)
             }),
             cache: RankCache::new(),
+            all_ranks: (0..world_size).collect(),
+            settle: world_size > 1 && transport.shared_memory_peers().len() + 1 == world_size,
+            next_cycle: None,
             knobs: config.knobs,
             pending: HashMap::new(),
             fusion: AlignedBuf::default(),
@@ -601,6 +613,7 @@ impl Runtime {
             cycles: self.shared.cycles.load(Ordering::Relaxed),
             bytes_reduced: self.shared.bytes_reduced.load(Ordering::Relaxed),
             negotiation_bytes: self.shared.negotiation_bytes.load(Ordering::Relaxed),
+            settled_cycles: self.shared.settled_cycles.load(Ordering::Relaxed),
         }
     }
 
@@ -833,6 +846,12 @@ struct CycleThread {
     coordinator: Option<Coordinator>,
     /// This rank's response cache (rank 0 has one too, beside its coordinator's).
     cache: RankCache,
+    all_ranks: Vec<usize>,
+    /// Every rank shares this host's segment: settled cycles are decided there.
+    settle: bool,
+    /// The index of the next cycle, known from the last response (`None` before the
+    /// first: the same on every rank).
+    next_cycle: Option<u64>,
     knobs: Knobs,
     pending: HashMap<String, Entry>,
     fusion: AlignedBuf,
@@ -1216,23 +1235,46 @@ impl CycleThread {
             self.pending.insert(entry.request.name.clone(), entry);
         }
 
-        let response = self.negotiate(request)?;
-        if let Some(cause) = response.abort {
-            return Err(CollectiveError::JobFailed {
-                rank: self.rank,
-                cause,
-            });
-        }
-        let pending = &self.pending;
-        let response = self
-            .cache
-            .decode(response, |name| {
-                pending.get(name).map(|e| e.request.clone())
-            })
-            .map_err(|cause| CollectiveError::JobFailed {
-                rank: self.rank,
-                cause,
-            })?;
+        let knob_requests = self
+            .server
+            .as_ref()
+            .map(|s| s.take_knob_requests())
+            .unwrap_or_default();
+        // A self-tuning session's knobs take the same path as the socket's, last.
+        #[cfg(feature = "autotune")]
+        let tuner_update = self
+            .autotune
+            .as_mut()
+            .and_then(|d| d.tuner.as_mut())
+            .and_then(|t| t.take_update());
+        #[cfg(not(feature = "autotune"))]
+        let tuner_update: Option<KnobUpdate> = None;
+        let settled = self.settled(
+            &request,
+            !knob_requests.is_empty() || tuner_update.is_some(),
+        )?;
+        let response = match settled {
+            Some(response) => response,
+            None => {
+                let response = self.negotiate(request, knob_requests, tuner_update)?;
+                if let Some(cause) = response.abort {
+                    return Err(CollectiveError::JobFailed {
+                        rank: self.rank,
+                        cause,
+                    });
+                }
+                let pending = &self.pending;
+                self.cache
+                    .decode(response, |name| {
+                        pending.get(name).map(|e| e.request.clone())
+                    })
+                    .map_err(|cause| CollectiveError::JobFailed {
+                        rank: self.rank,
+                        cause,
+                    })?
+            }
+        };
+        self.next_cycle = Some(response.cycle + 1);
         if response.knobs.hierarchical_allreduce && !self.knobs.hierarchical_allreduce {
             self.warned_fallback = false;
         }
@@ -1339,7 +1381,103 @@ impl CycleThread {
         false
     }
 
-    fn negotiate(&mut self, request: Request) -> Result<WireResponse> {
+    /// The cycle's response decided on every rank at once, when it can be: every rank
+    /// shares this host's segment, posts there that it sends exactly these cached tensors
+    /// (all of them cached, no allgather, no knobs, no shutdown; rank 0 adds that its
+    /// coordinator is settled, [`Coordinator::is_settled`]), and finds every other rank
+    /// posting the same. Then the answer is [`coordinator::settled_items`] under the knobs
+    /// in force, which is what rank 0 would answer, and every cache changes as it would
+    /// have. `None`: negotiate with rank 0 (every rank finds the same). `updates`: knob
+    /// changes wait for this rank's request.
+    fn settled(&mut self, request: &Request, updates: bool) -> Result<Option<Response>> {
+        let Some(cycle) = self.next_cycle.filter(|_| self.settle) else {
+            return Ok(None);
+        };
+        let mut post = vec![0u8];
+        let eligible = !updates
+            && request.knobs.is_empty()
+            && !request.shutdown
+            && self.coordinator.as_ref().is_none_or(Coordinator::is_settled)
+            && request.tensors.iter().all(|r| match r {
+                coordinator::Ready::Cached(_) => true,
+                coordinator::Ready::Full(_) => false,
+            })
+            && self
+                .pending
+                .values()
+                .all(|e| e.request.kind != OpKind::Allgather)
+            && 9 + 8 * request.tensors.len() <= crate::shm::MAX_POST_BYTES;
+        if eligible {
+            post[0] = 1;
+            post.extend_from_slice(&cycle.to_le_bytes());
+            for r in &request.tensors {
+                if let coordinator::Ready::Cached(run) = r {
+                    post.extend_from_slice(&run.0.to_le_bytes());
+                    post.extend_from_slice(&run.1.to_le_bytes());
+                }
+            }
+        }
+        let same = match self.transport.same_posts(&self.all_ranks, &post) {
+            Some(same) => same?,
+            None => {
+                // Not one segment after all (it is the same on every rank).
+                self.settle = false;
+                return Ok(None);
+            }
+        };
+        if !(same && eligible) {
+            return Ok(None);
+        }
+        let mut ready = Vec::new();
+        for r in &request.tensors {
+            if let coordinator::Ready::Cached(run) = r {
+                for bit in run.bits() {
+                    let (_, cached) = self.cache.table().get(bit).ok_or_else(|| {
+                        CollectiveError::JobFailed {
+                            rank: self.rank,
+                            cause: format!(
+                                "cache bit {bit} is not in this rank's response cache (a bug \
+                                 in collectives)"
+                            ),
+                        }
+                    })?;
+                    ready.push(cached.clone());
+                }
+            }
+        }
+        let items = coordinator::settled_items(&ready, &self.knobs);
+        if let Some(c) = self.coordinator.as_mut() {
+            let index = c.settled_step(&items);
+            if index != cycle {
+                return Err(CollectiveError::JobFailed {
+                    rank: self.rank,
+                    cause: format!(
+                        "settled cycle {cycle} is cycle {index} for rank 0's coordinator (a \
+                         bug in collectives)"
+                    ),
+                });
+            }
+        }
+        let pending = &self.pending;
+        self.cache
+            .apply(&items, |name| pending.get(name).map(|e| e.request.clone()));
+        self.shared.settled_cycles.fetch_add(1, Ordering::Relaxed);
+        Ok(Some(Response {
+            cycle,
+            knobs: self.knobs,
+            items,
+            shutdown: false,
+            abort: None,
+            cache_capacity: None,
+        }))
+    }
+
+    fn negotiate(
+        &mut self,
+        request: Request,
+        knob_requests: Vec<server::KnobRequest>,
+        tuner_update: Option<KnobUpdate>,
+    ) -> Result<WireResponse> {
         let t = &*self.transport;
         let encode = |v: &dyn erased::Encode| v.encode();
         if let Some(coordinator) = &mut self.coordinator {
@@ -1375,27 +1513,10 @@ impl CycleThread {
                     }
                 }
             }
-            let knob_requests = self
-                .server
-                .as_ref()
-                .map(|s| s.take_knob_requests())
-                .unwrap_or_default();
-            #[allow(unused_mut)]
             let mut updates: Vec<KnobUpdate> = knob_requests.iter().map(|r| r.update).collect();
-            // A self-tuning session's knobs take the same path as the socket's, last.
-            #[cfg(feature = "autotune")]
-            let tuner_sent = match self
-                .autotune
-                .as_mut()
-                .and_then(|d| d.tuner.as_mut())
-                .and_then(|t| t.take_update())
-            {
-                Some(u) => {
-                    updates.push(u);
-                    true
-                }
-                None => false,
-            };
+            #[cfg_attr(not(feature = "autotune"), allow(unused_variables))]
+            let tuner_sent = tuner_update.is_some();
+            updates.extend(tuner_update);
             let response = coordinator.step(requests, &updates);
             for (name, missing) in coordinator.stalled(Instant::now(), STALL_WARNING) {
                 tracing::warn!(
@@ -1438,11 +1559,6 @@ impl CycleThread {
             Ok(response)
         } else {
             // Knob changes asked for on this host's socket go to rank 0 with the request.
-            let knob_requests = self
-                .server
-                .as_ref()
-                .map(|s| s.take_knob_requests())
-                .unwrap_or_default();
             let mut request = request;
             request.knobs.extend(knob_requests.iter().map(|r| r.update));
             let request = encode(&request);
