@@ -446,6 +446,16 @@ impl Transport for HostTransport {
         Some(g.same_posts(&members, post, &gone))
     }
 
+    fn wait_for_a_post(
+        &self,
+        ranks: &[usize],
+        deadline: std::time::Instant,
+    ) -> Option<Result<bool>> {
+        let g = self.shm.as_ref()?;
+        let members = g.whole_group(ranks)?;
+        Some(g.wait_for_a_post(&members, deadline))
+    }
+
     fn abort(&self) {
         if let Some(g) = &self.shm {
             g.abort();

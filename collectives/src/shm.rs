@@ -657,7 +657,8 @@ impl ShmGroup {
         unsafe {
             std::ptr::copy_nonoverlapping(
                 post.as_ptr(),
-                self.base().add(self.layout.post(self.me, parity) + POST_HEADER),
+                self.base()
+                    .add(self.layout.post(self.me, parity) + POST_HEADER),
                 post.len(),
             )
         };
@@ -682,6 +683,31 @@ impl ShmGroup {
             };
             len == post.len() as u64 && theirs == post
         }))
+    }
+
+    /// Waits until one of `members` has posted a round of [`Self::same_posts`] that this
+    /// rank has not (it waits there for this rank), or until `deadline`; returns whether
+    /// one has. Woken by the post's doorbell, so the wait costs nothing while nobody posts.
+    pub(crate) fn wait_for_a_post(&self, members: &[usize], deadline: Instant) -> Result<bool> {
+        let round = *self.lock(&self.posts, self.me)?;
+        let parity = (round % 2) as usize;
+        let bell = self.bell(self.me);
+        loop {
+            let seq = bell.seq.load(Ordering::SeqCst);
+            let posted = members.iter().filter(|&&m| m != self.me).any(|&m| {
+                // SAFETY: as in `same_posts`: the first word of a post is its round + 1.
+                let word =
+                    unsafe { &*(self.base().add(self.layout.post(m, parity)) as *const AtomicU64) };
+                word.load(Ordering::Acquire) > round
+            });
+            let now = Instant::now();
+            if posted || now >= deadline {
+                return Ok(posted);
+            }
+            bell.waiters.fetch_add(1, Ordering::SeqCst);
+            futex_wait(&bell.seq, seq, (deadline - now).min(WAIT_SLICE));
+            bell.waiters.fetch_sub(1, Ordering::SeqCst);
+        }
     }
 
     /// The member index of global rank `rank`, if it shares memory with this rank.
@@ -1539,6 +1565,34 @@ mod tests {
         }
         let too_long = vec![0u8; MAX_POST_BYTES + 1];
         assert!(g[0].same_posts(&members, &too_long, &never_gone).is_err());
+    }
+
+    #[test]
+    fn a_member_waiting_for_a_post_is_woken_by_one_and_otherwise_gives_up_at_its_deadline() {
+        let (_seg, g) = group(2, 4096, Duration::from_secs(10));
+        let members = [0, 1];
+        let started = Instant::now();
+        let deadline = started + Duration::from_millis(50);
+        assert!(!g[1].wait_for_a_post(&members, deadline).unwrap());
+        assert!(Instant::now() >= deadline);
+        std::thread::scope(|s| {
+            let waiter = s.spawn(|| {
+                let posted = g[1]
+                    .wait_for_a_post(&members, Instant::now() + Duration::from_secs(30))
+                    .unwrap();
+                // It joins the round it was woken for.
+                let same = g[1].same_posts(&members, b"x", &never_gone).unwrap();
+                (posted, same)
+            });
+            std::thread::sleep(Duration::from_millis(20));
+            let woke = Instant::now();
+            assert!(g[0].same_posts(&members, b"x", &never_gone).unwrap());
+            assert_eq!(waiter.join().unwrap(), (true, true));
+            assert!(woke.elapsed() < Duration::from_secs(5));
+        });
+        // Nothing posted beyond the rounds both took part in.
+        let deadline = Instant::now() + Duration::from_millis(20);
+        assert!(!g[0].wait_for_a_post(&members, deadline).unwrap());
     }
 
     #[test]

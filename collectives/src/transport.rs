@@ -110,6 +110,13 @@ pub trait Transport: Send + Sync {
     fn same_posts(&self, _ranks: &[usize], _post: &[u8]) -> Option<Result<bool>> {
         None
     }
+
+    /// Waits until another rank of `ranks` is waiting in [`Transport::same_posts`] for
+    /// this one, or until `deadline`; returns whether one is. `None`: no such way (as for
+    /// `same_posts`).
+    fn wait_for_a_post(&self, _ranks: &[usize], _deadline: Instant) -> Option<Result<bool>> {
+        None
+    }
 }
 
 /// Sends one length-prefixed frame (4-byte big-endian length, then the payload).

@@ -843,7 +843,10 @@ mod tests {
                     .collect();
                 decided.push(settled_items(&cached, &knobs));
             }
-            assert!(decided.iter().all(|d| *d == decided[0]), "ranks decided apart");
+            assert!(
+                decided.iter().all(|d| *d == decided[0]),
+                "ranks decided apart"
+            );
             let items = decided.swap_remove(0);
             let cycle = self.coordinator.settled_step(&items);
             for r in 0..self.ranks.len() {
@@ -945,7 +948,11 @@ mod tests {
                 let ready: Vec<Vec<TensorRequest>> = left
                     .iter_mut()
                     .map(|l| {
-                        let k = if at_once { l.len() } else { rng.usize(0..=l.len().min(6)) };
+                        let k = if at_once {
+                            l.len()
+                        } else {
+                            rng.usize(0..=l.len().min(6))
+                        };
                         l.drain(..k).collect()
                     })
                     .collect();
@@ -972,7 +979,9 @@ mod tests {
             if rng.u32(0..4) == 0 {
                 let idle = vec![Vec::new(); n];
                 let expected = by_rank_0.cycle(&idle, &[]);
-                let got = settled.settled_cycle(&idle).expect("an idle cycle is settled");
+                let got = settled
+                    .settled_cycle(&idle)
+                    .expect("an idle cycle is settled");
                 settled_cycles += 1;
                 assert_eq!(got, expected, "idle after step {step}");
             }

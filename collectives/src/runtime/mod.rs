@@ -945,6 +945,8 @@ impl Engine {
     /// The background thread: runs every cycle that is due and nobody else runs, then,
     /// when the job ends, fails what is left and closes the job.
     fn run(engine: Arc<Mutex<Engine>>, shared: &Shared) {
+        // Another rank waits in the segment for this rank's next cycle.
+        let mut awaited = false;
         loop {
             let Ok(mut e) = engine.lock() else {
                 // A cycle panicked: nothing can be trusted; the links go when we do.
@@ -954,8 +956,24 @@ impl Engine {
                 break;
             }
             let (next, idle) = e.next_cycle();
-            if Instant::now() >= next || (idle && shared.inbox_ready()) {
+            if Instant::now() >= next || (idle && shared.inbox_ready()) || (awaited && !idle) {
+                awaited = false;
                 e.step(false);
+                continue;
+            }
+            if !idle && e.cycle.settle {
+                // Tensors in flight here wait for other ranks' (a cycle in which ranks
+                // sent different tensors). When another rank starts a cycle it waits in
+                // the segment for this one: join it now rather than at this rank's timer,
+                // so that a rank that fell out of step with the others (its idle cycle
+                // met their tensors) catches up within microseconds, not a cycle time.
+                let transport = e.cycle.transport.clone();
+                let ranks = e.cycle.all_ranks.clone();
+                drop(e);
+                match transport.wait_for_a_post(&ranks, next) {
+                    Some(Ok(posted)) => awaited = posted,
+                    Some(Err(_)) | None => wait_for_next_cycle(shared, next, idle, false),
+                }
                 continue;
             }
             // A caller that ran the last cycle runs the next one for its next tensor
@@ -1397,7 +1415,10 @@ impl CycleThread {
         let eligible = !updates
             && request.knobs.is_empty()
             && !request.shutdown
-            && self.coordinator.as_ref().is_none_or(Coordinator::is_settled)
+            && self
+                .coordinator
+                .as_ref()
+                .is_none_or(Coordinator::is_settled)
             && request.tensors.iter().all(|r| match r {
                 coordinator::Ready::Cached(_) => true,
                 coordinator::Ready::Full(_) => false,
@@ -1432,15 +1453,17 @@ impl CycleThread {
         for r in &request.tensors {
             if let coordinator::Ready::Cached(run) = r {
                 for bit in run.bits() {
-                    let (_, cached) = self.cache.table().get(bit).ok_or_else(|| {
-                        CollectiveError::JobFailed {
-                            rank: self.rank,
-                            cause: format!(
-                                "cache bit {bit} is not in this rank's response cache (a bug \
+                    let (_, cached) =
+                        self.cache
+                            .table()
+                            .get(bit)
+                            .ok_or_else(|| CollectiveError::JobFailed {
+                                rank: self.rank,
+                                cause: format!(
+                                    "cache bit {bit} is not in this rank's response cache (a bug \
                                  in collectives)"
-                            ),
-                        }
-                    })?;
+                                ),
+                            })?;
                     ready.push(cached.clone());
                 }
             }
