@@ -587,6 +587,10 @@ impl ShmGroup {
         peer_gone: PeerGone<'_>,
     ) -> Result<()> {
         let n = members.len();
+        let p = members
+            .iter()
+            .position(|&m| m == self.me)
+            .ok_or_else(|| self.link_error(self.my_rank(), "not a member of this allreduce"))?;
         let mut chunks = self.lock(&self.chunks, self.me)?;
         let mut patience = self.patience(members, peer_gone);
         let me = self.flags(self.me);
@@ -612,7 +616,11 @@ impl ShmGroup {
         };
         for (j, range) in segments.iter().enumerate().filter(|(_, r)| !r.is_empty()) {
             let acc = &mut buf[range.clone()];
-            acc.copy_from_slice(input(j, range));
+            if j != p {
+                // Our own segment starts from our own bytes, which `buf` still holds
+                // there (segments are disjoint; each is written only in its turn).
+                acc.copy_from_slice(input(j, range));
+            }
             for k in 1..n {
                 combine(acc, input((j + k) % n, range));
             }

@@ -1282,8 +1282,10 @@ mod tests {
     }
 
     #[test]
-    fn iterations_follow_collbench_unless_given() {
-        assert_eq!(iterations(64 << 10, None), 50);
+    fn iterations_are_a_gib_worth_within_3_to_1000_unless_given() {
+        assert_eq!(iterations(4 << 10, None), 1000);
+        assert_eq!(iterations(1 << 20, None), 1000);
+        assert_eq!(iterations(16 << 20, None), 64);
         assert_eq!(iterations(64 << 20, None), 16);
         assert_eq!(iterations(1 << 30, None), 3);
         assert_eq!(iterations(64 << 20, Some(7)), 7);
