@@ -1360,6 +1360,21 @@ mod tests {
         (seg, groups)
     }
 
+    /// `err` is member 0 (rank 10) giving up on member 1 (rank 11).
+    fn assert_times_out_naming_rank_11(err: &CollectiveError) {
+        assert!(
+            matches!(
+                err,
+                CollectiveError::PeerTimeout {
+                    rank: 10,
+                    peer: 11,
+                    ..
+                }
+            ),
+            "{err}"
+        );
+    }
+
     fn never_gone(_: usize) -> bool {
         false
     }
@@ -1607,17 +1622,7 @@ mod tests {
     fn a_post_nobody_answers_times_out_naming_the_silent_member() {
         let (_seg, g) = group(2, 4096, Duration::from_millis(200));
         let err = g[0].same_posts(&[0, 1], b"ready", &never_gone).unwrap_err();
-        assert!(
-            matches!(
-                err,
-                CollectiveError::PeerTimeout {
-                    rank: 10,
-                    peer: 11,
-                    ..
-                }
-            ),
-            "{err}"
-        );
+        assert_times_out_naming_rank_11(&err);
     }
 
     #[test]
@@ -1634,17 +1639,7 @@ mod tests {
             )
             .unwrap_err();
         assert!(started.elapsed() < Duration::from_secs(5));
-        assert!(
-            matches!(
-                err,
-                CollectiveError::PeerTimeout {
-                    rank: 10,
-                    peer: 11,
-                    ..
-                }
-            ),
-            "{err}"
-        );
+        assert_times_out_naming_rank_11(&err);
     }
 
     #[test]

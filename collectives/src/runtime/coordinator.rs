@@ -900,6 +900,22 @@ mod tests {
         }
     }
 
+    /// In one cycle of `one_in`, at random, a change of the fusion threshold to one of
+    /// `choices`.
+    fn now_and_then_a_threshold(
+        rng: &mut fastrand::Rng,
+        one_in: u32,
+        choices: &[u64],
+    ) -> Vec<KnobUpdate> {
+        if rng.u32(0..one_in) != 0 {
+            return Vec::new();
+        }
+        vec![KnobUpdate {
+            fusion_threshold_bytes: Some(choices[rng.usize(0..choices.len())]),
+            ..Default::default()
+        }]
+    }
+
     fn all(n: usize, tensors: &[TensorRequest]) -> Vec<Vec<TensorRequest>> {
         vec![tensors.to_vec(); n]
     }
@@ -956,14 +972,7 @@ mod tests {
                         l.drain(..k).collect()
                     })
                     .collect();
-                let updates = if rng.u32(0..10) == 0 {
-                    vec![KnobUpdate {
-                        fusion_threshold_bytes: Some([0u64, 200, 2000, 1 << 20][rng.usize(0..4)]),
-                        ..Default::default()
-                    }]
-                } else {
-                    Vec::new()
-                };
+                let updates = now_and_then_a_threshold(&mut rng, 10, &[0, 200, 2000, 1 << 20]);
                 let expected = by_rank_0.cycle(&ready, &updates);
                 let got = match updates.is_empty().then(|| settled.settled_cycle(&ready)) {
                     Some(Some(response)) => {
@@ -1037,14 +1046,7 @@ mod tests {
                         l.drain(..k).collect()
                     })
                     .collect();
-                let updates = if rng.u32(0..8) == 0 {
-                    vec![KnobUpdate {
-                        fusion_threshold_bytes: Some([0u64, 64, 300, 1 << 20][rng.usize(0..4)]),
-                        ..Default::default()
-                    }]
-                } else {
-                    Vec::new()
-                };
+                let updates = now_and_then_a_threshold(&mut rng, 8, &[0, 64, 300, 1 << 20]);
                 schedule.push((ready, updates));
             }
         }
