@@ -1309,7 +1309,7 @@ impl Tunings {
                     let Some(window) = session.observe_cycle(&observation) else {
                         continue;
                     };
-                    let mut disturbed = self.judge_window(&window, &pids, &mut usual);
+                    let mut disturbed = self.judge_window(handle, &window, &pids, &mut usual);
                     if !peers.is_empty() {
                         // Every node's verdict, each named.
                         let mut reasons: Vec<String> = disturbed
@@ -1424,6 +1424,7 @@ impl Tunings {
     /// eBPF's verdict on a window; also keeps the run-queue baseline.
     fn judge_window(
         &self,
+        handle: &Handle,
         window: &Window,
         pids: &BTreeSet<u32>,
         usual: &mut Vec<WindowRates>,
@@ -1434,10 +1435,13 @@ impl Tunings {
         // The feed copies the model a few times a second: wait (a little)
         // until it has read past the window's end. A window it has not
         // read whole (serve's loop is behind) is not judged: a verdict on
-        // part of it would be noise.
+        // part of it would be noise. A session asked to stop does not wait:
+        // an agent that is stopping reads no more figures, and meanwhile
+        // the job's statistics pile up unread (a job closes a client that
+        // falls 4 MiB behind, which a fast job reaches within a second).
         let deadline = Instant::now() + Duration::from_millis(1_500);
         while !feed.covers(window.end_unix_us) {
-            if Instant::now() >= deadline {
+            if Instant::now() >= deadline || handle.stop_request().is_some() {
                 tracing::info!(
                     first_cycle = window.first_cycle,
                     last_cycle = window.last_cycle,
