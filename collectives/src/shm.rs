@@ -1600,18 +1600,17 @@ mod tests {
         assert!(Instant::now() >= deadline);
         std::thread::scope(|s| {
             let waiter = s.spawn(|| {
-                let posted = g[1]
-                    .wait_for_a_post(&members, Instant::now() + Duration::from_secs(30))
-                    .unwrap();
+                let deadline = Instant::now() + Duration::from_secs(30);
+                let posted = g[1].wait_for_a_post(&members, deadline).unwrap();
+                // Back before its deadline: woken by the post, not by giving up.
+                assert!(Instant::now() < deadline);
                 // It joins the round it was woken for.
                 let same = g[1].same_posts(&members, b"x", &never_gone).unwrap();
                 (posted, same)
             });
             std::thread::sleep(Duration::from_millis(20));
-            let woke = Instant::now();
             assert!(g[0].same_posts(&members, b"x", &never_gone).unwrap());
             assert_eq!(waiter.join().unwrap(), (true, true));
-            assert!(woke.elapsed() < Duration::from_secs(5));
         });
         // Nothing posted beyond the rounds both took part in.
         let deadline = Instant::now() + Duration::from_millis(20);

@@ -174,6 +174,35 @@ impl<P> ResponseCache<P> {
         }
     }
 
+    /// [`Self::apply`] for items whose every tensor this table holds with the params it
+    /// would be given again (a settled cycle's): each becomes the most recently used, in
+    /// order, and nothing is cloned.
+    pub fn refresh(&mut self, items: &[Item]) {
+        for item in items {
+            let names: &[String] = match item {
+                Item::Allreduce { names, .. } => names,
+                Item::Allgather { name, .. } | Item::Broadcast { name, .. } => {
+                    std::slice::from_ref(name)
+                }
+                Item::Error { name, .. } => {
+                    self.erase(name);
+                    continue;
+                }
+            };
+            for name in names {
+                let Some(&bit) = self.bits.get(name) else {
+                    continue;
+                };
+                if let Some(Some(slot)) = self.slots.get_mut(bit as usize) {
+                    self.clock += 1;
+                    self.recency.remove(&slot.used);
+                    slot.used = self.clock;
+                    self.recency.insert(self.clock, bit);
+                }
+            }
+        }
+    }
+
     /// `items` with every tensor this table holds named by its bit (consecutive bits as one
     /// run). Must be called before [`Self::apply`] of the same items: ranks decode with
     /// the table as it was.
@@ -315,10 +344,10 @@ impl RankCache {
         out
     }
 
-    /// Changes the table as a response of `items` (with names) does on every rank (a
-    /// settled cycle's, which no message carried). `local(name)` is as in [`Self::decode`].
-    pub fn apply(&mut self, items: &[Item], local: impl Fn(&str) -> Option<TensorRequest>) {
-        self.table.apply(items, local);
+    /// Changes the table as a settled cycle's `items` do on every rank (no message carried
+    /// them): every tensor in them is cached here with exactly this rank's request.
+    pub fn refresh(&mut self, items: &[Item]) {
+        self.table.refresh(items);
     }
 
     /// Rank 0's `response` with names, after which this rank's table is changed the way

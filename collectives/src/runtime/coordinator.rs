@@ -362,18 +362,7 @@ impl Coordinator {
     /// [`settled_items`], with every tensor cached. Changes the cache exactly as
     /// [`Self::step`] would have, and returns the cycle's index.
     pub fn settled_step(&mut self, items: &[Item]) -> u64 {
-        let cache = &self.cache;
-        let params: HashMap<String, Negotiated> = items
-            .iter()
-            .flat_map(|item| match item {
-                Item::Allreduce { names, .. } => names.iter().collect::<Vec<_>>(),
-                Item::Allgather { name, .. }
-                | Item::Broadcast { name, .. }
-                | Item::Error { name, .. } => vec![name],
-            })
-            .filter_map(|name| Some((name.clone(), cache.bit(name)?.1.clone())))
-            .collect();
-        self.cache.apply(items, |name| params.get(name).cloned());
+        self.cache.refresh(items);
         let cycle = self.cycle;
         self.cycle += 1;
         cycle
@@ -850,8 +839,7 @@ mod tests {
             let items = decided.swap_remove(0);
             let cycle = self.coordinator.settled_step(&items);
             for r in 0..self.ranks.len() {
-                let pending = &self.pending[r];
-                self.ranks[r].apply(&items, |name| pending.get(name).cloned());
+                self.ranks[r].refresh(&items);
             }
             for item in &items {
                 if let Item::Allreduce { names, .. } = item {

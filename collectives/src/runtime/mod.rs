@@ -1481,9 +1481,7 @@ impl CycleThread {
                 });
             }
         }
-        let pending = &self.pending;
-        self.cache
-            .apply(&items, |name| pending.get(name).map(|e| e.request.clone()));
+        self.cache.refresh(&items);
         self.shared.settled_cycles.fetch_add(1, Ordering::Relaxed);
         Ok(Some(Response {
             cycle,
