@@ -113,7 +113,9 @@ enum Bench {
     Tuner,
     /// eBPF probes: a loopback TCP ping-pong, then a 4-rank collbench
     /// resnet50 job, each with and without the agent (A/B slowdown),
-    /// records/s, drops, agent CPU % and peak RSS. Needs root.
+    /// records/s, drops, agent CPU % and peak RSS, and for the job what the
+    /// agent and each eBPF program cost as shares of its CPU time. Needs
+    /// root.
     Probes,
     /// Exhaustive grid over the tuner's knob space: collbench resnet50 on 2
     /// pretend nodes × 2 ranks (needs root); prints the table, the best
@@ -516,10 +518,21 @@ fn bench(
             // watches in practice: a collective job.
             run(bench, &[])?;
             // Jobs of 60 steps (~5 s): with 20, the spread between runs was as large as
-            // the overhead being measured.
+            // the overhead being measured. With the kernel's BPF statistics:
+            // what the agent and each program cost, as shares of the job's
+            // CPU time, which this noisy machine measures far better than
+            // a slowdown.
             run(
                 bench,
-                &["--workload", "collbench", "--pairs", "7", "--steps", "60"],
+                &[
+                    "--workload",
+                    "collbench",
+                    "--pairs",
+                    "7",
+                    "--steps",
+                    "60",
+                    "--bpf-stats",
+                ],
             )
         }
         Bench::TuningGrid => {

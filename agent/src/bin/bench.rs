@@ -45,6 +45,12 @@ struct Cli {
     /// unwatched, 0s, 100us, and for collbench job-connected, job-timeline, serve.
     #[arg(long, value_delimiter = ',')]
     variants: Vec<String>,
+    /// collbench: also report the kernel's run time of every ringwatch
+    /// program and the agent's CPU during each job, as shares of the job's
+    /// own CPU time. Turns on the kernel's BPF statistics for the run,
+    /// which adds two clock reads to every program run.
+    #[arg(long)]
+    bpf_stats: bool,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
@@ -249,6 +255,12 @@ fn one_collbench_run(
         )?),
         None => None,
     };
+    let agent_pid = agent.as_ref().map(Child::id);
+    let cost_before = match (cli.bpf_stats, agent_pid) {
+        (true, Some(pid)) => Some(CostReading::take(pid)?),
+        _ => None,
+    };
+    let job_cpu_before = children_cpu_s();
     let started = Instant::now();
     let mut command = Command::new(&sib.collbench);
     command
@@ -263,6 +275,11 @@ fn one_collbench_run(
         .output()
         .context("running collbench")?;
     let load_s = started.elapsed().as_secs_f64();
+    let job_cpu_s = children_cpu_s() - job_cpu_before;
+    let cost = match (cost_before, agent_pid) {
+        (Some(before), Some(pid)) => Some(CostReading::take(pid)?.since(&before, job_cpu_s)),
+        _ => None,
+    };
     if !output.status.success() {
         bail!("collbench failed: {}", output.status);
     }
@@ -285,9 +302,13 @@ fn one_collbench_run(
                 load_s,
                 cpu_pct: 100.0 * cpu_s / lifetime.max(1e-9),
                 peak_rss_mib,
+                cost,
             })
         }
-        (Some(child), None) => Some(reap_agent(child, load_s)?),
+        (Some(child), None) => Some(AgentRun {
+            cost,
+            ..reap_agent(child, load_s)?
+        }),
         (None, _) => None,
     };
     Ok((steps_per_sec, agent))
@@ -371,6 +392,113 @@ struct AgentRun {
     load_s: f64,
     cpu_pct: f64,
     peak_rss_mib: f64,
+    /// `--bpf-stats`: what watching cost during the job.
+    cost: Option<Cost>,
+}
+
+/// CPU time (seconds) this process's waited-for children used so far: the
+/// job's launcher and its ranks, once reaped.
+fn children_cpu_s() -> f64 {
+    // SAFETY: zeroed rusage is a valid out-parameter.
+    let mut usage: libc::rusage = unsafe { std::mem::zeroed() };
+    // SAFETY: RUSAGE_CHILDREN with a valid pointer.
+    unsafe { libc::getrusage(libc::RUSAGE_CHILDREN, &mut usage) };
+    tv_s(usage.ru_utime) + tv_s(usage.ru_stime)
+}
+
+fn tv_s(t: libc::timeval) -> f64 {
+    t.tv_sec as f64 + t.tv_usec as f64 / 1e6
+}
+
+/// The agent's threads' time on CPU (the kernel's schedstat, ns) and the
+/// kernel's run time and run count of each loaded `rw_*` program, by id.
+struct CostReading {
+    agent_ns: u64,
+    programs: std::collections::BTreeMap<u32, (String, u64, u64)>,
+    /// Keeps the kernel's BPF statistics on while a reading may be taken.
+    _stats: std::sync::Arc<std::os::fd::OwnedFd>,
+}
+
+/// What watching one job cost: the agent's CPU and each program's kernel
+/// run time during the job, and the job's own CPU time.
+#[derive(Debug, Clone, Default)]
+struct Cost {
+    job_cpu_s: f64,
+    agent_cpu_s: f64,
+    /// name → (run time s, runs)
+    programs: std::collections::BTreeMap<String, (f64, u64)>,
+}
+
+impl Cost {
+    fn bpf_s(&self) -> f64 {
+        self.programs.values().map(|&(s, _)| s).sum()
+    }
+}
+
+impl CostReading {
+    fn take(agent: u32) -> Result<Self> {
+        static STATS: std::sync::OnceLock<std::sync::Arc<std::os::fd::OwnedFd>> =
+            std::sync::OnceLock::new();
+        let stats = match STATS.get() {
+            Some(fd) => fd.clone(),
+            None => {
+                let fd = aya::sys::enable_stats(aya::sys::Stats::RunTime)
+                    .context("turning on the kernel's BPF run-time statistics")?;
+                STATS.get_or_init(|| std::sync::Arc::new(fd)).clone()
+            }
+        };
+        let mut agent_ns = 0;
+        let tasks = format!("/proc/{agent}/task");
+        for task in std::fs::read_dir(&tasks).with_context(|| format!("reading {tasks}"))? {
+            let path = task?.path().join("schedstat");
+            // A thread that ended in between has nothing to add.
+            if let Ok(text) = std::fs::read_to_string(&path) {
+                agent_ns += text
+                    .split_whitespace()
+                    .next()
+                    .and_then(|v| v.parse::<u64>().ok())
+                    .with_context(|| format!("{}: {text:?}", path.display()))?;
+            }
+        }
+        let mut programs = std::collections::BTreeMap::new();
+        for info in aya::programs::loaded_programs() {
+            let info = info.context("listing the kernel's BPF programs")?;
+            let Some(name) = info.name_as_str().filter(|n| n.starts_with("rw_")) else {
+                continue;
+            };
+            programs.insert(
+                info.id(),
+                (
+                    name.to_owned(),
+                    info.run_time().as_nanos() as u64,
+                    info.run_count(),
+                ),
+            );
+        }
+        Ok(Self {
+            agent_ns,
+            programs,
+            _stats: stats,
+        })
+    }
+
+    /// From `before` to this reading, with the job's CPU time.
+    fn since(&self, before: &Self, job_cpu_s: f64) -> Cost {
+        let mut programs: std::collections::BTreeMap<String, (f64, u64)> = Default::default();
+        for (id, (name, ns, runs)) in &self.programs {
+            // Programs loaded in between (another agent) are not this one's.
+            if let Some((_, ns0, runs0)) = before.programs.get(id) {
+                let entry = programs.entry(name.clone()).or_default();
+                entry.0 += ns.saturating_sub(*ns0) as f64 / 1e9;
+                entry.1 += runs.saturating_sub(*runs0);
+            }
+        }
+        Cost {
+            job_cpu_s,
+            agent_cpu_s: self.agent_ns.saturating_sub(before.agent_ns) as f64 / 1e9,
+            programs,
+        }
+    }
 }
 
 /// Interrupts the agent (the load is over; an agent watching a name or only
@@ -380,6 +508,7 @@ fn reap_agent(child: Child, load_s: f64) -> Result<AgentRun> {
     let v: serde_json::Value =
         serde_json::from_str(&text).with_context(|| format!("agent output: {text}"))?;
     Ok(AgentRun {
+        cost: None,
         events: v["events"].as_u64().unwrap_or(0),
         drops: v["ringbuf_drops"].as_u64().unwrap_or(0),
         load_s,
@@ -532,5 +661,66 @@ fn main() -> Result<()> {
             median(&mut cpu),
         );
     }
+    if cli.bpf_stats {
+        print_costs(&variants, &runs);
+    }
     Ok(())
+}
+
+/// `--bpf-stats`: what watching cost, as shares of the job's own CPU time
+/// (medians over the runs), and where the kernel's part went.
+fn print_costs(variants: &[&str], runs: &[Vec<AgentRun>]) {
+    println!();
+    println!(
+        "What watching cost during the job, as a share of the job's own CPU time (medians over the runs; the job's CPU from wait4, the agent's from its threads' schedstat, the programs' from the kernel's BPF statistics, which were on for every run above and add two clock reads to each program run):"
+    );
+    println!();
+    println!(
+        "| run | job CPU s | agent CPU, % of the job's | eBPF programs, % of the job's | together |"
+    );
+    println!("|---|---:|---:|---:|---:|");
+    for (i, v) in variants.iter().enumerate() {
+        let costs: Vec<&Cost> = runs[i].iter().filter_map(|r| r.cost.as_ref()).collect();
+        if costs.is_empty() {
+            continue;
+        }
+        let share = |f: &dyn Fn(&Cost) -> f64| {
+            let mut values: Vec<f64> = costs
+                .iter()
+                .map(|c| 100.0 * f(c) / c.job_cpu_s.max(1e-9))
+                .collect();
+            median(&mut values)
+        };
+        let mut job: Vec<f64> = costs.iter().map(|c| c.job_cpu_s).collect();
+        println!(
+            "| {v} | {:.2} | {:.2} % | {:.2} % | {:.2} % |",
+            median(&mut job),
+            share(&|c| c.agent_cpu_s),
+            share(&|c| c.bpf_s()),
+            share(&|c| c.agent_cpu_s + c.bpf_s()),
+        );
+    }
+    println!();
+    println!("| run | program | runs per job-CPU-second | ns per run | % of the job's CPU |");
+    println!("|---|---|---:|---:|---:|");
+    for (i, v) in variants.iter().enumerate() {
+        let mut totals: std::collections::BTreeMap<&str, (f64, u64)> = Default::default();
+        let mut job_s = 0.0;
+        for cost in runs[i].iter().filter_map(|r| r.cost.as_ref()) {
+            job_s += cost.job_cpu_s;
+            for (name, &(seconds, count)) in &cost.programs {
+                let entry = totals.entry(name).or_default();
+                entry.0 += seconds;
+                entry.1 += count;
+            }
+        }
+        for (name, (seconds, count)) in totals.into_iter().filter(|(_, (_, n))| *n > 0) {
+            println!(
+                "| {v} | {name} | {:.0} | {:.0} | {:.3} % |",
+                count as f64 / job_s.max(1e-9),
+                seconds * 1e9 / count as f64,
+                100.0 * seconds / job_s.max(1e-9),
+            );
+        }
+    }
 }

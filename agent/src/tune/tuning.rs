@@ -12,7 +12,7 @@
 //! whose agent dies or whose socket breaks keeps the knobs it has (that is
 //! the job's side of the protocol).
 
-use std::collections::{BTreeMap, BTreeSet};
+use std::collections::{BTreeMap, BTreeSet, HashMap, VecDeque};
 use std::path::PathBuf;
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
@@ -553,9 +553,10 @@ fn median(values: &[f64]) -> Option<f64> {
     })
 }
 
-/// How far back each recording re-reads the model (intervals are
-/// recorded when they end, so a wait that began before the last recording
-/// may only appear now).
+/// How far back the first recording, and the first copy of a thread the
+/// feed has not copied before, reads the model (intervals are recorded
+/// when they end, so a wait that began before the last recording may only
+/// appear now).
 const FEED_REREAD_NS: u64 = 2_000_000_000;
 
 /// A stretch in which more than this share of the kernel's records was
@@ -563,20 +564,35 @@ const FEED_REREAD_NS: u64 = 2_000_000_000;
 const MAX_LOST_SHARE: f64 = 0.01;
 
 /// How long the feed keeps waits and retransmits. A busy 4-rank job has
-/// ~15k run-queue waits a second; 120 s of them were ~90 MB of the agent.
-/// A window is judged right after it ends, so this bounds the windows that
-/// can be judged to `FEED_KEEP_NS - LONGEST_WAIT_NS` (20 s); longer ones are
-/// not judged, and the log says so.
+/// ~15k run-queue waits a second; 120 s of them were ~90 MB of the agent
+/// (30 s are ~11 MB). Windows that began more than this long ago are not
+/// judged, and the log says so.
 const FEED_KEEP_NS: u64 = 30_000_000_000;
 
-/// Run-queue waits longer than this are not looked for before a window's
-/// start (the feed's index is by start time).
-const LONGEST_WAIT_NS: u64 = 10_000_000_000;
+/// One run-queue wait of a watched thread, as the feed keeps it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct FeedWait {
+    start_ns: u64,
+    duration_ns: u64,
+    pid: u32,
+}
+
+impl FeedWait {
+    fn end_ns(&self) -> u64 {
+        self.start_ns.saturating_add(self.duration_ns)
+    }
+}
 
 #[derive(Debug, Default)]
 struct FeedData {
-    /// Run-queue waits of watched threads: (start ns, tid) → (pid, ns).
-    waits: BTreeMap<(u64, u32), (u32, u64)>,
+    /// Run-queue waits of watched threads, in the order they were copied
+    /// (within a quarter of a second of the order they ended). Appended
+    /// and dropped from the front: a tree keyed by start time cost the
+    /// agent ~1% of a core in inserts alone under a busy job.
+    waits: VecDeque<FeedWait>,
+    /// Per watched thread, the end of the newest interval copied
+    /// (monotonic ns): each recording copies only what ended after it.
+    copied_until: HashMap<u32, u64>,
     /// TCP retransmits: (ts ns, pid) → how many at that instant.
     retransmits: BTreeMap<(u64, u32), u64>,
     /// The model was read up to here (CLOCK_MONOTONIC ns); 0: never.
@@ -591,7 +607,7 @@ struct FeedData {
     /// Ranges (monotonic ns) during which records were lost: windows that
     /// overlap one are not judged.
     lossy: Vec<(u64, u64)>,
-    /// Waits that began before this are forgotten (monotonic ns; 0: none).
+    /// Waits that ended before this are forgotten (monotonic ns; 0: none).
     kept_from_ns: u64,
 }
 
@@ -605,30 +621,74 @@ pub struct LoadFeed {
     data: Mutex<FeedData>,
 }
 
+/// The run-queue waits among `intervals` (one thread's, newest first, as
+/// the model gives them), for `pid`.
+fn run_queue_waits(
+    pid: u32,
+    intervals: &[crate::model::Interval],
+) -> impl Iterator<Item = FeedWait> + '_ {
+    intervals
+        .iter()
+        .filter(|i| i.kind == ebpf::IntervalKind::RunQueue)
+        .map(move |i| FeedWait {
+            start_ns: i.start_ns,
+            duration_ns: i.duration_ns,
+            pid,
+        })
+}
+
+/// The run-queue waits of `threads` ((pid, tid) pairs) that ended after
+/// the newest interval of theirs already copied (`copied_until`, per tid),
+/// or at or after `from` for a thread not copied before; `intervals_since`
+/// gives a thread's intervals that ended at or after a time, newest first.
+/// Returns them with the new per-thread marks, for the threads given only.
+fn copy_new_waits(
+    copied_until: &HashMap<u32, u64>,
+    from: u64,
+    threads: impl Iterator<Item = (u32, u32)>,
+    intervals_since: impl Fn(u32, u64) -> Vec<crate::model::Interval>,
+) -> (Vec<FeedWait>, HashMap<u32, u64>) {
+    let mut waits = Vec::new();
+    let mut marks = HashMap::with_capacity(copied_until.len());
+    for (pid, tid) in threads {
+        let before = copied_until.get(&tid).copied();
+        let since = before.map_or(from, |end| end.saturating_add(1));
+        let intervals = intervals_since(tid, since);
+        waits.extend(run_queue_waits(pid, &intervals));
+        let newest = intervals.first().map(|i| i.start_ns + i.duration_ns);
+        if let Some(end) = newest.or(before) {
+            marks.insert(tid, end);
+        }
+    }
+    (waits, marks)
+}
+
 impl LoadFeed {
-    /// Copies what the session's model learned since the last call.
+    /// Copies what the session's model learned since the last call: for
+    /// each watched thread, the intervals that ended after the newest one
+    /// already copied (a thread seen for the first time: those that ended
+    /// in the last [`FEED_REREAD_NS`] before the last recording).
     pub fn record(&self, session: &crate::session::Session) {
         let now = crate::session::monotonic_ns();
         let unix_minus_monotonic_ns = i128::from(unix_us()) * 1_000 - i128::from(now);
-        let from = {
-            let data = self.lock();
-            if data.covered_until_ns == 0 {
+        let (from, copied_until) = {
+            let mut data = self.lock();
+            let from = if data.covered_until_ns == 0 {
                 now.saturating_sub(FEED_REREAD_NS)
             } else {
                 data.covered_until_ns.saturating_sub(FEED_REREAD_NS)
-            }
+            };
+            (from, std::mem::take(&mut data.copied_until))
         };
         let model = &session.model;
-        let mut waits = Vec::new();
-        for &pid in session.watched() {
-            for tid in model.tids(pid) {
-                for interval in model.intervals_ended_since(tid, from) {
-                    if interval.kind == ebpf::IntervalKind::RunQueue {
-                        waits.push(((interval.start_ns, tid), (pid, interval.duration_ns)));
-                    }
-                }
-            }
-        }
+        let threads = session
+            .watched()
+            .iter()
+            .flat_map(|&pid| model.tids(pid).into_iter().map(move |tid| (pid, tid)));
+        let (waits, now_copied_until) =
+            copy_new_waits(&copied_until, from, threads, |tid, since| {
+                model.intervals_ended_since(tid, since)
+            });
         let retransmits = model.retransmits_between(from, now);
         let probes = session.probes();
         let records_lost = [
@@ -640,6 +700,7 @@ impl LoadFeed {
         .sum::<u64>();
         let records_delivered = session.events;
         let mut data = self.lock();
+        data.copied_until = now_copied_until;
         let lost = records_lost.saturating_sub(data.records_lost);
         let delivered = records_delivered.saturating_sub(data.records_delivered);
         if lost as f64 > MAX_LOST_SHARE * (lost + delivered) as f64 {
@@ -671,7 +732,11 @@ impl LoadFeed {
             *data.retransmits.entry((ts, pid)).or_default() += 1;
         }
         let keep_from = now.saturating_sub(FEED_KEEP_NS);
-        data.waits = data.waits.split_off(&(keep_from, 0));
+        // Nearly in the order they ended: whatever ended before `keep_from`
+        // and is still behind a newer one only goes at the next recording.
+        while data.waits.front().is_some_and(|w| w.end_ns() < keep_from) {
+            data.waits.pop_front();
+        }
         data.retransmits = data.retransmits.split_off(&(keep_from, 0));
         data.lossy.retain(|&(_, end)| end >= keep_from);
         data.kept_from_ns = keep_from;
@@ -711,12 +776,11 @@ impl LoadFeed {
         if to_ns <= from_ns {
             return None;
         }
-        let earliest = from_ns.saturating_sub(LONGEST_WAIT_NS);
-        if earliest < data.kept_from_ns {
+        if from_ns < data.kept_from_ns {
             tracing::info!(
                 window_s = (to_ns - from_ns) as f64 / 1e9,
-                "this window began before what the eBPF feed keeps (windows of up to 20 s \
-                 can be judged): it is not judged"
+                "this window began before what the eBPF feed keeps (the last 30 s): it is \
+                 not judged"
             );
             return None;
         }
@@ -741,11 +805,15 @@ impl LoadFeed {
                 )
             })
             .collect();
-        for (&(start, _tid), &(pid, duration)) in data.waits.range((earliest, 0)..(to_ns, 0)) {
-            let overlap = (start + duration)
+        // A few hundred thousand at most, read a few times a window.
+        for wait in &data.waits {
+            let overlap = wait
+                .end_ns()
                 .min(to_ns)
-                .saturating_sub(start.max(from_ns));
-            if let Some(load) = per_pid.get_mut(&pid) {
+                .saturating_sub(wait.start_ns.max(from_ns));
+            if overlap > 0
+                && let Some(load) = per_pid.get_mut(&wait.pid)
+            {
                 load.run_queue_ns += overlap;
             }
         }
@@ -1851,6 +1919,76 @@ mod tests {
     }
 
     #[test]
+    fn the_feed_copies_every_wait_once_across_overlapping_readings() {
+        use crate::model::Interval;
+        use ebpf::IntervalCause;
+        // Two threads of pid 7 and one of pid 8 alternate on CPU and on the
+        // run queue; every 250 ms the feed reads what ended since (with the
+        // 2 s re-read for threads it has not copied before). Thread 72
+        // appears only half-way.
+        let ms = 1_000_000u64;
+        let mut intervals: BTreeMap<u32, Vec<Interval>> = BTreeMap::new();
+        let mut expected = Vec::new();
+        let mut marks = HashMap::new();
+        let mut copied = Vec::new();
+        let threads = [(7, 70), (7, 71), (8, 80), (7, 72)];
+        for step in 0..40u64 {
+            // 250 ms of activity: each thread a 3 ms wait then 7 ms on CPU.
+            for (i, &(pid, tid)) in threads.iter().enumerate() {
+                if tid == 72 && step < 20 {
+                    continue;
+                }
+                for k in 0..25u64 {
+                    let start = step * 250 * ms + k * 10 * ms + i as u64;
+                    let list = intervals.entry(tid).or_default();
+                    list.push(Interval {
+                        start_ns: start,
+                        duration_ns: 3 * ms,
+                        kind: ebpf::IntervalKind::RunQueue,
+                        cause: IntervalCause::Woken,
+                    });
+                    list.push(Interval {
+                        start_ns: start + 3 * ms,
+                        duration_ns: 7 * ms,
+                        kind: ebpf::IntervalKind::OnCpu,
+                        cause: IntervalCause::Blocked,
+                    });
+                    expected.push(FeedWait {
+                        start_ns: start,
+                        duration_ns: 3 * ms,
+                        pid,
+                    });
+                }
+            }
+            let now = (step + 1) * 250 * ms;
+            let from = now.saturating_sub(250 * ms + 2_000 * ms);
+            let present = threads
+                .iter()
+                .copied()
+                .filter(|&(_, tid)| intervals.contains_key(&tid));
+            let (waits, next) = copy_new_waits(&marks, from, present, |tid, since| {
+                let mut ended: Vec<Interval> = intervals[&tid]
+                    .iter()
+                    .filter(|i| i.start_ns + i.duration_ns >= since)
+                    .copied()
+                    .collect();
+                ended.reverse();
+                ended
+            });
+            marks = next;
+            copied.extend(waits);
+        }
+        let key = |w: &FeedWait| (w.start_ns, w.pid);
+        copied.sort_by_key(key);
+        expected.sort_by_key(key);
+        assert_eq!(copied.len(), expected.len(), "each wait copied once");
+        assert_eq!(copied, expected);
+        // A thread the model no longer has leaves the marks.
+        let (_, next) = copy_new_waits(&marks, 0, [(7, 70)].into_iter(), |_, _| Vec::new());
+        assert_eq!(next.keys().copied().collect::<Vec<_>>(), [70]);
+    }
+
+    #[test]
     fn the_feed_counts_what_overlaps_a_window_in_the_jobs_clock() {
         let feed = LoadFeed::default();
         {
@@ -1861,10 +1999,15 @@ mod tests {
             let s = 1_000_000_000u64;
             // pid 7: a 2 s wait across the window's start (1 s inside), a
             // 0.5 s wait inside, one after it; pid 99 is not the job's.
-            data.waits.insert((9 * s, 70), (7, 2 * s));
-            data.waits.insert((11 * s, 71), (7, s / 2));
-            data.waits.insert((16 * s, 70), (7, s));
-            data.waits.insert((11 * s, 990), (99, s));
+            let wait = |start_ns, duration_ns, pid| FeedWait {
+                start_ns,
+                duration_ns,
+                pid,
+            };
+            data.waits.push_back(wait(9 * s, 2 * s, 7));
+            data.waits.push_back(wait(11 * s, s / 2, 7));
+            data.waits.push_back(wait(16 * s, s, 7));
+            data.waits.push_back(wait(11 * s, s, 99));
             data.retransmits.insert((12 * s, 7), 2);
             data.retransmits.insert((13 * s, 99), 1);
             data.retransmits.insert((15 * s, 7), 1);
@@ -1899,10 +2042,10 @@ mod tests {
         feed.lock().lossy.push((14_000_000_000, 14_500_000_000));
         assert!(feed.window(&pids, 1_010_000_000, 1_015_000_000).is_none());
         assert!(feed.window(&pids, 1_014_500_000, 1_015_000_000).is_some());
-        // Waits before 5 s are forgotten: a window from 15 s still sees
-        // everything that could overlap it (waits up to 10 s long), one from
-        // 14.5 s does not, and is not judged.
-        feed.lock().kept_from_ns = 5_000_000_000;
+        // Waits that ended before 14.8 s are forgotten: a window from 15 s
+        // still sees everything that could overlap it, one from 14.5 s does
+        // not, and is not judged.
+        feed.lock().kept_from_ns = 14_800_000_000;
         assert!(feed.window(&pids, 1_015_000_000, 1_015_500_000).is_some());
         assert!(feed.window(&pids, 1_014_500_000, 1_015_000_000).is_none());
         assert!(LoadFeed::default().window(&pids, 0, 1).is_none());
