@@ -718,11 +718,20 @@ impl Model {
     /// Intervals of thread `tid` that overlap `[from_ns, to_ns)`, oldest first.
     pub fn intervals(&self, tid: u32, from_ns: u64, to_ns: u64) -> Vec<Interval> {
         self.threads.get(&tid).map_or_else(Vec::new, |t| {
-            t.intervals
+            // A thread's intervals follow each other and are kept in the
+            // order they ended: read back from the newest to the first that
+            // ended before the window, not the whole retention (the live
+            // view asks for the last second once a second).
+            let mut found: Vec<Interval> = t
+                .intervals
                 .iter()
-                .filter(|i| i.start_ns < to_ns && i.start_ns + i.duration_ns > from_ns)
+                .rev()
+                .take_while(|i| i.start_ns + i.duration_ns > from_ns)
+                .filter(|i| i.start_ns < to_ns)
                 .copied()
-                .collect()
+                .collect();
+            found.reverse();
+            found
         })
     }
 
@@ -1030,6 +1039,47 @@ mod tests {
             on_cpu_cause: 0,
             run_queue_cause: 0,
             _pad: 0,
+        }
+    }
+
+    #[test]
+    fn a_window_of_intervals_is_what_a_scan_of_all_of_them_finds() {
+        // Thread 10/11 runs, blocks, is woken and waits, over and over, in
+        // steps of uneven length; every window asked for must give exactly
+        // the intervals a scan of the whole retention finds.
+        let mut model = Model::new(u64::MAX, 100_000);
+        let mut t = MS;
+        let mut off_since = 0;
+        for k in 0..300u64 {
+            let on_for = 1 + k % 7;
+            let off_for = 1 + (k * 5) % 11;
+            let wait_for = k % 3;
+            // 10/11 switches out (blocked) after `on_for` on CPU.
+            let mut out = switch((10, 11, true), (99, 99, false), t + on_for);
+            (out.has_on_cpu, out.on_cpu_start_ns, out.on_cpu_cause) = (1, t, 2);
+            model.record(&Event::SchedSwitch(out));
+            off_since = t + on_for;
+            // Woken after `off_for`, switched in after `wait_for` more.
+            let runnable = off_since + off_for;
+            t = runnable + wait_for;
+            let mut back = switch((99, 99, false), (10, 11, true), t);
+            (back.has_off_cpu, back.off_cpu_start_ns) = (1, off_since);
+            (back.has_run_queue, back.runnable_ns, back.run_queue_cause) = (1, runnable, 3);
+            model.record(&Event::SchedSwitch(back));
+        }
+        assert!(off_since > 0);
+        let all = model.intervals(11, 0, u64::MAX);
+        assert_eq!(all.len(), 900);
+        for from in (MS - 10..t + 10).step_by(7) {
+            for len in [0, 1, 5, 30, 400, 10_000] {
+                let to = from + len;
+                let scanned: Vec<Interval> = all
+                    .iter()
+                    .filter(|i| i.start_ns < to && i.start_ns + i.duration_ns > from)
+                    .copied()
+                    .collect();
+                assert_eq!(model.intervals(11, from, to), scanned, "[{from}, {to})");
+            }
         }
     }
 
