@@ -523,6 +523,44 @@ fn threads(pid: u32) -> usize {
         .unwrap_or(0)
 }
 
+/// `pid`'s thread count once it has not changed for 2.5 s (the feeders' retry is 1 s).
+fn steady_threads(pid: u32) -> usize {
+    let deadline = Instant::now() + Duration::from_secs(60);
+    let mut last = threads(pid);
+    let mut since = Instant::now();
+    loop {
+        std::thread::sleep(Duration::from_millis(100));
+        let now = threads(pid);
+        if now != last {
+            (last, since) = (now, Instant::now());
+        } else if since.elapsed() >= Duration::from_millis(2500) {
+            return now;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "rank 0's threads never settle: {now}"
+        );
+    }
+}
+
+/// The names of `pid`'s threads, sorted (for a failure's message).
+fn thread_names(pid: u32) -> Vec<String> {
+    let mut names: Vec<String> = std::fs::read_dir(format!("/proc/{pid}/task"))
+        .map(|d| {
+            d.filter_map(Result::ok)
+                .map(|t| {
+                    std::fs::read_to_string(t.path().join("comm"))
+                        .unwrap_or_default()
+                        .trim()
+                        .to_owned()
+                })
+                .collect()
+        })
+        .unwrap_or_default();
+    names.sort();
+    names
+}
+
 #[test]
 fn control_clients_that_never_read_are_refused_past_the_limit_and_closed_while_the_job_steps() {
     use collectives::control::{ClientMessage, ControlClient, ServerMessage, write_message};
@@ -576,7 +614,11 @@ fn control_clients_that_never_read_are_refused_past_the_limit_and_closed_while_t
         }
     });
     drop(connect_when_stepping(&path));
-    let threads_before = threads(rank0);
+    // The other ranks' timeline feeders connect to this socket (two threads each here)
+    // when they first step, and retry once a second: on a loaded machine one may come
+    // after the job steps. Count once rank 0's threads have stopped changing.
+    let threads_before = steady_threads(rank0);
+    let names_before = thread_names(rank0);
     // MAX_CLIENTS subscribers that read their hello and nothing after.
     let mut slow: Vec<std::os::unix::net::UnixStream> = (0..MAX_CLIENTS)
         .map(|_| {
@@ -636,8 +678,10 @@ fn control_clients_that_never_read_are_refused_past_the_limit_and_closed_while_t
     while threads(rank0) > threads_before {
         assert!(
             Instant::now() < deadline,
-            "rank 0 has {} threads, {threads_before} before the clients",
-            threads(rank0)
+            "rank 0 has {} threads, {threads_before} before the clients: {:?}, before {:?}",
+            threads(rank0),
+            thread_names(rank0),
+            names_before,
         );
         std::thread::sleep(Duration::from_millis(50));
     }
