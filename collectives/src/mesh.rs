@@ -439,11 +439,16 @@ impl Transport for HostTransport {
         Some(g.fold_allreduce(&members, buf, segments, combine, finish, &gone))
     }
 
-    fn same_posts(&self, ranks: &[usize], post: &[u8]) -> Option<Result<bool>> {
+    fn same_posts(
+        &self,
+        ranks: &[usize],
+        post: &[u8],
+        early: Option<&[u8]>,
+    ) -> Option<Result<bool>> {
         let g = self.shm.as_ref()?;
         let members = g.whole_group(ranks)?;
         let gone = |r: usize| self.tcp.peer_gone(r);
-        Some(g.same_posts(&members, post, &gone))
+        Some(g.same_posts_early(&members, post, early, &gone))
     }
 
     fn wait_for_a_post(
@@ -622,29 +627,48 @@ mod tests {
                         .map(|t| Box::new(t) as Box<dyn Transport>)
                         .collect();
                 let expected = run(memory, &inputs, op);
-                // The same shared-memory links serve every case in turn, as in a job.
-                let links = shm.lock().unwrap().take().unwrap();
-                let shared: Vec<std::sync::Arc<Box<dyn Transport>>> =
-                    links.into_iter().map(std::sync::Arc::new).collect();
-                let handles: Vec<_> = shared
-                    .iter()
-                    .cloned()
-                    .zip(inputs.clone())
-                    .map(|(t, data)| {
-                        std::thread::spawn(move || {
-                            let mut buf: Vec<u8> = bytemuck::cast_slice(&data).to_vec();
-                            ring_allreduce(&**t, &mut buf, DType::F32, op).unwrap();
-                            buf
+                // The same shared-memory links serve every case in turn, as in a job:
+                // plain; after a round of posts that agrees and carries every member's
+                // inputs early (a settled cycle's lone small allreduce); and after one
+                // that carries them but does not agree (they must not be used).
+                for posts in [None, Some(true), Some(false)] {
+                    let links = shm.lock().unwrap().take().unwrap();
+                    let shared: Vec<std::sync::Arc<Box<dyn Transport>>> =
+                        links.into_iter().map(std::sync::Arc::new).collect();
+                    let handles: Vec<_> = shared
+                        .iter()
+                        .cloned()
+                        .zip(inputs.clone())
+                        .map(|(t, data)| {
+                            std::thread::spawn(move || {
+                                let mut buf: Vec<u8> = bytemuck::cast_slice(&data).to_vec();
+                                if let Some(agree) = posts {
+                                    let all: Vec<usize> = (0..t.world_size()).collect();
+                                    let post: &[u8] = if !agree && t.rank() == 1 {
+                                        b"another cycle"
+                                    } else {
+                                        b"this cycle"
+                                    };
+                                    let same = t.same_posts(&all, post, Some(&buf));
+                                    assert_eq!(same.unwrap().unwrap(), agree);
+                                }
+                                ring_allreduce(&**t, &mut buf, DType::F32, op).unwrap();
+                                buf
+                            })
                         })
-                    })
-                    .collect();
-                let got: Vec<Vec<u8>> = handles.into_iter().map(|h| h.join().unwrap()).collect();
-                assert!(got == expected, "n={n} count={count} {op:?}");
-                let links: Vec<Box<dyn Transport>> = shared
-                    .into_iter()
-                    .map(|a| std::sync::Arc::try_unwrap(a).ok().unwrap())
-                    .collect();
-                *shm.lock().unwrap() = Some(links);
+                        .collect();
+                    let got: Vec<Vec<u8>> =
+                        handles.into_iter().map(|h| h.join().unwrap()).collect();
+                    assert!(
+                        got == expected,
+                        "n={n} count={count} {op:?} posts {posts:?}"
+                    );
+                    let links: Vec<Box<dyn Transport>> = shared
+                        .into_iter()
+                        .map(|a| std::sync::Arc::try_unwrap(a).ok().unwrap())
+                        .collect();
+                    *shm.lock().unwrap() = Some(links);
+                }
             }
         }
     }

@@ -206,6 +206,11 @@ pub struct ShmGroup {
     /// Rounds of [`Self::same_posts`] this rank has started (the same count on every
     /// member).
     posts: Mutex<u64>,
+    /// A one-shot chunk whose inputs every member put in its slot before a round of
+    /// [`Self::same_posts_early`] on which they all agreed: (chunk, address and length
+    /// of this member's buffer). The next one-shot of that chunk and buffer skips its
+    /// copy and its barrier.
+    early: Mutex<Option<(u64, usize, usize)>>,
 }
 
 impl std::fmt::Debug for ShmGroup {
@@ -595,16 +600,25 @@ impl ShmGroup {
         let mut patience = self.patience(members, peer_gone);
         let me = self.flags(self.me);
         let (g, s) = self.next_chunk(&mut chunks, members, &mut patience)?;
-        // SAFETY: the slot holds a ring's bytes (at least `buf.len()`, checked by the
-        // caller); nobody reads it until `written` says so.
-        unsafe { std::ptr::copy_nonoverlapping(buf.as_ptr(), self.slot(self.me, s), buf.len()) };
-        me.written.store(g + 1, Ordering::Release);
-        self.notify_all(members);
-        self.wait_for_all(
-            members,
-            |f| f.written.load(Ordering::Acquire) > g,
-            &mut patience,
-        )?;
+        let early = self.lock(&self.early, self.me)?.take();
+        if early == Some((g, buf.as_ptr() as usize, buf.len())) {
+            // Every member put this chunk's inputs in its slot before the round of posts
+            // that agreed on this allreduce (`same_posts_early`): they are all there.
+            me.written.store(g + 1, Ordering::Release);
+        } else {
+            // SAFETY: the slot holds a ring's bytes (at least `buf.len()`, checked by
+            // the caller); nobody reads it until `written` says so.
+            unsafe {
+                std::ptr::copy_nonoverlapping(buf.as_ptr(), self.slot(self.me, s), buf.len())
+            };
+            me.written.store(g + 1, Ordering::Release);
+            self.notify_all(members);
+            self.wait_for_all(
+                members,
+                |f| f.written.load(Ordering::Acquire) > g,
+                &mut patience,
+            )?;
+        }
         // SAFETY: every member published its whole buffer in slot `s` (`written` > g) and
         // leaves it alone until everyone says `consumed`; our own input is read from our
         // slot, so `buf` can take the results as they are made.
@@ -639,15 +653,90 @@ impl ShmGroup {
     /// sees that too). Each member's post alternates between two buffers: a member writes
     /// round `r` over round `r - 2`, which everyone has read, since it has seen everyone's
     /// post of round `r - 1`, which each wrote after reading round `r - 2`.
+    #[cfg(test)]
     pub(crate) fn same_posts(
         &self,
         members: &[usize],
         post: &[u8],
         peer_gone: PeerGone<'_>,
     ) -> Result<bool> {
-        if post.len() > MAX_POST_BYTES || !members.contains(&self.me) {
+        self.same_posts_early(members, post, None, peer_gone)
+    }
+
+    /// [`Self::same_posts`], and with `early` (the buffer of the allreduce this member
+    /// expects to run next, when every post agrees) its inputs go into this member's
+    /// slot first, if that allreduce is a one-shot ([`Self::fold_allreduce`]) and the
+    /// slot is free now, which it is between cycles. Whether they did goes into the
+    /// post, so all members agree on it too; if they all did, the one-shot of `early`
+    /// skips its copy and its barrier: the round of posts was that barrier. Otherwise
+    /// nothing was published (`written` is untouched) and the one-shot runs as always.
+    pub(crate) fn same_posts_early(
+        &self,
+        members: &[usize],
+        post: &[u8],
+        early: Option<&[u8]>,
+        peer_gone: PeerGone<'_>,
+    ) -> Result<bool> {
+        let extra = if early.is_some() { 9 } else { 0 };
+        if post.len() + extra > MAX_POST_BYTES || !members.contains(&self.me) {
             return Err(self.link_error(self.my_rank(), "shared post: bad size or members"));
         }
+        let mut early_chunk = None;
+        let mut with_early;
+        let post = match early {
+            None => post,
+            Some(data) => {
+                early_chunk = self.put_early(members, data)?;
+                with_early = Vec::with_capacity(post.len() + extra);
+                with_early.extend_from_slice(post);
+                with_early.push(u8::from(early_chunk.is_some()));
+                with_early.extend_from_slice(&(data.len() as u64).to_le_bytes());
+                &with_early[..]
+            }
+        };
+        let same = self.exchange_posts(members, post, peer_gone)?;
+        *self.lock(&self.early, self.me)? = match (same, early_chunk, early) {
+            (true, Some(g), Some(data)) => Some((g, data.as_ptr() as usize, data.len())),
+            _ => None,
+        };
+        Ok(same)
+    }
+
+    /// Puts `data` in this member's slot for the next shared-allreduce chunk when that
+    /// chunk would be a one-shot of it and every member is done with the chunk that
+    /// used the slot before (as [`Self::next_chunk`] would wait for, without waiting);
+    /// returns that chunk. Publishes nothing: `written` is left alone.
+    fn put_early(&self, members: &[usize], data: &[u8]) -> Result<Option<u64>> {
+        if data.is_empty() || data.len() > ONE_SHOT_MAX_BYTES.min(self.layout.ring_bytes) {
+            return Ok(None);
+        }
+        let g = *self.lock(&self.chunks, self.me)?;
+        let free = members
+            .iter()
+            .all(|&m| self.flags(m).consumed.load(Ordering::Acquire) + 1 >= g);
+        if !free {
+            return Ok(None);
+        }
+        // SAFETY: slot g % 2 holds a ring's bytes (at least `data.len()`, checked
+        // above); every member is done with its previous chunk (checked above) and
+        // nobody reads it for chunk g until `written` or an agreed post says so.
+        unsafe {
+            std::ptr::copy_nonoverlapping(
+                data.as_ptr(),
+                self.slot(self.me, (g % 2) as usize),
+                data.len(),
+            )
+        };
+        Ok(Some(g))
+    }
+
+    /// One round of posts: whether every member posted exactly `post`.
+    fn exchange_posts(
+        &self,
+        members: &[usize],
+        post: &[u8],
+        peer_gone: PeerGone<'_>,
+    ) -> Result<bool> {
         let mut rounds = self.lock(&self.posts, self.me)?;
         let round = *rounds;
         *rounds += 1;
@@ -1322,6 +1411,7 @@ pub fn map_segment(
         rx: (0..ranks.len()).map(|_| Mutex::default()).collect(),
         chunks: Mutex::new(0),
         posts: Mutex::new(0),
+        early: Mutex::new(None),
     };
     let header = group.header();
     let ok = header.magic.load(Ordering::Acquire) == SEGMENT_MAGIC

@@ -106,8 +106,16 @@ pub trait Transport: Send + Sync {
     /// through memory they all share, without a round trip to anyone; `None`: the transport
     /// has no such way for exactly these ranks (then nothing was posted). Every rank of
     /// `ranks` must make the same calls, in the same order; at most
-    /// [`crate::shm::MAX_POST_BYTES`] bytes.
-    fn same_posts(&self, _ranks: &[usize], _post: &[u8]) -> Option<Result<bool>> {
+    /// [`crate::shm::MAX_POST_BYTES`] bytes. `early`: the buffer of the allreduce this
+    /// rank runs next if every post agrees; a transport that can may move its inputs with
+    /// the post, so that the allreduce then needs no barrier of its own (the others'
+    /// `early` must be the same size, which agreeing posts imply).
+    fn same_posts(
+        &self,
+        _ranks: &[usize],
+        _post: &[u8],
+        _early: Option<&[u8]>,
+    ) -> Option<Result<bool>> {
         None
     }
 

@@ -1406,7 +1406,10 @@ impl CycleThread {
     /// posting the same. Then the answer is [`coordinator::settled_items`] under the knobs
     /// in force, which is what rank 0 would answer, and every cache changes as it would
     /// have. `None`: negotiate with rank 0 (every rank finds the same). `updates`: knob
-    /// changes wait for this rank's request.
+    /// changes wait for this rank's request. The answer is worked out before the post:
+    /// when it is one allreduce of one tensor, the tensor's bytes go with the post
+    /// ([`Transport::same_posts`]'s `early`), so that a small one needs no barrier of its
+    /// own once every post agrees.
     fn settled(&mut self, request: &Request, updates: bool) -> Result<Option<Response>> {
         let Some(cycle) = self.next_cycle.filter(|_| self.settle) else {
             return Ok(None);
@@ -1428,17 +1431,46 @@ impl CycleThread {
                 .values()
                 .all(|e| e.request.kind != OpKind::Allgather)
             && 9 + 8 * request.tensors.len() <= crate::shm::MAX_POST_BYTES;
+        // What this cycle runs if every rank posts the same: decided before the post,
+        // so that a lone small allreduce can move its inputs with it.
+        let mut items = Vec::new();
         if eligible {
             post[0] = 1;
             post.extend_from_slice(&cycle.to_le_bytes());
+            let mut ready = Vec::new();
             for r in &request.tensors {
                 if let coordinator::Ready::Cached(run) = r {
                     post.extend_from_slice(&run.0.to_le_bytes());
                     post.extend_from_slice(&run.1.to_le_bytes());
+                    for bit in run.bits() {
+                        let (_, cached) = self.cache.table().get(bit).ok_or_else(|| {
+                            CollectiveError::JobFailed {
+                                rank: self.rank,
+                                cause: format!(
+                                    "cache bit {bit} is not in this rank's response cache (a \
+                                     bug in collectives)"
+                                ),
+                            }
+                        })?;
+                        ready.push(cached.clone());
+                    }
                 }
             }
+            items = coordinator::settled_items(&ready, &self.knobs);
         }
-        let same = match self.transport.same_posts(&self.all_ranks, &post) {
+        // A lone allreduce of one tensor on the flat schedule is the transport's one-shot
+        // when it is small: its bytes can go with the post.
+        let early = match items.as_slice() {
+            [Item::Allreduce { names, .. }]
+                if names.len() == 1
+                    && !self.knobs.hierarchical_allreduce
+                    && 9 + post.len() <= crate::shm::MAX_POST_BYTES =>
+            {
+                self.pending.get(&names[0]).map(|e| e.tensor.as_bytes())
+            }
+            _ => None,
+        };
+        let same = match self.transport.same_posts(&self.all_ranks, &post, early) {
             Some(same) => same?,
             None => {
                 // Not one segment after all (it is the same on every rank).
@@ -1449,26 +1481,6 @@ impl CycleThread {
         if !(same && eligible) {
             return Ok(None);
         }
-        let mut ready = Vec::new();
-        for r in &request.tensors {
-            if let coordinator::Ready::Cached(run) = r {
-                for bit in run.bits() {
-                    let (_, cached) =
-                        self.cache
-                            .table()
-                            .get(bit)
-                            .ok_or_else(|| CollectiveError::JobFailed {
-                                rank: self.rank,
-                                cause: format!(
-                                    "cache bit {bit} is not in this rank's response cache (a bug \
-                                 in collectives)"
-                                ),
-                            })?;
-                    ready.push(cached.clone());
-                }
-            }
-        }
-        let items = coordinator::settled_items(&ready, &self.knobs);
         if let Some(c) = self.coordinator.as_mut() {
             let index = c.settled_step(&items);
             if index != cycle {
