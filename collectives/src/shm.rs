@@ -457,6 +457,19 @@ impl ShmGroup {
         Ok((g, (g % 2) as usize))
     }
 
+    /// Says that this member's inputs for chunk `g` are in its slot, and waits until
+    /// every member's are.
+    fn written_barrier(
+        &self,
+        members: &[usize],
+        g: u64,
+        patience: &mut Patience<'_>,
+    ) -> Result<()> {
+        self.flags(self.me).written.store(g + 1, Ordering::Release);
+        self.notify_all(members);
+        self.wait_for_all(members, |f| f.written.load(Ordering::Acquire) > g, patience)
+    }
+
     fn notify_all(&self, members: &[usize]) {
         for &m in members.iter().filter(|&&m| m != self.me) {
             self.notify(m);
@@ -521,14 +534,7 @@ impl ShmGroup {
                     )
                 };
             }
-            me.written.store(g + 1, Ordering::Release);
-            self.notify_all(members);
-
-            self.wait_for_all(
-                members,
-                |f| f.written.load(Ordering::Acquire) > g,
-                &mut patience,
-            )?;
+            self.written_barrier(members, g, &mut patience)?;
             let mine = sub(p);
             if !mine.is_empty() {
                 let acc = &mut buf[mine];
@@ -611,13 +617,7 @@ impl ShmGroup {
             unsafe {
                 std::ptr::copy_nonoverlapping(buf.as_ptr(), self.slot(self.me, s), buf.len())
             };
-            me.written.store(g + 1, Ordering::Release);
-            self.notify_all(members);
-            self.wait_for_all(
-                members,
-                |f| f.written.load(Ordering::Acquire) > g,
-                &mut patience,
-            )?;
+            self.written_barrier(members, g, &mut patience)?;
         }
         // SAFETY: every member published its whole buffer in slot `s` (`written` > g) and
         // leaves it alone until everyone says `consumed`; our own input is read from our
