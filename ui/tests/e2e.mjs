@@ -507,7 +507,10 @@ try {
     await page.waitForFunction((p) => window.ringwatchViewer.live().polls > p && !window.ringwatchViewer.live().paused, polls, { timeout: 5000 });
     await page.selectOption('#selector', 'pid:4201');
     await page.waitForFunction(() => /pid=4201/.test(window.ringwatchViewer.live().lastUrl || ''), null, { timeout: 5000 });
-    assert(agent.requests.some((q) => /^\/api\/timeline\?from=now-10s&pid=4201&downsample=true&max_events=100000&width=\d+$/.test(q)), 'the pid filter did not reach the API: ' + agent.requests.slice(-3));
+    // lastUrl is set as the request leaves the page: give it time to reach the mock agent
+    const pidQuery = /^\/api\/timeline\?from=now-10s&pid=4201&downsample=true&max_events=100000&width=\d+$/;
+    for (let i = 0; i < 50 && !agent.requests.some((q) => pidQuery.test(q)); i++) await page.waitForTimeout(100);
+    assert(agent.requests.some((q) => pidQuery.test(q)), 'the pid filter did not reach the API: ' + agent.requests.slice(-3));
     await page.screenshot({ path: join(OUT_DIR, 'screenshot-live.png') });
   });
 
