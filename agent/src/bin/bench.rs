@@ -415,8 +415,6 @@ fn tv_s(t: libc::timeval) -> f64 {
 struct CostReading {
     agent_ns: u64,
     programs: std::collections::BTreeMap<u32, (String, u64, u64)>,
-    /// Keeps the kernel's BPF statistics on while a reading may be taken.
-    _stats: std::sync::Arc<std::os::fd::OwnedFd>,
 }
 
 /// What watching one job cost: the agent's CPU and each program's kernel
@@ -437,16 +435,13 @@ impl Cost {
 
 impl CostReading {
     fn take(agent: u32) -> Result<Self> {
-        static STATS: std::sync::OnceLock<std::sync::Arc<std::os::fd::OwnedFd>> =
-            std::sync::OnceLock::new();
-        let stats = match STATS.get() {
-            Some(fd) => fd.clone(),
-            None => {
-                let fd = aya::sys::enable_stats(aya::sys::Stats::RunTime)
-                    .context("turning on the kernel's BPF run-time statistics")?;
-                STATS.get_or_init(|| std::sync::Arc::new(fd)).clone()
-            }
-        };
+        // The statistics stay on while this fd is open: for the rest of the bench.
+        static STATS: std::sync::OnceLock<std::os::fd::OwnedFd> = std::sync::OnceLock::new();
+        if STATS.get().is_none() {
+            let fd = aya::sys::enable_stats(aya::sys::Stats::RunTime)
+                .context("turning on the kernel's BPF run-time statistics")?;
+            let _ = STATS.set(fd);
+        }
         let mut agent_ns = 0;
         let tasks = format!("/proc/{agent}/task");
         for task in std::fs::read_dir(&tasks).with_context(|| format!("reading {tasks}"))? {
@@ -475,11 +470,7 @@ impl CostReading {
                 ),
             );
         }
-        Ok(Self {
-            agent_ns,
-            programs,
-            _stats: stats,
-        })
+        Ok(Self { agent_ns, programs })
     }
 
     /// From `before` to this reading, with the job's CPU time.
@@ -550,10 +541,7 @@ fn stop_agent(mut child: Child, load_s: f64) -> Result<(f64, f64, f64, String)> 
     let text = reader
         .join()
         .map_err(|_| anyhow::anyhow!("reader panicked"))?;
-    let cpu_s = usage.ru_utime.tv_sec as f64
-        + usage.ru_utime.tv_usec as f64 / 1e6
-        + usage.ru_stime.tv_sec as f64
-        + usage.ru_stime.tv_usec as f64 / 1e6;
+    let cpu_s = tv_s(usage.ru_utime) + tv_s(usage.ru_stime);
     Ok((cpu_s, lifetime, usage.ru_maxrss as f64 / 1024.0, text))
 }
 
