@@ -71,6 +71,8 @@ pub mod names {
     pub const GLOBAL_MIN_INTERVAL_NS: &str = "rw_min_interval_ns";
     /// `.rodata` global (`u32`): interval records per thread per second, 0 = no limit.
     pub const GLOBAL_MAX_INTERVALS_PER_S: &str = "rw_max_intervals_per_s";
+    /// `.rodata` global (`u8`): 1 fills [`MAP_SCHED_HIST`], 0 leaves it empty.
+    pub const GLOBAL_HISTOGRAMS: &str = "rw_histograms";
 }
 
 /// `enum rw_event_kind`: the first field after the timestamp in every record.

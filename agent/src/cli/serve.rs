@@ -197,7 +197,7 @@ pub async fn run(args: ServeArgs) -> Result<()> {
         ebpf_off = Some(reason);
         None
     } else {
-        match Session::start_with_jobs(&args.targets, jobs.clone()) {
+        match Session::start_with_jobs(&args.targets, jobs.clone(), false) {
             Ok(session) => Some(session),
             Err(error) if !fixed_targets => {
                 tracing::warn!(

@@ -48,7 +48,7 @@ struct Frame<'a> {
 
 /// Runs the command.
 pub async fn run(args: TopArgs) -> Result<()> {
-    let mut session = Session::start(&args.targets, true)?;
+    let mut session = Session::start(&args.targets, true, false)?;
     eprintln!("ringwatch-agent: watching {} (top)", session.describe());
     let mut iteration = 0u64;
     let mut window_start = monotonic_ns();

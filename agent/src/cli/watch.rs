@@ -75,7 +75,7 @@ const REFRESH_PERIOD: Duration = Duration::from_secs(1);
 
 /// Runs the command.
 pub async fn run(args: WatchArgs) -> Result<()> {
-    let mut session = Session::start(&args.targets, args.targets.pids.is_empty())?;
+    let mut session = Session::start(&args.targets, args.targets.pids.is_empty(), true)?;
     let started = Instant::now();
     eprintln!(
         "ringwatch-agent: watching {} {}",

@@ -63,6 +63,11 @@ pub struct ProbeConfig {
     /// At most this many intervals per thread per second (0: no
     /// limit); the rest are counted and in the histograms only.
     pub max_intervals_per_s: u32,
+    /// Fill the per-thread histograms of run-queue waits and off-CPU time
+    /// ([`Probes::histograms`]). Only `watch` reports them; without them
+    /// every switch in of a runnable thread saves a hash lookup (about a
+    /// fifth of `sched_switch`'s run time under a busy job).
+    pub histograms: bool,
 }
 
 /// A log2 histogram of one thread: `buckets[slot]` counts durations in
@@ -111,6 +116,7 @@ impl Probes {
                 &config.max_intervals_per_s,
                 true,
             )
+            .set_global(names::GLOBAL_HISTOGRAMS, &u8::from(config.histograms), true)
             .load(ebpf::bpf_object())
             .context("loading ringwatch's BPF object into the kernel")?;
         for (set, program, tracepoint) in [
@@ -278,7 +284,8 @@ impl Probes {
             .collect()
     }
 
-    /// The histograms of the given threads, as the kernel holds them now.
+    /// The histograms of the given threads, as the kernel holds them now
+    /// (empty unless loaded with [`ProbeConfig::histograms`]).
     pub fn histograms(&self, tids: &BTreeSet<u32>) -> BTreeMap<u32, ThreadHistograms> {
         let buckets = |counts: &[u64]| Log2Histogram {
             buckets: (0u16..)

@@ -107,13 +107,15 @@ pub struct TargetArgs {
     )]
     pub job_timeline: JobTimeline,
 
-    /// Scheduling intervals shorter than this are counted and kept in the
-    /// kernel's histograms but not sent as events (bounds the event rate).
+    /// Scheduling intervals shorter than this are counted (and, in `watch`,
+    /// kept in the kernel's histograms) but not sent as events (bounds the
+    /// event rate).
     #[arg(long, default_value = "0s", value_parser = humantime::parse_duration, env = "RINGWATCH_MIN_INTERVAL")]
     pub min_interval: Duration,
 
     /// At most this many intervals per thread per second leave the
-    /// kernel (0: no limit); the rest are counted and in the histograms.
+    /// kernel (0: no limit); the rest are counted (and, in `watch`, in the
+    /// kernel's histograms).
     #[arg(long, default_value_t = 0, env = "RINGWATCH_MAX_INTERVAL_RATE")]
     pub max_interval_rate: u32,
 
@@ -230,19 +232,21 @@ impl Session {
     /// Takes the node lock, loads and attaches the probes, and starts
     /// watching what the arguments name; `jobs_by_default` says whether
     /// jobs found through control sockets are watched when neither `--jobs`
-    /// nor `--no-jobs` is given.
-    pub fn start(args: &TargetArgs, jobs_by_default: bool) -> Result<Self> {
+    /// nor `--no-jobs` is given; `histograms` whether the kernel fills
+    /// per-thread histograms ([`Probes::histograms`]; they cost a hash
+    /// lookup per switch, so only a caller that reports them asks).
+    pub fn start(args: &TargetArgs, jobs_by_default: bool, histograms: bool) -> Result<Self> {
         let jobs = if args.watch_jobs(jobs_by_default) {
             Some(start_jobs(args)?)
         } else {
             None
         };
-        Self::start_with_jobs(args, jobs)
+        Self::start_with_jobs(args, jobs, histograms)
     }
 
     /// Like [`Session::start`], with the jobs registry made by the caller
     /// (`serve` keeps it running, for tuning, also when eBPF cannot load).
-    pub fn start_with_jobs(args: &TargetArgs, jobs: Option<Jobs>) -> Result<Self> {
+    pub fn start_with_jobs(args: &TargetArgs, jobs: Option<Jobs>, histograms: bool) -> Result<Self> {
         let mut discovery = Discovery::default();
         if !args.pids.is_empty() {
             for &pid in &args.pids {
@@ -283,6 +287,7 @@ impl Session {
             sets: args.probes.clone(),
             min_interval_ns,
             max_intervals_per_s: args.max_interval_rate,
+            histograms,
         })?;
         let ring = probes.take_events()?;
         // SAFETY: the RingBuf owns its map's file descriptor, which stays
