@@ -246,7 +246,11 @@ impl Session {
 
     /// Like [`Session::start`], with the jobs registry made by the caller
     /// (`serve` keeps it running, for tuning, also when eBPF cannot load).
-    pub fn start_with_jobs(args: &TargetArgs, jobs: Option<Jobs>, histograms: bool) -> Result<Self> {
+    pub fn start_with_jobs(
+        args: &TargetArgs,
+        jobs: Option<Jobs>,
+        histograms: bool,
+    ) -> Result<Self> {
         let mut discovery = Discovery::default();
         if !args.pids.is_empty() {
             for &pid in &args.pids {
