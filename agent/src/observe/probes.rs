@@ -108,7 +108,9 @@ impl Probes {
         let btf = Btf::from_sys_fs().context(
             "reading the kernel's BTF from /sys/kernel/btf/vmlinux (ringwatch needs a kernel built with CONFIG_DEBUG_INFO_BTF=y, Linux >= 5.15)",
         )?;
-        let mut ebpf = EbpfLoader::new()
+        let histograms = u8::from(config.histograms);
+        let mut loader = EbpfLoader::new();
+        loader
             .btf(Some(&btf))
             .set_global(names::GLOBAL_MIN_INTERVAL_NS, &config.min_interval_ns, true)
             .set_global(
@@ -116,7 +118,12 @@ impl Probes {
                 &config.max_intervals_per_s,
                 true,
             )
-            .set_global(names::GLOBAL_HISTOGRAMS, &u8::from(config.histograms), true)
+            .set_global(names::GLOBAL_HISTOGRAMS, &histograms, true);
+        if !config.histograms {
+            // Never written then: not 16 MiB of preallocated entries on every node.
+            loader.set_max_entries(names::MAP_SCHED_HIST, 1);
+        }
+        let mut ebpf = loader
             .load(ebpf::bpf_object())
             .context("loading ringwatch's BPF object into the kernel")?;
         for (set, program, tracepoint) in [
