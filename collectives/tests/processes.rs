@@ -62,8 +62,11 @@ fn launcher_runs_a_checked_sweep_on_three_processes() {
 /// Runs `collbench sweep` through its launcher with `args` and `env`; returns rank 0's JSON.
 fn checked_sweep(args: &[&str], env: &[(&str, &str)]) -> serde_json::Value {
     let mut cmd = Command::new(BIN);
-    cmd.args(["sweep", "--factor", "8", "--iters", "2", "--json"])
-        .args(args)
+    cmd.args(["sweep", "--factor", "8", "--json"]);
+    if !args.contains(&"--iters") {
+        cmd.args(["--iters", "2"]);
+    }
+    cmd.args(args)
         .env("RINGWATCH_CONTROL_SOCKET", "0")
         .env("RINGWATCH_TIMEOUT_SECS", "20")
         .env_remove("RANK")
@@ -133,6 +136,40 @@ fn shared_memory_within_pretend_nodes_tcp_between_and_tcp_only_all_check_out() {
     );
     assert_eq!(peers(&v), serde_json::json!([]));
     assert_eq!(settled(&v), 0);
+}
+
+#[test]
+fn blocking_calls_in_a_loop_run_their_own_cycles_and_leave_the_cycle_thread_asleep() {
+    // Two ranks, 3000 blocking 4 KiB allreduces. Each caller runs its own cycles; the
+    // background thread wakes on its timer (the default cycle time, 1 ms) and goes
+    // back to sleep. It used to wake on every cycle's end in some runs (blocked on the
+    // engine's lock, woken by each unlock only to find the next caller holding it):
+    // thousands of context switches, counted here by the kernel.
+    let iters = 3000;
+    let v = checked_sweep(
+        &[
+            "-n",
+            "2",
+            "--min-bytes",
+            "4K",
+            "--max-bytes",
+            "4K",
+            "--iters",
+            "3000",
+        ],
+        &[],
+    );
+    let row = &v["rows"][0];
+    let ms = row["time_us"].as_f64().unwrap() * iters as f64 / 1e3;
+    let switches = row["cycle_thread_switches"].as_u64().unwrap();
+    let by_caller = row["caller_cycles"].as_u64().unwrap();
+    // At most a wake and a sleep per timer tick, with room for preemption.
+    assert!(
+        switches as f64 <= 3.0 * ms + 30.0,
+        "{switches} switches in {ms} ms: {v}"
+    );
+    // The timer may take a cycle per tick; the callers run the rest.
+    assert!(by_caller as f64 >= iters as f64 - ms - 5.0, "{v}");
 }
 
 #[test]

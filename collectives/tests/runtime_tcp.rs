@@ -339,6 +339,46 @@ fn an_idle_job_starts_a_cycle_when_work_arrives_instead_of_waiting_out_its_cycle
 }
 
 #[test]
+fn blocking_callers_run_their_own_cycles_and_leave_the_background_thread_asleep() {
+    // Two ranks in shared memory, 2000 blocking allreduces each, a cycle time
+    // of 5 ms. Each caller runs its own cycle (`Handle::drive`): the background
+    // thread may run one on its timer (at most one per cycle time) and must not
+    // take the callers' tensors as they come. It used to, in some runs: once it
+    // had run one cycle, every next call woke it and it raced the caller for the
+    // engine. The results are checked against the reference too.
+    let cycle = Duration::from_millis(5);
+    let calls = 2000;
+    let out = run_job(
+        2,
+        2,
+        Duration::from_secs(120),
+        move |c| c.knobs.cycle_time_us = cycle.as_micros() as u64,
+        move |rt| {
+            let before = rt.totals();
+            let started = Instant::now();
+            for seed in 0..calls {
+                let t = input(DType::F32, rt.rank(), 1024, seed);
+                let got = rt.allreduce("drive", t, ReduceOp::Sum).unwrap();
+                assert_eq!(got, reference(DType::F32, ReduceOp::Sum, 2, 1024, seed));
+            }
+            let after = rt.totals();
+            (
+                after.cycles - before.cycles,
+                after.caller_cycles - before.caller_cycles,
+                started.elapsed(),
+            )
+        },
+    );
+    for (rank, (cycles, by_callers, elapsed)) in out.into_iter().enumerate() {
+        let timer_cycles = (elapsed.as_micros() / cycle.as_micros()) as u64 + 2;
+        assert!(
+            cycles - by_callers <= timer_cycles,
+            "rank {rank}: {cycles} cycles, {by_callers} run by the caller, in {elapsed:?}"
+        );
+    }
+}
+
+#[test]
 fn fusion_disabled_and_tiny_threshold_give_the_same_results() {
     for threshold in [0u64, 100] {
         run_job(

@@ -134,6 +134,9 @@ struct Entry {
     request: TensorRequest,
     tensor: Tensor,
     done: mpsc::SyncSender<Result<Tensor>>,
+    /// A caller waits for this tensor and runs its cycle itself ([`Handle::drive`]):
+    /// the background thread leaves it in the inbox until its timer.
+    waited: Arc<AtomicBool>,
 }
 
 impl Entry {
@@ -155,12 +158,20 @@ struct Inbox {
     closed: Option<CollectiveError>,
     /// A caller's cycle ended the job: the background thread must tear it down now.
     ended: bool,
+    /// A caller ran a cycle and left work for the background thread, which found the
+    /// engine busy and waits for this ([`wait_while_callers_drive`]).
+    engine_free: bool,
 }
 
 impl Inbox {
-    /// Something for a cycle: tensors, knob changes or the shutdown.
+    /// Something for the background thread to start a cycle for now: tensors no caller
+    /// is about to run itself, knob changes or the shutdown.
     fn has_work(&self) -> bool {
-        !self.entries.is_empty() || !self.knobs.is_empty() || self.shutdown
+        self.entries
+            .iter()
+            .any(|e| !e.waited.load(Ordering::Relaxed))
+            || !self.knobs.is_empty()
+            || self.shutdown
     }
 }
 
@@ -176,6 +187,7 @@ struct Shared {
     bytes_reduced: AtomicU64,
     negotiation_bytes: AtomicU64,
     settled_cycles: AtomicU64,
+    caller_cycles: AtomicU64,
     claims: Arc<TuningClaims>,
     self_tune: Arc<Mutex<Option<SelfTuneOutcome>>>,
     /// Set by an [`Interrupter`]: why this rank leaves.
@@ -191,12 +203,14 @@ pub struct Handle {
     rank: usize,
     rx: mpsc::Receiver<Result<Tensor>>,
     engine: EngineRef,
+    /// Shared with the tensor's inbox entry ([`Entry::waited`]).
+    waited: Arc<AtomicBool>,
 }
 
 /// The rank's [`Engine`], for a waiting caller to run a cycle itself; gone once the
 /// background thread has ended.
 #[derive(Clone)]
-struct EngineRef(std::sync::Weak<Mutex<Engine>>);
+struct EngineRef(std::sync::Weak<Mutex<Engine>>, std::sync::Weak<Shared>);
 
 impl std::fmt::Debug for EngineRef {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
@@ -253,22 +267,51 @@ impl Handle {
             return Some(result);
         }
         let engine = self.engine.0.upgrade()?;
+        // Claim the cycle before looking: a background thread that wakes now leaves
+        // this tensor to us (`Inbox::has_work`).
+        self.waited.store(true, Ordering::Relaxed);
         let Ok(mut e) = engine.try_lock() else {
+            self.hand_back();
             return None;
         };
         if e.outcome.is_some() || !e.cycle.pending.is_empty() {
+            drop(e);
+            self.hand_back();
             return None;
         }
         e.step(true);
-        if e.outcome.is_some() {
-            // The background thread ends the job: wake it.
-            if let Ok(mut inbox) = e.cycle.shared.inbox.lock() {
-                inbox.ended = true;
-            }
-            e.cycle.shared.work.notify_all();
-        }
+        let left = !e.cycle.pending.is_empty();
+        let shared = e.cycle.shared.clone();
+        let ended = e.outcome.is_some();
         drop(e);
+        if let Ok(mut inbox) = shared.inbox.lock() {
+            if ended {
+                // The background thread ends the job: wake it.
+                inbox.ended = true;
+            } else if left || inbox.has_work() {
+                // Tensors wait for later cycles, or came in for the background thread
+                // while this caller held the engine: it takes over now.
+                inbox.engine_free = true;
+            } else {
+                drop(inbox);
+                return self.try_wait();
+            }
+        }
+        shared.work.notify_all();
         self.try_wait()
+    }
+
+    /// This caller will not run its tensor's cycle after all (another thread runs one, or
+    /// tensors are in flight): the background thread starts it, now.
+    fn hand_back(&self) {
+        let Some(shared) = self.engine.1.upgrade() else {
+            return;
+        };
+        // Under the inbox's lock, so that a background thread about to sleep sees it.
+        if let Ok(_inbox) = shared.inbox.lock() {
+            self.waited.store(false, Ordering::Relaxed);
+        }
+        shared.work.notify_one();
     }
 
     /// The result if it comes while this thread yields the core for a moment (the
@@ -343,6 +386,9 @@ pub struct Totals {
     /// Cycles every rank decided at once through the host's shared memory, with no
     /// message to rank 0 (nothing counted in `negotiation_bytes`).
     pub settled_cycles: u64,
+    /// Cycles a waiting caller ran on its own thread (the rest ran on the background
+    /// thread: on its timer, or for tensors nobody waited for yet).
+    pub caller_cycles: u64,
 }
 
 /// One rank of a collective job.
@@ -431,6 +477,7 @@ impl Runtime {
             bytes_reduced: AtomicU64::new(0),
             negotiation_bytes: AtomicU64::new(0),
             settled_cycles: AtomicU64::new(0),
+            caller_cycles: AtomicU64::new(0),
             claims: claims.clone(),
             self_tune: Arc::new(Mutex::new(None)),
             interrupted: Mutex::new(None),
@@ -538,7 +585,7 @@ impl Runtime {
             last: None,
             outcome: None,
         }));
-        let engine_ref = EngineRef(Arc::downgrade(&engine));
+        let engine_ref = EngineRef(Arc::downgrade(&engine), Arc::downgrade(&shared));
         let thread_shared = shared.clone();
         let thread = std::thread::Builder::new()
             .name(format!("ringwatch-cycle-{rank}"))
@@ -614,6 +661,7 @@ impl Runtime {
             bytes_reduced: self.shared.bytes_reduced.load(Ordering::Relaxed),
             negotiation_bytes: self.shared.negotiation_bytes.load(Ordering::Relaxed),
             settled_cycles: self.shared.settled_cycles.load(Ordering::Relaxed),
+            caller_cycles: self.shared.caller_cycles.load(Ordering::Relaxed),
         }
     }
 
@@ -635,7 +683,9 @@ impl Runtime {
         }
     }
 
-    fn enqueue(&self, name: &str, kind: OpKind, tensor: Tensor) -> Result<Handle> {
+    /// Puts a tensor in the inbox; `waited`: the caller waits for it at once and runs its
+    /// cycle itself ([`Handle::drive`]), so the background thread is not woken for it.
+    fn enqueue(&self, name: &str, kind: OpKind, tensor: Tensor, waited: bool) -> Result<Handle> {
         let rank = self.shared.rank;
         let invalid = |message: &str| CollectiveError::InvalidTensor {
             rank,
@@ -663,6 +713,7 @@ impl Runtime {
             }
         }
         let (tx, rx) = mpsc::sync_channel(1);
+        let waited = Arc::new(AtomicBool::new(waited));
         let entry = Entry {
             request: TensorRequest {
                 name: name.to_string(),
@@ -672,6 +723,7 @@ impl Runtime {
             },
             tensor,
             done: tx,
+            waited: waited.clone(),
         };
         let mut inbox = self
             .shared
@@ -690,7 +742,7 @@ impl Runtime {
         // when it waits; the background thread's timer takes it within a cycle time if
         // it does not. Waking the background thread for it would cost a wake-up per call
         // and a thread that competes with the callers for the cores.
-        if !self.shared.callers_drive.load(Ordering::Relaxed) {
+        if !waited.load(Ordering::Relaxed) && !self.shared.callers_drive.load(Ordering::Relaxed) {
             self.shared.work.notify_one();
         }
         Ok(Handle {
@@ -698,37 +750,40 @@ impl Runtime {
             rank,
             rx,
             engine: self.engine.clone(),
+            waited,
         })
     }
 
     /// Enqueues an allreduce of `tensor` under `name` (the same name and shape on every rank).
     pub fn allreduce_async(&self, name: &str, tensor: Tensor, op: ReduceOp) -> Result<Handle> {
-        self.enqueue(name, OpKind::Allreduce(op), tensor)
+        self.enqueue(name, OpKind::Allreduce(op), tensor, false)
     }
 
     /// Enqueues an allgather along the first dimension (which may differ across ranks).
     pub fn allgather_async(&self, name: &str, tensor: Tensor) -> Result<Handle> {
-        self.enqueue(name, OpKind::Allgather, tensor)
+        self.enqueue(name, OpKind::Allgather, tensor, false)
     }
 
     /// Enqueues a broadcast from `root`; other ranks pass a tensor of the same shape.
     pub fn broadcast_async(&self, name: &str, tensor: Tensor, root: usize) -> Result<Handle> {
-        self.enqueue(name, OpKind::Broadcast(root), tensor)
+        self.enqueue(name, OpKind::Broadcast(root), tensor, false)
     }
 
     /// Allreduce and wait.
     pub fn allreduce(&self, name: &str, tensor: Tensor, op: ReduceOp) -> Result<Tensor> {
-        self.allreduce_async(name, tensor, op)?.wait()
+        self.enqueue(name, OpKind::Allreduce(op), tensor, true)?
+            .wait()
     }
 
     /// Allgather and wait.
     pub fn allgather(&self, name: &str, tensor: Tensor) -> Result<Tensor> {
-        self.allgather_async(name, tensor)?.wait()
+        self.enqueue(name, OpKind::Allgather, tensor, true)?.wait()
     }
 
     /// Broadcast and wait.
     pub fn broadcast(&self, name: &str, tensor: Tensor, root: usize) -> Result<Tensor> {
-        self.broadcast_async(name, tensor, root)?.wait()
+        self.enqueue(name, OpKind::Broadcast(root), tensor, true)?
+            .wait()
     }
 
     /// Shuts down: waits (up to the peer timeout) until every rank has asked to shut down,
@@ -948,9 +1003,17 @@ impl Engine {
         // Another rank waits in the segment for this rank's next cycle.
         let mut awaited = false;
         loop {
-            let Ok(mut e) = engine.lock() else {
+            let mut e = match engine.try_lock() {
+                Ok(e) => e,
+                // A caller runs a cycle (`Handle::drive`). Blocking on the lock would
+                // have every cycle's unlock wake this thread, only to find the next
+                // call's caller holding it again.
+                Err(std::sync::TryLockError::WouldBlock) => {
+                    wait_while_callers_drive(shared);
+                    continue;
+                }
                 // A cycle panicked: nothing can be trusted; the links go when we do.
-                return;
+                Err(std::sync::TryLockError::Poisoned(_)) => return,
             };
             if e.outcome.is_some() {
                 break;
@@ -1013,6 +1076,12 @@ impl Engine {
     /// Runs one cycle (`by_caller`: on a waiting caller's thread).
     fn step(&mut self, by_caller: bool) {
         let start = Instant::now();
+        if by_caller {
+            self.cycle
+                .shared
+                .caller_cycles
+                .fetch_add(1, Ordering::Relaxed);
+        }
         let interrupted = self
             .cycle
             .shared
@@ -1052,6 +1121,24 @@ impl Shared {
     }
 }
 
+/// Waits while a caller holds the engine: until one leaves work for this thread (or
+/// ends the job), or for at most a cycle time, after which the engine is tried again.
+fn wait_while_callers_drive(shared: &Shared) {
+    let cycle_time = shared
+        .knobs
+        .lock()
+        .map_or(Duration::from_millis(1), |k| k.0.cycle_time());
+    let Ok(mut inbox) = shared.inbox.lock() else {
+        return;
+    };
+    if !std::mem::take(&mut inbox.engine_free)
+        && !inbox.ended
+        && let Ok((mut inbox, _)) = shared.work.wait_timeout(inbox, cycle_time)
+    {
+        inbox.engine_free = false;
+    }
+}
+
 /// Waits until `next`, the start of the next cycle. A rank with nothing in flight
 /// (`idle`) starts at once when work arrives instead: the cycle time bounds how long
 /// tensors wait to be fused with others, it is not a sleep every request pays. Ranks
@@ -1071,7 +1158,9 @@ fn wait_for_next_cycle(shared: &Shared, next: Instant, idle: bool, yield_first: 
         return;
     };
     loop {
-        if (idle && inbox.has_work()) || inbox.ended {
+        // `engine_free`: a caller's cycle left tensors in flight; what to do next is
+        // decided afresh.
+        if (idle && inbox.has_work()) || inbox.ended || std::mem::take(&mut inbox.engine_free) {
             return;
         }
         let now = Instant::now();
