@@ -267,9 +267,11 @@ impl Handle {
             return Some(result);
         }
         let engine = self.engine.0.upgrade()?;
-        // Claim the cycle before looking: a background thread that wakes now leaves
-        // this tensor to us (`Inbox::has_work`).
-        self.waited.store(true, Ordering::Relaxed);
+        // A blocking call's tensor (`waited` from the start) is left to its caller by the
+        // background thread, which must take it back if the caller cannot run it. An
+        // async one's is the background thread's to start (a framework enqueues a step's
+        // gradients, then waits for each): its caller runs a cycle only when nothing
+        // else does.
         let Ok(mut e) = engine.try_lock() else {
             self.hand_back();
             return None;
@@ -304,6 +306,9 @@ impl Handle {
     /// This caller will not run its tensor's cycle after all (another thread runs one, or
     /// tensors are in flight): the background thread starts it, now.
     fn hand_back(&self) {
+        if !self.waited.load(Ordering::Relaxed) {
+            return;
+        }
         let Some(shared) = self.engine.1.upgrade() else {
             return;
         };
@@ -1003,17 +1008,26 @@ impl Engine {
         // Another rank waits in the segment for this rank's next cycle.
         let mut awaited = false;
         loop {
-            let mut e = match engine.try_lock() {
-                Ok(e) => e,
-                // A caller runs a cycle (`Handle::drive`). Blocking on the lock would
-                // have every cycle's unlock wake this thread, only to find the next
-                // call's caller holding it again.
-                Err(std::sync::TryLockError::WouldBlock) => {
-                    wait_while_callers_drive(shared);
-                    continue;
+            let locked = if shared.callers_drive.load(Ordering::Relaxed) {
+                // Callers run the cycles (`Handle::drive`) of blocking calls one after
+                // the other. Blocking on the lock would have every cycle's unlock wake
+                // this thread, only to find the next call's caller holding it again.
+                match engine.try_lock() {
+                    Err(std::sync::TryLockError::WouldBlock) => {
+                        wait_while_callers_drive(shared);
+                        continue;
+                    }
+                    Err(std::sync::TryLockError::Poisoned(_)) => Err(()),
+                    Ok(e) => Ok(e),
                 }
-                // A cycle panicked: nothing can be trusted; the links go when we do.
-                Err(std::sync::TryLockError::Poisoned(_)) => return,
+            } else {
+                // This thread runs the cycles (async tensors): it takes the engine as
+                // soon as a caller that ran one in between lets go.
+                engine.lock().map_err(|_| ())
+            };
+            // A cycle panicked: nothing can be trusted; the links go when we do.
+            let Ok(mut e) = locked else {
+                return;
             };
             if e.outcome.is_some() {
                 break;
