@@ -88,6 +88,9 @@ const ONE_SHOT_MAX_BYTES: usize = 64 << 10;
 /// answers within this.
 const SPINS: u32 = 200;
 
+/// [`SPINS`] where the host has more ranks than cores.
+const OVERSUBSCRIBED_SPINS: u32 = 10;
+
 const SEGMENT_MAGIC: u64 = u64::from_le_bytes(*b"RWSHM\0v2");
 const MESSAGE_MAGIC: u64 = u64::from_le_bytes(*b"RWmsg\0v1");
 /// Header in front of every message: payload length, magic (detects a protocol slip).
@@ -1154,7 +1157,14 @@ impl ShmGroup {
     /// reason to give up appears.
     fn wait(&self, seq: u32, patience: &mut Patience<'_>) -> Result<()> {
         let bell = self.bell(self.me);
-        for _ in 0..SPINS {
+        // With more ranks than cores the peer most often waits for this core: spinning
+        // only keeps it from running.
+        let spins = if self.spread {
+            SPINS
+        } else {
+            OVERSUBSCRIBED_SPINS
+        };
+        for _ in 0..spins {
             if bell.seq.load(Ordering::Relaxed) != seq {
                 return Ok(());
             }
