@@ -1124,12 +1124,6 @@ impl ShmGroup {
             return;
         };
         self.bell(self.me).cpu.store(cpu + 1, Ordering::Relaxed);
-        let taken: Vec<u32> = (0..self.ranks.len())
-            .filter(|&m| m != self.me && self.active[m])
-            .map(|m| self.bell(m).cpu.load(Ordering::Relaxed))
-            .filter(|&c| c != 0)
-            .map(|c| c - 1)
-            .collect();
         let shared_with_earlier = (0..self.me)
             .filter(|&m| self.active[m])
             .any(|m| self.bell(m).cpu.load(Ordering::Relaxed) == cpu + 1);
@@ -1143,6 +1137,13 @@ impl ShmGroup {
             return;
         }
         *last = Some(Instant::now());
+        // Only now, on the rare wait that moves: the cores the others last waited on.
+        let taken: Vec<u32> = (0..self.ranks.len())
+            .filter(|&m| m != self.me && self.active[m])
+            .map(|m| self.bell(m).cpu.load(Ordering::Relaxed))
+            .filter(|&c| c != 0)
+            .map(|c| c - 1)
+            .collect();
         if let Some(to) = move_to_a_free_core(cpu, &taken) {
             tracing::debug!(
                 rank = self.my_rank(),
