@@ -329,16 +329,48 @@ impl<'a, 'f> Incoming<'a, 'f> {
     }
 }
 
-/// Tracks how long an operation has gone without progress and whom it waits on.
+/// Tracks how long an operation has gone without progress and whom it waits on. Its
+/// clocks start at the first wait that does not end within the spins: a small
+/// collective whose peers are there at once reads no clock and allocates nothing.
 struct Patience<'a> {
-    last_progress: Instant,
-    last_health_check: Instant,
-    /// Members whose health is watched.
-    peers: Vec<usize>,
+    /// When the current stretch without progress began to cost a wait (`None`: progress
+    /// since, or none waited yet).
+    since: Option<Instant>,
+    last_health_check: Option<Instant>,
+    /// Members whose health is watched (this member is skipped).
+    peers: Peers<'a>,
     /// The member named if the wait times out: the one not heard from.
     waiting_on: usize,
     cancel: Option<&'a AtomicBool>,
     peer_gone: PeerGone<'a>,
+}
+
+/// The members a wait watches: those of a collective, or the one or two of an exchange.
+#[derive(Clone, Copy)]
+enum Peers<'a> {
+    Members(&'a [usize]),
+    Pair([Option<usize>; 2]),
+}
+
+impl Peers<'_> {
+    fn iter(&self, me: usize) -> impl Iterator<Item = usize> + '_ {
+        let (members, pair): (&[usize], &[Option<usize>]) = match self {
+            Peers::Members(m) => (m, &[]),
+            Peers::Pair(p) => (&[], p),
+        };
+        members
+            .iter()
+            .copied()
+            .chain(pair.iter().flatten().copied())
+            .filter(move |&m| m != me)
+    }
+}
+
+impl Patience<'_> {
+    /// Progress was made: the next wait starts a fresh stretch.
+    fn progressed(&mut self) {
+        self.since = None;
+    }
 }
 
 // SAFETY: the raw pointers inside `Ring`s are derived on use from `map`, which lives as
@@ -426,7 +458,7 @@ impl ShmGroup {
             let seq = bell.seq.load(Ordering::SeqCst);
             match members.iter().find(|&&m| !ready(m)) {
                 None => {
-                    patience.last_progress = Instant::now();
+                    patience.progressed();
                     return Ok(());
                 }
                 Some(&laggard) => patience.waiting_on = laggard,
@@ -436,12 +468,11 @@ impl ShmGroup {
     }
 
     /// A wait on `members` (the others among them watched) that starts now.
-    fn patience<'p>(&self, members: &[usize], peer_gone: PeerGone<'p>) -> Patience<'p> {
-        let now = Instant::now();
+    fn patience<'p>(&self, members: &'p [usize], peer_gone: PeerGone<'p>) -> Patience<'p> {
         Patience {
-            last_progress: now,
-            last_health_check: now,
-            peers: members.iter().copied().filter(|&m| m != self.me).collect(),
+            since: None,
+            last_health_check: None,
+            peers: Peers::Members(members),
             waiting_on: self.me,
             cancel: None,
             peer_gone,
@@ -691,16 +722,16 @@ impl ShmGroup {
             return Err(self.link_error(self.my_rank(), "shared post: bad size or members"));
         }
         let mut early_chunk = None;
-        let mut with_early;
+        let mut with_early = [0u8; MAX_POST_BYTES];
         let post = match early {
             None => post,
             Some(data) => {
                 early_chunk = self.put_early(members, data)?;
-                with_early = Vec::with_capacity(post.len() + extra);
-                with_early.extend_from_slice(post);
-                with_early.push(u8::from(early_chunk.is_some()));
-                with_early.extend_from_slice(&(data.len() as u64).to_le_bytes());
-                &with_early[..]
+                let n = post.len();
+                with_early[..n].copy_from_slice(post);
+                with_early[n] = u8::from(early_chunk.is_some());
+                with_early[n + 1..n + extra].copy_from_slice(&(data.len() as u64).to_le_bytes());
+                &with_early[..n + extra]
             }
         };
         let same = self.exchange_posts(members, post, peer_gone)?;
@@ -1072,11 +1103,10 @@ impl ShmGroup {
             Some(m) => Some(self.lock(&self.rx[m], m)?),
             None => None,
         };
-        let now = Instant::now();
         let mut patience = Patience {
-            last_progress: now,
-            last_health_check: now,
-            peers: to_member.into_iter().chain(from_member).collect(),
+            since: None,
+            last_health_check: None,
+            peers: Peers::Pair([to_member, from_member]),
             // Name the peer we were waiting to hear from, else the one we were sending to.
             waiting_on: from_member.or(to_member).unwrap_or(self.me),
             cancel,
@@ -1098,7 +1128,7 @@ impl ShmGroup {
                 progressed |= self.read_step(m, rx, i)?;
             }
             if progressed {
-                patience.last_progress = Instant::now();
+                patience.progressed();
                 continue;
             }
             self.wait(seq, &mut patience)?;
@@ -1171,6 +1201,8 @@ impl ShmGroup {
             }
             std::hint::spin_loop();
         }
+        // The spins did not do: from here on the wait counts against the timeout.
+        let started = *patience.since.get_or_insert_with(Instant::now);
         self.leave_a_shared_core();
         // The peer may be waiting for this core (more ranks than cores): hand it over.
         if crate::poll::yield_until(crate::poll::YIELD_BUDGET, || {
@@ -1194,7 +1226,7 @@ impl ShmGroup {
                 "cancelled: the other half of this step failed",
             ));
         }
-        for &m in &patience.peers {
+        for m in patience.peers.iter(self.me) {
             if self.bell(m).aborted.load(Ordering::SeqCst) != 0 {
                 return Err(self.link_error(
                     self.ranks[m],
@@ -1207,9 +1239,10 @@ impl ShmGroup {
         // not a failure while those bytes wait in the ring: when the bell rang since
         // the caller looked, let it look again before judging the peers.
         let rang = bell.seq.load(Ordering::SeqCst) != seq;
-        if !rang && now.duration_since(patience.last_health_check) >= WAIT_SLICE {
-            patience.last_health_check = now;
-            for &m in &patience.peers {
+        let last_check = *patience.last_health_check.get_or_insert(started);
+        if !rang && now.duration_since(last_check) >= WAIT_SLICE {
+            patience.last_health_check = Some(now);
+            for m in patience.peers.iter(self.me) {
                 if (patience.peer_gone)(self.ranks[m]) {
                     return Err(self.link_error(
                         self.ranks[m],
@@ -1218,7 +1251,7 @@ impl ShmGroup {
                 }
             }
         }
-        if now.duration_since(patience.last_progress) >= self.timeout {
+        if now.duration_since(started) >= self.timeout {
             return Err(CollectiveError::PeerTimeout {
                 rank: self.my_rank(),
                 peer: self.ranks[patience.waiting_on],
