@@ -15,6 +15,7 @@
 
 pub mod cache;
 mod claim;
+mod completion;
 pub mod coordinator;
 mod faults;
 #[cfg(feature = "autotune")]
@@ -48,6 +49,7 @@ use crate::timeline::{TimelineFile, activity, now_us};
 use crate::transport::{MAX_FRAME_BYTES, Transport, recv_frame, send_frame};
 use cache::{DEFAULT_CACHE_CAPACITY, RankCache};
 use claim::TuningClaims;
+use completion::{Completion, Done, Taken};
 use coordinator::{Coordinator, Item, OpKind, Request, Response, TensorRequest, WireResponse};
 use faults::{FaultChannel, LostRank};
 use server::{ControlServer, Feeder, ServerState};
@@ -133,20 +135,20 @@ impl RuntimeConfig {
 struct Entry {
     request: TensorRequest,
     tensor: Tensor,
-    done: mpsc::SyncSender<Result<Tensor>>,
-    /// A caller waits for this tensor and runs its cycle itself ([`Handle::drive`]):
-    /// the background thread leaves it in the inbox until its timer.
-    waited: Arc<AtomicBool>,
+    /// Its handle's slot; also says whether a caller waits for this tensor and runs
+    /// its cycle itself ([`Handle::drive`]): the background thread leaves such a tensor
+    /// in the inbox until its timer.
+    done: Done,
 }
 
 impl Entry {
     fn finish(self, result: Result<Tensor>) {
-        let _ = self.done.send(result);
+        self.done.send(result);
     }
 
     fn succeed(self) {
         let Entry { tensor, done, .. } = self;
-        let _ = done.send(Ok(tensor));
+        done.send(Ok(tensor));
     }
 }
 
@@ -167,9 +169,7 @@ impl Inbox {
     /// Something for the background thread to start a cycle for now: tensors no caller
     /// is about to run itself, knob changes or the shutdown.
     fn has_work(&self) -> bool {
-        self.entries
-            .iter()
-            .any(|e| !e.waited.load(Ordering::Relaxed))
+        self.entries.iter().any(|e| !e.done.completion().waited())
             || !self.knobs.is_empty()
             || self.shutdown
     }
@@ -181,7 +181,7 @@ struct Shared {
     /// Signalled when work (or a knob change, or shutdown) lands in the
     /// inbox: an idle cycle thread starts its next cycle at once.
     work: Condvar,
-    in_flight: Mutex<HashSet<String>>,
+    in_flight: Mutex<HashSet<String, foldhash::fast::RandomState>>,
     knobs: Arc<Mutex<(Knobs, u64)>>,
     cycles: AtomicU64,
     bytes_reduced: AtomicU64,
@@ -201,10 +201,15 @@ struct Shared {
 pub struct Handle {
     name: String,
     rank: usize,
-    rx: mpsc::Receiver<Result<Tensor>>,
+    /// Shared with the tensor's inbox entry ([`Entry::done`]).
+    done: Arc<Completion>,
     engine: EngineRef,
-    /// Shared with the tensor's inbox entry ([`Entry::waited`]).
-    waited: Arc<AtomicBool>,
+}
+
+impl std::fmt::Debug for Completion {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("Completion")
+    }
 }
 
 /// The rank's [`Engine`], for a waiting caller to run a cycle itself; gone once the
@@ -233,9 +238,10 @@ impl Handle {
         if let Some(result) = self.poll(crate::poll::YIELD_BUDGET) {
             return result;
         }
-        self.rx
-            .recv()
-            .unwrap_or(Err(CollectiveError::ShutDown { rank: self.rank }))
+        match self.done.take_within(None) {
+            Taken::Result(r) => r,
+            Taken::Pending | Taken::Closed => Err(CollectiveError::ShutDown { rank: self.rank }),
+        }
     }
 
     /// Waits at most `timeout` for the result, keeping the handle when it is not there yet
@@ -248,12 +254,10 @@ impl Handle {
         if let Some(result) = self.poll(timeout.min(crate::poll::YIELD_BUDGET)) {
             return Some(result);
         }
-        match self.rx.recv_timeout(timeout) {
-            Ok(r) => Some(r),
-            Err(mpsc::RecvTimeoutError::Timeout) => None,
-            Err(mpsc::RecvTimeoutError::Disconnected) => {
-                Some(Err(CollectiveError::ShutDown { rank: self.rank }))
-            }
+        match self.done.take_within(Some(timeout)) {
+            Taken::Result(r) => Some(r),
+            Taken::Pending => None,
+            Taken::Closed => Some(Err(CollectiveError::ShutDown { rank: self.rank })),
         }
     }
 
@@ -306,7 +310,7 @@ impl Handle {
     /// This caller will not run its tensor's cycle after all (another thread runs one, or
     /// tensors are in flight): the background thread starts it, now.
     fn hand_back(&self) {
-        if !self.waited.load(Ordering::Relaxed) {
+        if !self.done.waited() {
             return;
         }
         let Some(shared) = self.engine.1.upgrade() else {
@@ -314,7 +318,7 @@ impl Handle {
         };
         // Under the inbox's lock, so that a background thread about to sleep sees it.
         if let Ok(_inbox) = shared.inbox.lock() {
-            self.waited.store(false, Ordering::Relaxed);
+            self.done.waited.store(false, Ordering::Relaxed);
         }
         shared.work.notify_one();
     }
@@ -332,27 +336,23 @@ impl Handle {
 
     /// The result if it is there, without waiting (`None`: still running).
     pub fn try_wait(&mut self) -> Option<Result<Tensor>> {
-        match self.rx.try_recv() {
-            Ok(r) => Some(r),
-            Err(mpsc::TryRecvError::Empty) => None,
-            Err(mpsc::TryRecvError::Disconnected) => {
-                Some(Err(CollectiveError::ShutDown { rank: self.rank }))
-            }
+        match self.done.try_take() {
+            Taken::Result(r) => Some(r),
+            Taken::Pending => None,
+            Taken::Closed => Some(Err(CollectiveError::ShutDown { rank: self.rank })),
         }
     }
 
     /// Waits at most `timeout` for the result.
     pub fn wait_timeout(self, timeout: Duration) -> Result<Tensor> {
-        match self.rx.recv_timeout(timeout) {
-            Ok(r) => r,
-            Err(mpsc::RecvTimeoutError::Timeout) => Err(CollectiveError::WaitTimeout {
+        match self.done.take_within(Some(timeout)) {
+            Taken::Result(r) => r,
+            Taken::Pending => Err(CollectiveError::WaitTimeout {
                 rank: self.rank,
                 name: self.name,
                 timeout,
             }),
-            Err(mpsc::RecvTimeoutError::Disconnected) => {
-                Err(CollectiveError::ShutDown { rank: self.rank })
-            }
+            Taken::Closed => Err(CollectiveError::ShutDown { rank: self.rank }),
         }
     }
 }
@@ -476,7 +476,7 @@ impl Runtime {
             rank,
             inbox: Mutex::new(Inbox::default()),
             work: Condvar::new(),
-            in_flight: Mutex::new(HashSet::new()),
+            in_flight: Mutex::new(HashSet::default()),
             knobs: knobs_state.clone(),
             cycles: AtomicU64::new(0),
             bytes_reduced: AtomicU64::new(0),
@@ -562,7 +562,8 @@ impl Runtime {
             settle: world_size > 1 && transport.shared_memory_peers().len() + 1 == world_size,
             next_cycle: None,
             knobs: config.knobs,
-            pending: HashMap::new(),
+            pending: HashMap::default(),
+            spare_entries: Vec::new(),
             fusion: AlignedBuf::default(),
             timeline,
             server,
@@ -717,8 +718,7 @@ impl Runtime {
                 ));
             }
         }
-        let (tx, rx) = mpsc::sync_channel(1);
-        let waited = Arc::new(AtomicBool::new(waited));
+        let (done, completion) = Completion::new(waited);
         let entry = Entry {
             request: TensorRequest {
                 name: name.to_string(),
@@ -727,8 +727,7 @@ impl Runtime {
                 shape: tensor.shape().to_vec(),
             },
             tensor,
-            done: tx,
-            waited: waited.clone(),
+            done,
         };
         let mut inbox = self
             .shared
@@ -747,15 +746,14 @@ impl Runtime {
         // when it waits; the background thread's timer takes it within a cycle time if
         // it does not. Waking the background thread for it would cost a wake-up per call
         // and a thread that competes with the callers for the cores.
-        if !waited.load(Ordering::Relaxed) && !self.shared.callers_drive.load(Ordering::Relaxed) {
+        if !waited && !self.shared.callers_drive.load(Ordering::Relaxed) {
             self.shared.work.notify_one();
         }
         Ok(Handle {
             name: name.to_string(),
             rank,
-            rx,
+            done: completion,
             engine: self.engine.clone(),
-            waited,
         })
     }
 
@@ -913,7 +911,9 @@ struct CycleThread {
     /// first: the same on every rank).
     next_cycle: Option<u64>,
     knobs: Knobs,
-    pending: HashMap<String, Entry>,
+    pending: HashMap<String, Entry, foldhash::fast::RandomState>,
+    /// An empty vector for the inbox's next entries (see `cycle`).
+    spare_entries: Vec<Entry>,
     fusion: AlignedBuf,
     timeline: Option<TimelineFile>,
     server: Option<Arc<ControlServer>>,
@@ -949,7 +949,14 @@ struct Events {
 }
 
 impl Events {
-    fn add(&mut self, tensor: &str, activity: &str, phase: Phase, args: &[(&str, String)]) {
+    /// `args` are formatted only when the timeline is on.
+    fn add(
+        &mut self,
+        tensor: &str,
+        activity: &str,
+        phase: Phase,
+        args: &[(&str, &dyn std::fmt::Display)],
+    ) {
         if !self.enabled {
             return;
         }
@@ -961,7 +968,7 @@ impl Events {
             ts_us: now_us(),
             args: args
                 .iter()
-                .map(|(k, v)| (k.to_string(), v.clone()))
+                .map(|(k, v)| (k.to_string(), v.to_string()))
                 .collect::<BTreeMap<_, _>>(),
         });
     }
@@ -1111,7 +1118,7 @@ impl Engine {
             }),
             None => {
                 self.cycle.autotune_tick();
-                self.cycle.cycle()
+                self.cycle.cycle(start)
             }
         };
         self.last = Some((start, Instant::now()));
@@ -1315,18 +1322,19 @@ impl CycleThread {
         }
     }
 
-    /// One cycle; `Ok(true)` when the job shuts down.
-    fn cycle(&mut self) -> Result<bool> {
-        let cycle_start = Instant::now();
-        let start_unix_us = now_us();
+    /// One cycle, begun at `cycle_start`; `Ok(true)` when the job shuts down.
+    fn cycle(&mut self, cycle_start: Instant) -> Result<bool> {
         let mut events = Events {
             enabled: self.timeline.is_some()
                 || self.server.as_ref().is_some_and(|s| s.wants_timeline())
-                || self.feeder.as_mut().is_some_and(|f| f.wants_timeline()),
+                || self
+                    .feeder
+                    .as_mut()
+                    .is_some_and(|f| f.wants_timeline(cycle_start)),
             rank: self.rank,
             list: Vec::new(),
         };
-        let (entries, knob_updates, shutdown) = {
+        let (mut entries, knob_updates, shutdown) = {
             let mut inbox = self
                 .shared
                 .inbox
@@ -1335,8 +1343,10 @@ impl CycleThread {
                     rank: self.rank,
                     cause: "runtime state poisoned".into(),
                 })?;
+            // The inbox gets last cycle's emptied vector, so that enqueueing does not
+            // allocate one per cycle.
             (
-                std::mem::take(&mut inbox.entries),
+                std::mem::replace(&mut inbox.entries, std::mem::take(&mut self.spare_entries)),
                 std::mem::take(&mut inbox.knobs),
                 inbox.shutdown,
             )
@@ -1346,7 +1356,7 @@ impl CycleThread {
             knobs: knob_updates,
             shutdown,
         };
-        for entry in entries {
+        for entry in entries.drain(..) {
             events.add(
                 &entry.request.name,
                 negotiate_activity(entry.request.kind),
@@ -1355,6 +1365,7 @@ impl CycleThread {
             );
             self.pending.insert(entry.request.name.clone(), entry);
         }
+        self.spare_entries = entries;
 
         let knob_requests = self
             .server
@@ -1405,7 +1416,8 @@ impl CycleThread {
         }
         self.shared.cycles.fetch_add(1, Ordering::Relaxed);
 
-        for item in &response.items {
+        let timeline_on = events.enabled;
+        for item in response.items.iter().filter(|_| timeline_on) {
             let names: Vec<&String> = match item {
                 Item::Allreduce { names, .. } => names.iter().collect(),
                 Item::Allgather { name, .. }
@@ -1429,11 +1441,15 @@ impl CycleThread {
             .bytes_reduced
             .fetch_add(work.bytes_reduced, Ordering::Relaxed);
 
-        if work.tensors > 0 && (self.server.is_some() || self.self_tuning()) {
+        if work.tensors > 0
+            && (self.server.as_ref().is_some_and(|s| s.wants_stats()) || self.self_tuning())
+        {
+            // The wall clock of the cycle's start, read only for the statistics.
+            let duration_us = cycle_start.elapsed().as_micros() as u64;
             let stats = CycleStats {
                 cycle: response.cycle,
-                start_unix_us,
-                duration_us: cycle_start.elapsed().as_micros() as u64,
+                start_unix_us: now_us().saturating_sub(duration_us),
+                duration_us,
                 bytes_reduced: work.bytes_reduced,
                 bytes_total: work.bytes_total,
                 tensors: work.tensors,
@@ -1517,7 +1533,8 @@ impl CycleThread {
         let Some(cycle) = self.next_cycle.filter(|_| self.settle) else {
             return Ok(None);
         };
-        let mut post = vec![0u8];
+        let mut post = Vec::with_capacity(crate::shm::MAX_POST_BYTES);
+        post.push(0u8);
         let eligible = !updates
             && request.knobs.is_empty()
             && !request.shutdown
@@ -1540,7 +1557,7 @@ impl CycleThread {
         if eligible {
             post[0] = 1;
             post.extend_from_slice(&cycle.to_le_bytes());
-            let mut ready = Vec::new();
+            let mut ready: Vec<&TensorRequest> = Vec::with_capacity(request.tensors.len());
             for r in &request.tensors {
                 if let coordinator::Ready::Cached(run) = r {
                     post.extend_from_slice(&run.0.to_le_bytes());
@@ -1555,11 +1572,11 @@ impl CycleThread {
                                 ),
                             }
                         })?;
-                        ready.push(cached.clone());
+                        ready.push(cached);
                     }
                 }
             }
-            items = coordinator::settled_items(&ready, &self.knobs);
+            items = coordinator::settled_items(ready, &self.knobs);
         }
         // A lone allreduce of one tensor on the flat schedule is the transport's one-shot
         // when it is small: its bytes can go with the post.
@@ -1789,13 +1806,19 @@ impl CycleThread {
                     (Algorithm::Hierarchical, Some(l)) => Schedule::Hierarchical(l),
                     _ => Schedule::Ring,
                 };
-                let args = [("algorithm", algorithm.name().to_string())];
+                let algorithm_name = algorithm.name();
+                let args: [(&str, &dyn std::fmt::Display); 1] = [("algorithm", &algorithm_name)];
                 for e in &entries {
                     events.add(&e.request.name, activity::QUEUE, Phase::End, &[]);
                     events.add(&e.request.name, activity::ALLREDUCE, Phase::Begin, &args);
                 }
                 let total: usize = entries.iter().map(|e| e.tensor.byte_len()).sum();
-                let names: Vec<String> = entries.iter().map(|e| e.request.name.clone()).collect();
+                // Only the timeline needs them while the tensors are lent out below.
+                let names: Vec<String> = if events.enabled {
+                    entries.iter().map(|e| e.request.name.clone()).collect()
+                } else {
+                    Vec::new()
+                };
                 let mut views: Vec<&mut [u8]> = entries
                     .iter_mut()
                     .map(|e| e.tensor.as_bytes_mut())
@@ -1817,7 +1840,9 @@ impl CycleThread {
                             }
                             CopyPhase::OutEnd => (activity::MEMCPY_OUT_FUSION_BUFFER, Phase::End),
                         };
-                        events.add(&names[i], activity, phase, &[]);
+                        if let Some(name) = names.get(i) {
+                            events.add(name, activity, phase, &[]);
+                        }
                     },
                 );
                 if let Err(e) = outcome {
@@ -1877,12 +1902,7 @@ impl CycleThread {
             Item::Broadcast { name, root } => {
                 let mut entry = self.take(&name)?;
                 events.add(&name, activity::QUEUE, Phase::End, &[]);
-                events.add(
-                    &name,
-                    activity::BROADCAST,
-                    Phase::Begin,
-                    &[("root", root.to_string())],
-                );
+                events.add(&name, activity::BROADCAST, Phase::Begin, &[("root", &root)]);
                 if let Err(e) = chain_broadcast(&*self.transport, root, entry.tensor.as_bytes_mut())
                 {
                     self.pending.insert(name, entry);

@@ -707,6 +707,11 @@ impl ControlServer {
         self.timeline_subscribers.load(Ordering::Relaxed) > 0
     }
 
+    /// Whether any client subscribed to the cycles' statistics.
+    pub fn wants_stats(&self) -> bool {
+        self.stats_subscribers.load(Ordering::Relaxed) > 0
+    }
+
     /// Sends one cycle's statistics to subscribers.
     pub fn publish_stats(&self, stats: &CycleStats) {
         if self.stats_subscribers.load(Ordering::Relaxed) == 0 {
@@ -814,16 +819,16 @@ impl Feeder {
         }
     }
 
-    /// Whether this cycle's events are wanted (connecting first, at most once a second).
-    pub fn wants_timeline(&mut self) -> bool {
+    /// Whether this cycle's events are wanted (connecting first, at most once a second);
+    /// `now`: the cycle's start, which the caller has read already.
+    pub fn wants_timeline(&mut self, now: std::time::Instant) -> bool {
         if self.stream.is_none() {
-            self.connect();
+            self.connect(now);
         }
         self.stream.is_some() && self.wanted.load(Ordering::Relaxed)
     }
 
-    fn connect(&mut self) {
-        let now = std::time::Instant::now();
+    fn connect(&mut self, now: std::time::Instant) {
         if self
             .last_try
             .is_some_and(|t| now.duration_since(t) < Duration::from_secs(1))
