@@ -474,6 +474,18 @@ pub fn allreduce_tensors(
     observe: &mut dyn FnMut(usize, CopyPhase),
 ) -> Result<()> {
     let elem = dtype.size();
+    // One tensor that fits in one slice, on the flat schedule (a lone blocking call, the
+    // common small case): reduced in place on its own segments, which are the fused
+    // layout's for one tensor, without planning slices and building the layout.
+    if let ([buf], Schedule::Ring) = (&mut *tensors, schedule) {
+        let count = buf.len() / elem;
+        if count > 0 && count <= (slice_bytes / elem).max(1) {
+            let n = t.world_size();
+            let segments = segment_bounds(count, n);
+            let ranks: Vec<usize> = (0..n).collect();
+            return allreduce_over(t, &ranks, buf, dtype, op, n, &segments);
+        }
+    }
     let counts: Vec<usize> = tensors.iter().map(|b| b.len() / elem).collect();
     let (parts, sub_parts) = match schedule {
         Schedule::Ring => (t.world_size(), 1),
