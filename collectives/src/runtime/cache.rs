@@ -30,7 +30,7 @@ pub struct ResponseCache<P> {
     capacity: usize,
     /// Indexed by bit.
     slots: Vec<Option<Slot<P>>>,
-    bits: HashMap<String, u32>,
+    bits: HashMap<String, u32, foldhash::fast::RandomState>,
     /// Bits by the time of their last use: the first is the least recently used.
     recency: BTreeMap<u64, u32>,
     clock: u64,
@@ -52,7 +52,7 @@ impl<P> ResponseCache<P> {
             // Bits are u32 on the wire.
             capacity: capacity.min(u32::MAX as usize),
             slots: Vec::new(),
-            bits: HashMap::new(),
+            bits: HashMap::default(),
             recency: BTreeMap::new(),
             clock: 0,
             free: BTreeSet::new(),
