@@ -527,7 +527,10 @@ fn sweep(
         let count = (bytes / 4) as usize;
         // Exact check on the first call: every element sums to n(n+1)/2.
         let mut t = Tensor::from_slice(&vec![(rank + 1) as f32; count]);
-        t = rt.allreduce(&format!("sweep.{bytes}"), t, ReduceOp::Sum)?;
+        // Named once, as a training loop names its tensors: the timed calls measure the
+        // allreduce, not the formatting of its name.
+        let name = format!("sweep.{bytes}");
+        t = rt.allreduce(&name, t, ReduceOp::Sum)?;
         let want = (n * (n + 1) / 2) as f32;
         let wrong = t
             .to_vec::<f32>()
@@ -537,12 +540,12 @@ fn sweep(
             .count() as u64;
         let iters = iters.unwrap_or_else(|| ((1u64 << 30) / bytes).clamp(3, 50) as usize);
         for _ in 0..warmup {
-            t = rt.allreduce(&format!("sweep.{bytes}"), t, ReduceOp::Sum)?;
+            t = rt.allreduce(&name, t, ReduceOp::Sum)?;
         }
         let (switches, caller_cycles) = (cycle_thread_sleeps(), rt.totals().caller_cycles);
         let start = Instant::now();
         for _ in 0..iters {
-            t = rt.allreduce(&format!("sweep.{bytes}"), t, ReduceOp::Sum)?;
+            t = rt.allreduce(&name, t, ReduceOp::Sum)?;
         }
         let secs = start.elapsed().as_secs_f64() / iters as f64;
         let switches = cycle_thread_sleeps().saturating_sub(switches);
