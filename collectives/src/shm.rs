@@ -206,16 +206,12 @@ pub struct ShmGroup {
     timeout: Duration,
     tx: Vec<Mutex<TxState>>,
     rx: Vec<Mutex<RxState>>,
-    /// Chunks of shared allreduces this rank has started (the same count on every member).
-    chunks: Mutex<u64>,
+    /// Chunks of shared allreduces this rank has started, and the early one (one lock
+    /// for both: a small allreduce takes it twice, not four times).
+    chunks: Mutex<Chunks>,
     /// Rounds of [`Self::same_posts`] this rank has started (the same count on every
     /// member).
     posts: Mutex<u64>,
-    /// A one-shot chunk whose inputs every member put in its slot before a round of
-    /// [`Self::same_posts_early`] on which they all agreed: (chunk, address and length
-    /// of this member's buffer). The next one-shot of that chunk and buffer skips its
-    /// copy and its barrier.
-    early: Mutex<Option<(u64, usize, usize)>>,
     /// Every member of the host can have a core of its own ([`Self::leave_a_shared_core`]).
     spread: bool,
     /// When this member last moved to another core.
@@ -327,6 +323,18 @@ impl<'a, 'f> Incoming<'a, 'f> {
             Incoming::Pieces { len, done, .. } => *done == *len,
         }
     }
+}
+
+/// A member's shared-allreduce chunks ([`ShmGroup::fold_allreduce`]).
+#[derive(Default)]
+struct Chunks {
+    /// The next chunk's number (the same count on every member).
+    next: u64,
+    /// A one-shot chunk whose inputs every member put in its slot before a round of
+    /// [`ShmGroup::same_posts_early`] on which they all agreed: (chunk, address and
+    /// length of this member's buffer). The next one-shot of that chunk and buffer skips
+    /// its copy and its barrier.
+    early: Option<(u64, usize, usize)>,
 }
 
 /// Tracks how long an operation has gone without progress and whom it waits on. Its
@@ -555,7 +563,7 @@ impl ShmGroup {
         let mut patience = self.patience(members, peer_gone);
         let me = self.flags(self.me);
         for round in 0..rounds {
-            let (g, s) = self.next_chunk(&mut chunks, members, &mut patience)?;
+            let (g, s) = self.next_chunk(&mut chunks.next, members, &mut patience)?;
             let sub = |j: usize| {
                 let seg = &segments[j];
                 let start = (seg.start + round * part).min(seg.end);
@@ -645,8 +653,8 @@ impl ShmGroup {
         let mut chunks = self.lock(&self.chunks, self.me)?;
         let mut patience = self.patience(members, peer_gone);
         let me = self.flags(self.me);
-        let (g, s) = self.next_chunk(&mut chunks, members, &mut patience)?;
-        let early = self.lock(&self.early, self.me)?.take();
+        let (g, s) = self.next_chunk(&mut chunks.next, members, &mut patience)?;
+        let early = chunks.early.take();
         if early == Some((g, buf.as_ptr() as usize, buf.len())) {
             // Every member put this chunk's inputs in its slot before the round of posts
             // that agreed on this allreduce (`same_posts_early`): they are all there.
@@ -723,10 +731,12 @@ impl ShmGroup {
         }
         let mut early_chunk = None;
         let mut with_early = [0u8; MAX_POST_BYTES];
+        // Held through the round: nothing else starts a chunk meanwhile.
+        let mut chunks = self.lock(&self.chunks, self.me)?;
         let post = match early {
             None => post,
             Some(data) => {
-                early_chunk = self.put_early(members, data)?;
+                early_chunk = self.put_early(members, data, chunks.next)?;
                 let n = post.len();
                 with_early[..n].copy_from_slice(post);
                 with_early[n] = u8::from(early_chunk.is_some());
@@ -735,7 +745,7 @@ impl ShmGroup {
             }
         };
         let same = self.exchange_posts(members, post, peer_gone)?;
-        *self.lock(&self.early, self.me)? = match (same, early_chunk, early) {
+        chunks.early = match (same, early_chunk, early) {
             (true, Some(g), Some(data)) => Some((g, data.as_ptr() as usize, data.len())),
             _ => None,
         };
@@ -746,11 +756,10 @@ impl ShmGroup {
     /// chunk would be a one-shot of it and every member is done with the chunk that
     /// used the slot before (as [`Self::next_chunk`] would wait for, without waiting);
     /// returns that chunk. Publishes nothing: `written` is left alone.
-    fn put_early(&self, members: &[usize], data: &[u8]) -> Result<Option<u64>> {
+    fn put_early(&self, members: &[usize], data: &[u8], g: u64) -> Result<Option<u64>> {
         if data.is_empty() || data.len() > ONE_SHOT_MAX_BYTES.min(self.layout.ring_bytes) {
             return Ok(None);
         }
-        let g = *self.lock(&self.chunks, self.me)?;
         let free = members
             .iter()
             .all(|&m| self.flags(m).consumed.load(Ordering::Acquire) + 1 >= g);
@@ -1537,9 +1546,8 @@ pub fn map_segment(
         timeout,
         tx: (0..ranks.len()).map(|_| Mutex::default()).collect(),
         rx: (0..ranks.len()).map(|_| Mutex::default()).collect(),
-        chunks: Mutex::new(0),
+        chunks: Mutex::new(Chunks::default()),
         posts: Mutex::new(0),
-        early: Mutex::new(None),
         spread: std::thread::available_parallelism().is_ok_and(|cores| ranks.len() <= cores.get()),
         last_move: Mutex::new(None),
     };
