@@ -644,6 +644,41 @@ mod tests {
         }
     }
 
+    #[test]
+    fn a_lone_tensor_through_allreduce_tensors_has_the_ring_orders_bits() {
+        // Up to one slice it skips slice planning; the reference is computed apart.
+        for n in 1..=4 {
+            for count in [0, 1, 7, 1000] {
+                let inputs: Vec<Vec<f32>> = (0..n).map(|r| input(r, count)).collect();
+                let expected = ring_order_sum(&inputs, count);
+                let results = on_mesh(n, move |t| {
+                    let mut buf = bytemuck::cast_slice::<f32, u8>(&input(t.rank(), count)).to_vec();
+                    let mut fusion = AlignedBuf::default();
+                    allreduce_tensors(
+                        t,
+                        &mut [buf.as_mut_slice()],
+                        DType::F32,
+                        ReduceOp::Sum,
+                        Schedule::Ring,
+                        1000 * 4,
+                        &mut fusion,
+                        &mut |_, _| panic!("a lone tensor is reduced in place"),
+                    )
+                    .unwrap();
+                    bytemuck::pod_collect_to_vec::<u8, f32>(&buf)
+                });
+                for (rank, got) in results.iter().enumerate() {
+                    let same = got.len() == count
+                        && got
+                            .iter()
+                            .zip(&expected)
+                            .all(|(a, b)| a.to_bits() == b.to_bits());
+                    assert!(same, "n={n} count={count} rank={rank}");
+                }
+            }
+        }
+    }
+
     /// Packs `tensors` into a buffer by `layout`, and unpacks it.
     fn pack(tensors: &[Vec<f32>], layout: &FusedLayout) -> Vec<f32> {
         let mut buf = vec![0f32; layout.total];
