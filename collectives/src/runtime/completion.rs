@@ -44,6 +44,12 @@ struct Guarded {
     sleepers: u32,
 }
 
+impl std::fmt::Debug for Completion {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("Completion")
+    }
+}
+
 /// The entry's side: fills the slot once; dropped unfilled, it closes it.
 pub(super) struct Done(Arc<Completion>);
 

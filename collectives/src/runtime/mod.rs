@@ -206,12 +206,6 @@ pub struct Handle {
     engine: EngineRef,
 }
 
-impl std::fmt::Debug for Completion {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str("Completion")
-    }
-}
-
 /// The rank's [`Engine`], for a waiting caller to run a cycle itself; gone once the
 /// background thread has ended.
 #[derive(Clone)]
@@ -238,10 +232,8 @@ impl Handle {
         if let Some(result) = self.poll(crate::poll::YIELD_BUDGET) {
             return result;
         }
-        match self.done.take_within(None) {
-            Taken::Result(r) => r,
-            Taken::Pending | Taken::Closed => Err(CollectiveError::ShutDown { rank: self.rank }),
-        }
+        self.outcome(self.done.take_within(None))
+            .unwrap_or(Err(CollectiveError::ShutDown { rank: self.rank }))
     }
 
     /// Waits at most `timeout` for the result, keeping the handle when it is not there yet
@@ -254,7 +246,13 @@ impl Handle {
         if let Some(result) = self.poll(timeout.min(crate::poll::YIELD_BUDGET)) {
             return Some(result);
         }
-        match self.done.take_within(Some(timeout)) {
+        self.outcome(self.done.take_within(Some(timeout)))
+    }
+
+    /// What the slot held, as a result: `None` while it is still running; a slot that
+    /// will never be filled (taken already, or the runtime is gone) is a shut-down.
+    fn outcome(&self, taken: Taken) -> Option<Result<Tensor>> {
+        match taken {
             Taken::Result(r) => Some(r),
             Taken::Pending => None,
             Taken::Closed => Some(Err(CollectiveError::ShutDown { rank: self.rank })),
@@ -336,24 +334,18 @@ impl Handle {
 
     /// The result if it is there, without waiting (`None`: still running).
     pub fn try_wait(&mut self) -> Option<Result<Tensor>> {
-        match self.done.try_take() {
-            Taken::Result(r) => Some(r),
-            Taken::Pending => None,
-            Taken::Closed => Some(Err(CollectiveError::ShutDown { rank: self.rank })),
-        }
+        self.outcome(self.done.try_take())
     }
 
     /// Waits at most `timeout` for the result.
     pub fn wait_timeout(self, timeout: Duration) -> Result<Tensor> {
-        match self.done.take_within(Some(timeout)) {
-            Taken::Result(r) => r,
-            Taken::Pending => Err(CollectiveError::WaitTimeout {
+        let taken = self.done.take_within(Some(timeout));
+        self.outcome(taken)
+            .unwrap_or(Err(CollectiveError::WaitTimeout {
                 rank: self.rank,
                 name: self.name,
                 timeout,
-            }),
-            Taken::Closed => Err(CollectiveError::ShutDown { rank: self.rank }),
-        }
+            }))
     }
 }
 
