@@ -272,9 +272,14 @@ impl Hello {
 }
 
 /// Statistics of one cycle that did work (cycles with nothing to do are not reported).
+/// Cycles that follow each other within [`STATS_EVERY_US`] of the last report (a job
+/// whose callers run a cycle per small call: microseconds each) are reported together,
+/// as one: the first one's index and start, the sums of the rest; the knobs are the
+/// same throughout.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct CycleStats {
-    /// Index of the cycle (the same on every rank).
+    /// Index of the cycle (the same on every rank); of the first, for cycles reported
+    /// together.
     pub cycle: u64,
     /// When the cycle started, microseconds since the Unix epoch (rank 0's clock).
     pub start_unix_us: u64,
@@ -290,6 +295,20 @@ pub struct CycleStats {
     pub fused_buffers: u64,
     /// The knobs in force during this cycle.
     pub knobs: Knobs,
+}
+
+/// At most one [`CycleStats`] per this many microseconds: faster cycles are added up.
+pub const STATS_EVERY_US: u64 = 200;
+
+impl CycleStats {
+    /// Adds a later cycle run with the same knobs (see [`CycleStats`]).
+    pub fn absorb(&mut self, later: &CycleStats) {
+        self.duration_us += later.duration_us;
+        self.bytes_reduced += later.bytes_reduced;
+        self.bytes_total += later.bytes_total;
+        self.tensors += later.tensors;
+        self.fused_buffers += later.fused_buffers;
+    }
 }
 
 /// Phase of a timeline event, as in the Chrome trace event format.

@@ -669,6 +669,83 @@ fn control_socket_survives_malformed_clients_and_confirms_knob_changes() {
 }
 
 #[test]
+fn statistics_of_fast_cycles_are_added_up_and_lose_no_byte() {
+    // 2 ranks in shared memory run 3000 blocking 4 KiB allreduces, a cycle each and
+    // microseconds apart, while a client on rank 0's socket reads the statistics. They
+    // come at most once per STATS_EVERY_US, and together they count every byte. They
+    // used to come once per cycle, hundreds of thousands a second, and the server cut
+    // off a reader that fell 4 MiB behind (an agent's tuning session, once).
+    let dir = runtime_dir("stats-rate");
+    let dir2 = dir.clone();
+    let calls = 3000u64;
+    let out = run_job(
+        2,
+        2,
+        Duration::from_secs(120),
+        move |c| {
+            c.control_socket = true;
+            c.runtime_dir = Some(dir2.clone());
+        },
+        move |rt| {
+            let mut client = rt.control_socket_path().map(|path| {
+                let mut client = ControlClient::connect(path, Duration::from_secs(5)).unwrap();
+                client.subscribe(true, false).unwrap();
+                client
+            });
+            // Until rank 0's reader hears of a cycle, both ranks run 4-byte ones.
+            let started = Instant::now();
+            let mut warmups = 0u64;
+            loop {
+                let heard = client.as_mut().is_some_and(|c| {
+                    matches!(
+                        c.next_message(Duration::from_millis(5)).unwrap(),
+                        Some(ServerMessage::CycleStats(_))
+                    )
+                });
+                let flag = Tensor::from_slice(&[i32::from(heard)]);
+                let any = rt.allreduce("subscribed", flag, ReduceOp::Sum).unwrap();
+                warmups += 1;
+                if any.to_vec::<i32>().unwrap()[0] > 0 {
+                    break;
+                }
+            }
+            for seed in 0..calls as usize {
+                let t = input(DType::F32, rt.rank(), 1024, seed);
+                let got = rt.allreduce("fast", t, ReduceOp::Sum).unwrap();
+                assert_eq!(got, reference(DType::F32, ReduceOp::Sum, 2, 1024, seed));
+            }
+            // A cycle after the period sends what is held.
+            std::thread::sleep(Duration::from_millis(2));
+            rt.allreduce("last", Tensor::from_slice(&[1i32]), ReduceOp::Sum)
+                .unwrap();
+            let elapsed = started.elapsed();
+            let mut client = client?;
+            let (mut reports, mut bytes) = (0u64, 0u64);
+            let deadline = Instant::now() + Duration::from_secs(10);
+            while bytes < calls * 4096 && Instant::now() < deadline {
+                if let Some(ServerMessage::CycleStats(s)) =
+                    client.next_message(Duration::from_millis(200)).unwrap()
+                {
+                    reports += 1;
+                    bytes += s.bytes_reduced;
+                }
+            }
+            Some((reports, bytes, elapsed, warmups))
+        },
+    );
+    let (reports, bytes, elapsed, warmups) = out[0].expect("rank 0 serves the socket");
+    // The 4-byte tensors around the loop add less than one 4 KiB call's bytes.
+    assert!(warmups < 1000, "{warmups} warm-up calls");
+    assert_eq!(bytes / 4096, calls, "{bytes} bytes reported");
+    let bound = elapsed.as_micros() as u64 / collectives::control::STATS_EVERY_US + 3;
+    assert!(
+        reports <= bound,
+        "{reports} reports of {calls} cycles in {elapsed:?} (at most {bound})"
+    );
+    std::fs::remove_dir_all(&dir).ok();
+}
+
+#[test]
 fn timeline_file_has_horovods_activities() {
     let dir = runtime_dir("timeline");
     let path = dir.join("timeline.json");

@@ -36,7 +36,7 @@ use crate::algorithms::{
 };
 use crate::control::{
     AutotuneState, CycleStats, Hello, KnobUpdate, Knobs, PROTOCOL_VERSION, Phase, RankInfo,
-    TimelineEvent,
+    STATS_EVERY_US, TimelineEvent,
 };
 use crate::error::{CollectiveError, Result};
 use crate::knobs::{
@@ -556,6 +556,8 @@ impl Runtime {
             knobs: config.knobs,
             pending: HashMap::default(),
             spare_entries: Vec::new(),
+            stats_held: None,
+            stats_sent_at: None,
             fusion: AlignedBuf::default(),
             timeline,
             server,
@@ -906,6 +908,10 @@ struct CycleThread {
     pending: HashMap<String, Entry, foldhash::fast::RandomState>,
     /// An empty vector for the inbox's next entries (see `cycle`).
     spare_entries: Vec<Entry>,
+    /// Statistics of cycles not reported yet, and when the last report went
+    /// ([`CycleThread::report_stats`]).
+    stats_held: Option<CycleStats>,
+    stats_sent_at: Option<Instant>,
     fusion: AlignedBuf,
     timeline: Option<TimelineFile>,
     server: Option<Arc<ControlServer>>,
@@ -1448,37 +1454,7 @@ impl CycleThread {
                 fused_buffers: work.buffers,
                 knobs: self.knobs,
             };
-            if let Some(server) = &self.server {
-                server.publish_stats(&stats);
-            }
-            #[cfg(feature = "autotune")]
-            if let Some(d) = self.autotune.as_mut() {
-                if let Some(t) = d.tuner.as_mut() {
-                    t.observe(&stats);
-                } else if let Some(context) = d.watcher.as_mut().and_then(|w| w.observe(&stats)) {
-                    // The pinned knobs' throughput moved: re-check them (and tune again
-                    // if they lost), unless an agent holds the tuning now.
-                    let recheck = d.watcher.take().map(|w| w.recheck_of());
-                    if let Some(recheck) = recheck {
-                        if self.shared.claims.resume_self_tuning() {
-                            match selftune::SelfTuner::recheck(
-                                &d.config, recheck, &d.job_id, context,
-                            ) {
-                                Ok(t) => d.tuner = Some(t),
-                                Err(e) => {
-                                    tracing::error!(error = %e, "cannot start the re-check");
-                                    self.shared.claims.end_self_tuning(false);
-                                }
-                            }
-                        } else {
-                            tracing::info!(
-                                "the throughput changed but the tuning is no longer rank 0's \
-                                 (an agent holds it): no re-check"
-                            );
-                        }
-                    }
-                }
-            }
+            self.report_stats(stats, cycle_start);
         }
         if !events.list.is_empty() {
             if let Some(server) = &self.server {
@@ -1496,6 +1472,66 @@ impl CycleThread {
             }
         }
         Ok(response.shutdown)
+    }
+
+    /// Reports a cycle's statistics to the socket's subscribers and the self-tuner, at
+    /// most once per [`STATS_EVERY_US`]: a cycle that comes sooner is added to the
+    /// held ones (with the same knobs; a knob change sends what is held first). A job
+    /// whose callers run a cycle per small call runs hundreds of thousands a second,
+    /// which no reader keeps up with.
+    fn report_stats(&mut self, stats: CycleStats, cycle_start: Instant) {
+        let stats = match self.stats_held.take() {
+            Some(mut held) if held.knobs == stats.knobs => {
+                held.absorb(&stats);
+                held
+            }
+            Some(held) => {
+                self.send_stats(&held);
+                stats
+            }
+            None => stats,
+        };
+        let due = self.stats_sent_at.is_none_or(|at| {
+            cycle_start.saturating_duration_since(at) >= Duration::from_micros(STATS_EVERY_US)
+        });
+        if due {
+            self.send_stats(&stats);
+            self.stats_sent_at = Some(cycle_start);
+        } else {
+            self.stats_held = Some(stats);
+        }
+    }
+
+    fn send_stats(&mut self, stats: &CycleStats) {
+        if let Some(server) = &self.server {
+            server.publish_stats(stats);
+        }
+        #[cfg(feature = "autotune")]
+        if let Some(d) = self.autotune.as_mut() {
+            if let Some(t) = d.tuner.as_mut() {
+                t.observe(stats);
+            } else if let Some(context) = d.watcher.as_mut().and_then(|w| w.observe(stats)) {
+                // The pinned knobs' throughput moved: re-check them (and tune again
+                // if they lost), unless an agent holds the tuning now.
+                let recheck = d.watcher.take().map(|w| w.recheck_of());
+                if let Some(recheck) = recheck {
+                    if self.shared.claims.resume_self_tuning() {
+                        match selftune::SelfTuner::recheck(&d.config, recheck, &d.job_id, context) {
+                            Ok(t) => d.tuner = Some(t),
+                            Err(e) => {
+                                tracing::error!(error = %e, "cannot start the re-check");
+                                self.shared.claims.end_self_tuning(false);
+                            }
+                        }
+                    } else {
+                        tracing::info!(
+                            "the throughput changed but the tuning is no longer rank 0's \
+                             (an agent holds it): no re-check"
+                        );
+                    }
+                }
+            }
+        }
     }
 
     /// Whether rank 0 runs a self-tuning session now, or watches the knobs one pinned:
