@@ -1108,11 +1108,13 @@ mod tests {
             hello_pids
         );
 
-        // Every cycle reduces the one 4096-byte tensor "sweep.4096".
+        // Every cycle reduces the one 4096-byte tensor "sweep.4096"; cycles
+        // microseconds apart come added up, a tensor each.
         let stats = jobs.recent_stats(&job_id).unwrap();
         assert!(!stats.is_empty() && stats.len() <= 50);
         for s in &stats {
-            assert_eq!((s.bytes_reduced, s.tensors), (4096, 1), "{s:?}");
+            assert!(s.tensors >= 1, "{s:?}");
+            assert_eq!(s.bytes_reduced, 4096 * s.tensors, "{s:?}");
         }
         // Nobody has asked for the job's timeline yet: it streams none (on
         // demand), and the agent's own reads (the live view) do not ask.
