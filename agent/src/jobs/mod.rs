@@ -1073,20 +1073,33 @@ mod tests {
         }
     }
 
+    /// An endless job's launcher, killed (and its ranks with it) when a test ends
+    /// early: a failed assertion used to leave the job running on the machine.
+    struct Launcher(std::process::Child);
+
+    impl Drop for Launcher {
+        fn drop(&mut self) {
+            let _ = self.0.kill();
+            let _ = self.0.wait();
+        }
+    }
+
     #[test]
     fn finds_a_real_two_rank_job_follows_it_and_loses_it_when_it_exits() {
         let dir = TempDir::new("collbench");
         let job_id = format!("jobs-test-{}", std::process::id());
-        let mut launcher = Command::new(collbench())
-            .args(["-n", "2", "sweep", "--min-bytes", "4096", "--max-bytes"])
-            .args(["4096", "--iters", "1000000000"])
-            .env("RINGWATCH_RUNTIME_DIR", &dir.0)
-            .env("RINGWATCH_JOB_ID", &job_id)
-            .env_remove("RANK")
-            .env_remove("OMPI_COMM_WORLD_RANK")
-            .stdout(Stdio::null())
-            .spawn()
-            .unwrap();
+        let mut launcher = Launcher(
+            Command::new(collbench())
+                .args(["-n", "2", "sweep", "--min-bytes", "4096", "--max-bytes"])
+                .args(["4096", "--iters", "1000000000"])
+                .env("RINGWATCH_RUNTIME_DIR", &dir.0)
+                .env("RINGWATCH_JOB_ID", &job_id)
+                .env_remove("RANK")
+                .env_remove("OMPI_COMM_WORLD_RANK")
+                .stdout(Stdio::null())
+                .spawn()
+                .unwrap(),
+        );
         let jobs = Jobs::start(config(&dir.0)).unwrap();
         let job = wait_for(Duration::from_secs(60), "the job and its stats", || {
             jobs.jobs()
@@ -1101,7 +1114,7 @@ mod tests {
         assert!(job.ranks.iter().all(|r| r.host == host_name()));
         // Ground truth: the ranks are the launcher's children.
         let hello_pids: BTreeSet<u32> = job.ranks.iter().map(|r| r.pid).collect();
-        assert_eq!(hello_pids, children_of(launcher.id()));
+        assert_eq!(hello_pids, children_of(launcher.0.id()));
         let mut source = JobPids::new(jobs.clone());
         assert_eq!(
             source.pids().into_iter().collect::<BTreeSet<_>>(),
@@ -1161,7 +1174,7 @@ mod tests {
             // SAFETY: kill has no memory preconditions; the pid is our grandchild.
             unsafe { libc::kill(*pid as i32, libc::SIGKILL) };
         }
-        let _ = launcher.wait();
+        let _ = launcher.0.wait();
         let lost = wait_for(Duration::from_secs(10), "the job to be lost", || {
             jobs.jobs()
                 .into_iter()
