@@ -245,9 +245,11 @@ fn allreduce_over(
 /// a reduce-scatter then an allgather, each step sending one segment to the next rank while
 /// receiving another from the previous one, reducing received pieces as they arrive.
 pub fn ring_allreduce(t: &dyn Transport, buf: &mut [u8], dtype: DType, op: ReduceOp) -> Result<()> {
-    let count = buf.len() / dtype.size();
-    let layout = FusedLayout::new(&[count], t.world_size(), 1);
-    ring_allreduce_fused(t, buf, dtype, op, &layout)
+    // One tensor's fused layout is its own segment bounds.
+    let n = t.world_size();
+    let segments = segment_bounds(buf.len() / dtype.size(), n);
+    let ranks: Vec<usize> = (0..n).collect();
+    allreduce_over(t, &ranks, buf, dtype, op, n, &segments)
 }
 
 /// Ring allreduce of a buffer laid out by `layout` (built with `parts = world size`).
@@ -480,10 +482,7 @@ pub fn allreduce_tensors(
     if let ([buf], Schedule::Ring) = (&mut *tensors, schedule) {
         let count = buf.len() / elem;
         if count > 0 && count <= (slice_bytes / elem).max(1) {
-            let n = t.world_size();
-            let segments = segment_bounds(count, n);
-            let ranks: Vec<usize> = (0..n).collect();
-            return allreduce_over(t, &ranks, buf, dtype, op, n, &segments);
+            return ring_allreduce(t, buf, dtype, op);
         }
     }
     let counts: Vec<usize> = tensors.iter().map(|b| b.len() / elem).collect();

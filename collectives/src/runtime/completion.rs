@@ -14,10 +14,9 @@ enum Slot {
     /// Not done yet.
     Empty,
     Full(Result<Tensor>),
-    /// The handle took the result.
-    Taken,
-    /// The entry went away without a result (the runtime is gone).
-    Dropped,
+    /// Nothing (more) will come: the handle took the result, or the entry went away
+    /// without one (the runtime is gone).
+    Closed,
 }
 
 /// What a handle finds in its slot.
@@ -77,13 +76,13 @@ impl Completion {
     }
 
     fn take_from(slot: &mut Slot) -> Taken {
-        match std::mem::replace(slot, Slot::Taken) {
+        match std::mem::replace(slot, Slot::Closed) {
             Slot::Full(r) => Taken::Result(r),
             Slot::Empty => {
                 *slot = Slot::Empty;
                 Taken::Pending
             }
-            Slot::Taken | Slot::Dropped => Taken::Closed,
+            Slot::Closed => Taken::Closed,
         }
     }
 
@@ -143,7 +142,7 @@ impl Drop for Done {
     fn drop(&mut self) {
         let mut g = self.0.slot();
         if matches!(g.slot, Slot::Empty) {
-            g.slot = Slot::Dropped;
+            g.slot = Slot::Closed;
             let wake = g.sleepers > 0;
             drop(g);
             if wake {

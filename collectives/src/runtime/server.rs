@@ -714,7 +714,7 @@ impl ControlServer {
 
     /// Sends one cycle's statistics to subscribers.
     pub fn publish_stats(&self, stats: &CycleStats) {
-        if self.stats_subscribers.load(Ordering::Relaxed) == 0 {
+        if !self.wants_stats() {
             return;
         }
         self.for_each(
