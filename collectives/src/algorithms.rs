@@ -9,6 +9,7 @@
 use std::ops::Range;
 
 use serde::{Deserialize, Serialize};
+use smallvec::SmallVec;
 
 use crate::error::{CollectiveError, Result};
 use crate::tensor::{AlignedBuf, DType, ReduceOp, divide, reduce_into, reduce_into_swapped};
@@ -67,17 +68,15 @@ impl NodeLayout {
 /// Splits `count` elements into `parts` contiguous ranges whose sizes differ by at most one
 /// (the first `count % parts` ranges get the extra element).
 pub fn segment_bounds(count: usize, parts: usize) -> Vec<Range<usize>> {
+    (0..parts).map(|i| segment_bound(count, parts, i)).collect()
+}
+
+/// Part `i` of [`segment_bounds`]`(count, parts)`.
+fn segment_bound(count: usize, parts: usize, i: usize) -> Range<usize> {
     let base = count / parts;
     let extra = count % parts;
-    let mut start = 0;
-    (0..parts)
-        .map(|i| {
-            let len = base + usize::from(i < extra);
-            let range = start..start + len;
-            start += len;
-            range
-        })
-        .collect()
+    let start = i * base + i.min(extra);
+    start..start + base + usize::from(i < extra)
 }
 
 fn position(t: &dyn Transport, ranks: &[usize]) -> Result<usize> {
@@ -224,7 +223,8 @@ fn allreduce_over(
     segments: &[Range<usize>],
 ) -> Result<()> {
     let elem = dtype.size();
-    let byte_segments: Vec<Range<usize>> = segments.iter().map(|s| byte_range(s, elem)).collect();
+    let byte_segments: SmallVec<[Range<usize>; 16]> =
+        segments.iter().map(|s| byte_range(s, elem)).collect();
     // The ring's reduce-scatter computes `local ⊕ partial` at every step: the incoming
     // operand goes first (it matters for no IEEE op, but the bits are the ring's anyway).
     let combine = |acc: &mut [u8], incoming: &[u8]| reduce_into_swapped(dtype, op, acc, incoming);
@@ -247,8 +247,10 @@ fn allreduce_over(
 pub fn ring_allreduce(t: &dyn Transport, buf: &mut [u8], dtype: DType, op: ReduceOp) -> Result<()> {
     // One tensor's fused layout is its own segment bounds.
     let n = t.world_size();
-    let segments = segment_bounds(buf.len() / dtype.size(), n);
-    let ranks: Vec<usize> = (0..n).collect();
+    let count = buf.len() / dtype.size();
+    let segments: SmallVec<[Range<usize>; 16]> =
+        (0..n).map(|i| segment_bound(count, n, i)).collect();
+    let ranks: SmallVec<[usize; 16]> = (0..n).collect();
     allreduce_over(t, &ranks, buf, dtype, op, n, &segments)
 }
 

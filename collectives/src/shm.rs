@@ -337,6 +337,10 @@ struct Chunks {
     early: Option<(u64, usize, usize)>,
 }
 
+/// Member indices of a collective, on the stack for a host's usual rank counts: every
+/// small call names them.
+pub(crate) type Members = smallvec::SmallVec<[usize; 16]>;
+
 /// Tracks how long an operation has gone without progress and whom it waits on. Its
 /// clocks start at the first wait that does not end within the spins: a small
 /// collective whose peers are there at once reads no clock and allocates nothing.
@@ -429,12 +433,12 @@ impl ShmGroup {
 
     /// Member indices of `ranks`, in their order, if they are exactly the members that share
     /// this segment (so every member takes part in every shared allreduce).
-    pub(crate) fn whole_group(&self, ranks: &[usize]) -> Option<Vec<usize>> {
+    pub(crate) fn whole_group(&self, ranks: &[usize]) -> Option<Members> {
         let active = self.active.iter().filter(|&&a| a).count();
         if ranks.len() != active || active < 2 {
             return None;
         }
-        let members: Vec<usize> = ranks
+        let members: Members = ranks
             .iter()
             .map(|&r| {
                 let m = self.ranks.iter().position(|&x| x == r)?;
@@ -730,18 +734,17 @@ impl ShmGroup {
             return Err(self.link_error(self.my_rank(), "shared post: bad size or members"));
         }
         let mut early_chunk = None;
-        let mut with_early = [0u8; MAX_POST_BYTES];
+        let mut with_early: smallvec::SmallVec<[u8; 128]> = smallvec::SmallVec::new();
         // Held through the round: nothing else starts a chunk meanwhile.
         let mut chunks = self.lock(&self.chunks, self.me)?;
         let post = match early {
             None => post,
             Some(data) => {
                 early_chunk = self.put_early(members, data, chunks.next)?;
-                let n = post.len();
-                with_early[..n].copy_from_slice(post);
-                with_early[n] = u8::from(early_chunk.is_some());
-                with_early[n + 1..n + extra].copy_from_slice(&(data.len() as u64).to_le_bytes());
-                &with_early[..n + extra]
+                with_early.extend_from_slice(post);
+                with_early.push(u8::from(early_chunk.is_some()));
+                with_early.extend_from_slice(&(data.len() as u64).to_le_bytes());
+                &with_early[..]
             }
         };
         let same = self.exchange_posts(members, post, peer_gone)?;

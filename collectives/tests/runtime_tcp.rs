@@ -378,6 +378,133 @@ fn blocking_callers_run_their_own_cycles_and_leave_the_background_thread_asleep(
     }
 }
 
+/// Random floats in [-1, 1) for `rank`'s input of a step: sums of these depend on the
+/// order they are added in.
+fn floats(rank: usize, count: usize, step: usize) -> Vec<f32> {
+    let mut rng = fastrand::Rng::with_seed((rank * 1_000_003 + count * 101 + step) as u64);
+    (0..count).map(|_| rng.f32() * 2.0 - 1.0).collect()
+}
+
+/// The ring's result for [`floats`], computed here element by element: element `i` of
+/// segment `j` (the world size's near-equal parts, the larger ones first) is
+/// accumulated over ranks `j, j+1, …` in that order; `Average` divides the sum once.
+fn ring_order(n: usize, count: usize, step: usize, op: ReduceOp) -> Vec<f32> {
+    let inputs: Vec<Vec<f32>> = (0..n).map(|r| floats(r, count, step)).collect();
+    let (base, extra) = (count / n, count % n);
+    let segment_of = |i: usize| {
+        let big = extra * (base + 1);
+        if i < big {
+            i / (base + 1)
+        } else {
+            extra + (i - big) / base
+        }
+    };
+    (0..count)
+        .map(|i| {
+            let j = segment_of(i);
+            let mut acc = inputs[j][i];
+            for k in 1..n {
+                let x = inputs[(j + k) % n][i];
+                acc = match op {
+                    ReduceOp::Max => acc.max(x),
+                    _ => acc + x,
+                };
+            }
+            if op == ReduceOp::Average {
+                acc / n as f32
+            } else {
+                acc
+            }
+        })
+        .collect()
+}
+
+#[test]
+fn blocking_allreduces_of_cached_tensors_take_the_quick_path_and_keep_the_ring_order() {
+    // A blocking allreduce of a tensor negotiated before, on a job in one segment, runs
+    // as its own settled cycle without an inbox entry (`runtime::quick`). Its results
+    // must be the ring's, bit for bit, at every size: one element, odd sizes, the
+    // one-shot's 64 KiB and a chunked 1.2 MB; and it must actually run (counted).
+    for n in [2, 3, 4] {
+        let out = run_job(
+            n,
+            n,
+            Duration::from_secs(120),
+            |_| {},
+            |rt| {
+                let (n, rank) = (rt.world_size(), rt.rank());
+                let before = rt.totals();
+                let mut calls = 0;
+                for count in [1, 1031, 16 * 1024, 300_001] {
+                    for op in [ReduceOp::Sum, ReduceOp::Average, ReduceOp::Max] {
+                        let name = format!("quick.{count}.{op:?}");
+                        for step in 0..5 {
+                            let t = Tensor::from_slice(&floats(rank, count, step));
+                            let got = rt.allreduce(&name, t, op).unwrap().to_vec::<f32>().unwrap();
+                            let want = ring_order(n, count, step, op);
+                            let wrong = got
+                                .iter()
+                                .zip(&want)
+                                .filter(|(a, b)| a.to_bits() != b.to_bits())
+                                .count();
+                            assert_eq!(wrong, 0, "rank {rank} of {n}: {name} step {step}");
+                            calls += 1;
+                        }
+                    }
+                }
+                (rt.totals().quick_cycles - before.quick_cycles, calls)
+            },
+        );
+        for (rank, (quick, calls)) in out.into_iter().enumerate() {
+            assert!(
+                quick > 0,
+                "rank {rank} of {n}: no quick cycle in {calls} calls"
+            );
+        }
+    }
+}
+
+#[test]
+fn a_quick_post_the_other_ranks_do_not_match_is_negotiated_in_the_same_cycle() {
+    // Rank 1 enqueues "b" asynchronously before each blocking "a", so its posts name
+    // "b" (and "a") while rank 0's quick post names "a" alone: the posts differ and
+    // rank 0's quick path must turn "a" into an ordinary pending tensor that rank 0
+    // schedules, then run "b" when it comes. Every result is checked exactly.
+    let steps = 300;
+    run_job(
+        2,
+        2,
+        Duration::from_secs(120),
+        |_| {},
+        move |rt| {
+            let rank = rt.rank();
+            let a = |step| input(DType::F32, rank, 1024, step);
+            let b = |step| input(DType::F32, rank, 256, step + 1000);
+            let want_a = |step| reference(DType::F32, ReduceOp::Sum, 2, 1024, step);
+            let want_b = |step| reference(DType::F32, ReduceOp::Sum, 2, 256, step + 1000);
+            for step in 0..steps {
+                if rank == 1 {
+                    let hb = rt.allreduce_async("b", b(step), ReduceOp::Sum).unwrap();
+                    assert_eq!(
+                        rt.allreduce("a", a(step), ReduceOp::Sum).unwrap(),
+                        want_a(step)
+                    );
+                    assert_eq!(hb.wait().unwrap(), want_b(step));
+                } else {
+                    assert_eq!(
+                        rt.allreduce("a", a(step), ReduceOp::Sum).unwrap(),
+                        want_a(step)
+                    );
+                    assert_eq!(
+                        rt.allreduce("b", b(step), ReduceOp::Sum).unwrap(),
+                        want_b(step)
+                    );
+                }
+            }
+        },
+    );
+}
+
 #[test]
 fn fusion_disabled_and_tiny_threshold_give_the_same_results() {
     for threshold in [0u64, 100] {

@@ -576,6 +576,7 @@ fn sweep(
                     "shared_memory_peers": rt.shared_memory_peers(),
                     "cycles": rt.totals().cycles,
                     "settled_cycles": rt.totals().settled_cycles,
+                    "quick_cycles": rt.totals().quick_cycles,
                     "rows": rows,
                 })
             );

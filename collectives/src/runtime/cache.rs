@@ -190,16 +190,22 @@ impl<P> ResponseCache<P> {
                 }
             };
             for name in names {
-                let Some(&bit) = self.bits.get(name) else {
-                    continue;
-                };
-                if let Some(Some(slot)) = self.slots.get_mut(bit as usize) {
-                    self.clock += 1;
-                    self.recency.remove(&slot.used);
-                    slot.used = self.clock;
-                    self.recency.insert(self.clock, bit);
-                }
+                self.touch(name);
             }
+        }
+    }
+
+    /// Makes the cached tensor `name` the most recently used, as [`Self::refresh`] does
+    /// for each tensor of a settled cycle; a name not cached is left alone.
+    pub fn touch(&mut self, name: &str) {
+        let Some(&bit) = self.bits.get(name) else {
+            return;
+        };
+        if let Some(Some(slot)) = self.slots.get_mut(bit as usize) {
+            self.clock += 1;
+            self.recency.remove(&slot.used);
+            slot.used = self.clock;
+            self.recency.insert(self.clock, bit);
         }
     }
 
@@ -348,6 +354,11 @@ impl RankCache {
     /// them): every tensor in them is cached here with exactly this rank's request.
     pub fn refresh(&mut self, items: &[Item]) {
         self.table.refresh(items);
+    }
+
+    /// [`Self::refresh`] for a settled cycle of one allreduce of `name`.
+    pub fn touch(&mut self, name: &str) {
+        self.table.touch(name);
     }
 
     /// Rank 0's `response` with names, after which this rank's table is changed the way

@@ -363,6 +363,16 @@ impl Coordinator {
     /// [`Self::step`] would have, and returns the cycle's index.
     pub fn settled_step(&mut self, items: &[Item]) -> u64 {
         self.cache.refresh(items);
+        self.next_settled()
+    }
+
+    /// [`Self::settled_step`] for a settled cycle of one allreduce of `name`.
+    pub fn settled_step_of(&mut self, name: &str) -> u64 {
+        self.cache.touch(name);
+        self.next_settled()
+    }
+
+    fn next_settled(&mut self) -> u64 {
         let cycle = self.cycle;
         self.cycle += 1;
         cycle

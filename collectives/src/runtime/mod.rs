@@ -18,6 +18,7 @@ mod claim;
 mod completion;
 pub mod coordinator;
 mod faults;
+mod quick;
 #[cfg(feature = "autotune")]
 mod selftune;
 mod server;
@@ -188,6 +189,7 @@ struct Shared {
     negotiation_bytes: AtomicU64,
     settled_cycles: AtomicU64,
     caller_cycles: AtomicU64,
+    quick_cycles: AtomicU64,
     claims: Arc<TuningClaims>,
     self_tune: Arc<Mutex<Option<SelfTuneOutcome>>>,
     /// Set by an [`Interrupter`]: why this rank leaves.
@@ -284,24 +286,7 @@ impl Handle {
             return None;
         }
         e.step(true);
-        let left = !e.cycle.pending.is_empty();
-        let shared = e.cycle.shared.clone();
-        let ended = e.outcome.is_some();
-        drop(e);
-        if let Ok(mut inbox) = shared.inbox.lock() {
-            if ended {
-                // The background thread ends the job: wake it.
-                inbox.ended = true;
-            } else if left || inbox.has_work() {
-                // Tensors wait for later cycles, or came in for the background thread
-                // while this caller held the engine: it takes over now.
-                inbox.engine_free = true;
-            } else {
-                drop(inbox);
-                return self.try_wait();
-            }
-        }
-        shared.work.notify_all();
+        Engine::release_to_background(e);
         self.try_wait()
     }
 
@@ -386,6 +371,9 @@ pub struct Totals {
     /// Cycles a waiting caller ran on its own thread (the rest ran on the background
     /// thread: on its timer, or for tensors nobody waited for yet).
     pub caller_cycles: u64,
+    /// Of the caller's cycles, those of a blocking allreduce of one cached tensor that
+    /// settled without an inbox entry or a result slot (the quick path, `runtime::quick`).
+    pub quick_cycles: u64,
 }
 
 /// One rank of a collective job.
@@ -475,6 +463,7 @@ impl Runtime {
             negotiation_bytes: AtomicU64::new(0),
             settled_cycles: AtomicU64::new(0),
             caller_cycles: AtomicU64::new(0),
+            quick_cycles: AtomicU64::new(0),
             claims: claims.clone(),
             self_tune: Arc::new(Mutex::new(None)),
             interrupted: Mutex::new(None),
@@ -577,6 +566,7 @@ impl Runtime {
                 }),
                 _ => None,
             },
+            post: Vec::with_capacity(crate::shm::MAX_POST_BYTES),
         };
         // The background thread holds the only strong reference: the engine (and the
         // links it holds) goes when the thread ends, not when the last handle does.
@@ -662,6 +652,7 @@ impl Runtime {
             negotiation_bytes: self.shared.negotiation_bytes.load(Ordering::Relaxed),
             settled_cycles: self.shared.settled_cycles.load(Ordering::Relaxed),
             caller_cycles: self.shared.caller_cycles.load(Ordering::Relaxed),
+            quick_cycles: self.shared.quick_cycles.load(Ordering::Relaxed),
         }
     }
 
@@ -768,8 +759,7 @@ impl Runtime {
 
     /// Allreduce and wait.
     pub fn allreduce(&self, name: &str, tensor: Tensor, op: ReduceOp) -> Result<Tensor> {
-        self.enqueue(name, OpKind::Allreduce(op), tensor, true)?
-            .wait()
+        self.allreduce_blocking(name, tensor, op)
     }
 
     /// Allgather and wait.
@@ -921,6 +911,8 @@ struct CycleThread {
     faults: Option<Arc<FaultChannel>>,
     /// Rank 0 of a job started with `RINGWATCH_AUTOTUNE=1`.
     autotune: Option<AutotuneDriver>,
+    /// The last settled post's buffer, reused ([`CycleThread::settled`]).
+    post: Vec<u8>,
 }
 
 /// Rank 0's side of `RINGWATCH_AUTOTUNE=1`: waits for an agent's claim, else self-tunes.
@@ -970,6 +962,22 @@ impl Events {
                 .collect::<BTreeMap<_, _>>(),
         });
     }
+}
+
+/// Makes `post` the start of a settled cycle's post ([`CycleThread::settled`]) for cycle
+/// `cycle`: the cached tensors' runs follow ([`push_run`]). A post that is not settled
+/// is the single byte 0. Every rank's post is built here, whichever path builds it, so
+/// that equal cycles post equal bytes.
+fn settled_post(post: &mut Vec<u8>, cycle: u64) {
+    post.clear();
+    post.push(1);
+    post.extend_from_slice(&cycle.to_le_bytes());
+}
+
+/// Adds a run of cached tensors to a settled post.
+fn push_run(post: &mut Vec<u8>, run: coordinator::BitRun) {
+    post.extend_from_slice(&run.0.to_le_bytes());
+    post.extend_from_slice(&run.1.to_le_bytes());
 }
 
 fn negotiate_activity(kind: OpKind) -> &'static str {
@@ -1092,6 +1100,27 @@ impl Engine {
         }
     }
 
+    /// A caller that ran a cycle lets go of the engine (`self`, locked): the background
+    /// thread is woken when the job ended, or when tensors wait for later cycles or came
+    /// in for it while the caller held the engine (it takes over now); otherwise it
+    /// sleeps on.
+    fn release_to_background(e: std::sync::MutexGuard<'_, Self>) {
+        let left = !e.cycle.pending.is_empty();
+        let shared = e.cycle.shared.clone();
+        let ended = e.outcome.is_some();
+        drop(e);
+        if let Ok(mut inbox) = shared.inbox.lock() {
+            if ended {
+                inbox.ended = true;
+            } else if left || inbox.has_work() {
+                inbox.engine_free = true;
+            } else {
+                return;
+            }
+        }
+        shared.work.notify_all();
+    }
+
     /// Runs one cycle (`by_caller`: on a waiting caller's thread).
     fn step(&mut self, by_caller: bool) {
         let start = Instant::now();
@@ -1119,6 +1148,11 @@ impl Engine {
                 self.cycle.cycle(start)
             }
         };
+        self.stepped(start, by_caller, result);
+    }
+
+    /// A cycle begun at `start` ended with `result` (`Ok(true)`: the job shut down).
+    fn stepped(&mut self, start: Instant, by_caller: bool, result: Result<bool>) {
         self.last = Some((start, Instant::now()));
         self.cycle
             .shared
@@ -1385,34 +1419,58 @@ impl CycleThread {
         )?;
         let response = match settled {
             Some(response) => response,
-            None => {
-                let response = self.negotiate(request, knob_requests, tuner_update)?;
-                if let Some(cause) = response.abort {
-                    return Err(CollectiveError::JobFailed {
-                        rank: self.rank,
-                        cause,
-                    });
-                }
-                let pending = &self.pending;
-                self.cache
-                    .decode(response, |name| {
-                        pending.get(name).map(|e| e.request.clone())
-                    })
-                    .map_err(|cause| CollectiveError::JobFailed {
-                        rank: self.rank,
-                        cause,
-                    })?
-            }
+            None => self.negotiated(request, knob_requests, tuner_update)?,
         };
-        self.next_cycle = Some(response.cycle + 1);
-        if response.knobs.hierarchical_allreduce && !self.knobs.hierarchical_allreduce {
+        self.run_response(response, &mut events, cycle_start)
+    }
+
+    /// Rank 0's answer to `request`, with this rank's names (see [`Self::negotiate`]).
+    fn negotiated(
+        &mut self,
+        request: Request,
+        knob_requests: Vec<server::KnobRequest>,
+        tuner_update: Option<KnobUpdate>,
+    ) -> Result<Response> {
+        let response = self.negotiate(request, knob_requests, tuner_update)?;
+        if let Some(cause) = response.abort {
+            return Err(CollectiveError::JobFailed {
+                rank: self.rank,
+                cause,
+            });
+        }
+        let pending = &self.pending;
+        self.cache
+            .decode(response, |name| {
+                pending.get(name).map(|e| e.request.clone())
+            })
+            .map_err(|cause| CollectiveError::JobFailed {
+                rank: self.rank,
+                cause,
+            })
+    }
+
+    /// The cycle `cycle` runs under `knobs`: both in force here from now on.
+    fn begin_response(&mut self, cycle: u64, knobs: Knobs) {
+        self.next_cycle = Some(cycle + 1);
+        if knobs.hierarchical_allreduce && !self.knobs.hierarchical_allreduce {
             self.warned_fallback = false;
         }
-        self.knobs = response.knobs;
+        self.knobs = knobs;
         if let Ok(mut k) = self.shared.knobs.lock() {
-            *k = (response.knobs, response.cycle);
+            *k = (knobs, cycle);
         }
         self.shared.cycles.fetch_add(1, Ordering::Relaxed);
+    }
+
+    /// Runs the cycle's `response` (settled or rank 0's): its items, then the statistics
+    /// and the timeline; `Ok(true)` when the job shuts down.
+    fn run_response(
+        &mut self,
+        response: Response,
+        events: &mut Events,
+        cycle_start: Instant,
+    ) -> Result<bool> {
+        self.begin_response(response.cycle, response.knobs);
 
         let timeline_on = events.enabled;
         for item in response.items.iter().filter(|_| timeline_on) {
@@ -1433,29 +1491,9 @@ impl CycleThread {
         }
         let mut work = Work::default();
         for item in response.items {
-            self.execute(item, &mut work, &mut events)?;
+            self.execute(item, &mut work, events)?;
         }
-        self.shared
-            .bytes_reduced
-            .fetch_add(work.bytes_reduced, Ordering::Relaxed);
-
-        if work.tensors > 0
-            && (self.server.as_ref().is_some_and(|s| s.wants_stats()) || self.self_tuning())
-        {
-            // The wall clock of the cycle's start, read only for the statistics.
-            let duration_us = cycle_start.elapsed().as_micros() as u64;
-            let stats = CycleStats {
-                cycle: response.cycle,
-                start_unix_us: now_us().saturating_sub(duration_us),
-                duration_us,
-                bytes_reduced: work.bytes_reduced,
-                bytes_total: work.bytes_total,
-                tensors: work.tensors,
-                fused_buffers: work.buffers,
-                knobs: self.knobs,
-            };
-            self.report_stats(stats, cycle_start);
-        }
+        self.account(&work, response.cycle, cycle_start);
         if !events.list.is_empty() {
             if let Some(server) = &self.server {
                 server.publish_timeline(&events.list);
@@ -1468,10 +1506,34 @@ impl CycleThread {
                 });
             }
             if let Some(t) = &self.timeline {
-                t.write(events.list);
+                t.write(std::mem::take(&mut events.list));
             }
         }
         Ok(response.shutdown)
+    }
+
+    /// Counts the cycle's `work` and reports its statistics when someone reads them.
+    fn account(&mut self, work: &Work, cycle: u64, cycle_start: Instant) {
+        self.shared
+            .bytes_reduced
+            .fetch_add(work.bytes_reduced, Ordering::Relaxed);
+        if work.tensors > 0
+            && (self.server.as_ref().is_some_and(|s| s.wants_stats()) || self.self_tuning())
+        {
+            // The wall clock of the cycle's start, read only for the statistics.
+            let duration_us = cycle_start.elapsed().as_micros() as u64;
+            let stats = CycleStats {
+                cycle,
+                start_unix_us: now_us().saturating_sub(duration_us),
+                duration_us,
+                bytes_reduced: work.bytes_reduced,
+                bytes_total: work.bytes_total,
+                tensors: work.tensors,
+                fused_buffers: work.buffers,
+                knobs: self.knobs,
+            };
+            self.report_stats(stats, cycle_start);
+        }
     }
 
     /// Reports a cycle's statistics to the socket's subscribers and the self-tuner, at
@@ -1561,7 +1623,9 @@ impl CycleThread {
         let Some(cycle) = self.next_cycle.filter(|_| self.settle) else {
             return Ok(None);
         };
-        let mut post = Vec::with_capacity(crate::shm::MAX_POST_BYTES);
+        // Last cycle's buffer, so that a post allocates nothing.
+        let mut post = std::mem::take(&mut self.post);
+        post.clear();
         post.push(0u8);
         let eligible = !updates
             && request.knobs.is_empty()
@@ -1583,13 +1647,11 @@ impl CycleThread {
         // so that a lone small allreduce can move its inputs with it.
         let mut items = Vec::new();
         if eligible {
-            post[0] = 1;
-            post.extend_from_slice(&cycle.to_le_bytes());
+            settled_post(&mut post, cycle);
             let mut ready: Vec<&TensorRequest> = Vec::with_capacity(request.tensors.len());
             for r in &request.tensors {
                 if let coordinator::Ready::Cached(run) = r {
-                    post.extend_from_slice(&run.0.to_le_bytes());
-                    post.extend_from_slice(&run.1.to_le_bytes());
+                    push_run(&mut post, *run);
                     for bit in run.bits() {
                         let (_, cached) = self.cache.table().get(bit).ok_or_else(|| {
                             CollectiveError::JobFailed {
@@ -1618,7 +1680,9 @@ impl CycleThread {
             }
             _ => None,
         };
-        let same = match self.transport.same_posts(&self.all_ranks, &post, early) {
+        let same = self.transport.same_posts(&self.all_ranks, &post, early);
+        self.post = post;
+        let same = match same {
             Some(same) => same?,
             None => {
                 // Not one segment after all (it is the same on every rank).

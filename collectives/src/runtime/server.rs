@@ -680,6 +680,11 @@ impl ControlServer {
         self.state.knobs.lock().map(|g| *g).unwrap_or_default()
     }
 
+    /// Whether knob changes wait for the next cycle's request.
+    pub fn has_knob_requests(&self) -> bool {
+        self.knob_requests.lock().map_or(true, |q| !q.is_empty())
+    }
+
     /// Knob changes asked for since the last call.
     pub fn take_knob_requests(&self) -> Vec<KnobRequest> {
         self.knob_requests
