@@ -734,20 +734,15 @@ impl ShmGroup {
             return Err(self.link_error(self.my_rank(), "shared post: bad size or members"));
         }
         let mut early_chunk = None;
-        let mut with_early: smallvec::SmallVec<[u8; 128]> = smallvec::SmallVec::new();
+        let mut trailer = [0u8; 9];
         // Held through the round: nothing else starts a chunk meanwhile.
         let mut chunks = self.lock(&self.chunks, self.me)?;
-        let post = match early {
-            None => post,
-            Some(data) => {
-                early_chunk = self.put_early(members, data, chunks.next)?;
-                with_early.extend_from_slice(post);
-                with_early.push(u8::from(early_chunk.is_some()));
-                with_early.extend_from_slice(&(data.len() as u64).to_le_bytes());
-                &with_early[..]
-            }
-        };
-        let same = self.exchange_posts(members, post, peer_gone)?;
+        if let Some(data) = early {
+            early_chunk = self.put_early(members, data, chunks.next)?;
+            trailer[0] = u8::from(early_chunk.is_some());
+            trailer[1..].copy_from_slice(&(data.len() as u64).to_le_bytes());
+        }
+        let same = self.exchange_posts(members, [post, &trailer[..extra]], peer_gone)?;
         chunks.early = match (same, early_chunk, early) {
             (true, Some(g), Some(data)) => Some((g, data.as_ptr() as usize, data.len())),
             _ => None,
@@ -782,11 +777,12 @@ impl ShmGroup {
         Ok(Some(g))
     }
 
-    /// One round of posts: whether every member posted exactly `post`.
+    /// One round of posts: whether every member posted exactly the bytes of `parts`, one
+    /// after the other (a post and its trailer, written straight into the segment).
     fn exchange_posts(
         &self,
         members: &[usize],
-        post: &[u8],
+        parts: [&[u8]; 2],
         peer_gone: PeerGone<'_>,
     ) -> Result<bool> {
         let mut rounds = self.lock(&self.posts, self.me)?;
@@ -801,17 +797,23 @@ impl ShmGroup {
                 (&*words, &*words.add(1))
             }
         };
-        let (mine, my_len) = header(self.me);
-        // SAFETY: our own post, which nobody reads until its round says so.
-        unsafe {
-            std::ptr::copy_nonoverlapping(
-                post.as_ptr(),
-                self.base()
-                    .add(self.layout.post(self.me, parity) + POST_HEADER),
-                post.len(),
-            )
+        let body = |m: usize| {
+            // SAFETY: `Layout::post` is inside the mapping; a post's body follows its
+            // header and has room for MAX_POST_BYTES (the callers' bound).
+            unsafe { self.base().add(self.layout.post(m, parity) + POST_HEADER) }
         };
-        my_len.store(post.len() as u64, Ordering::Relaxed);
+        let len: usize = parts.iter().map(|p| p.len()).sum();
+        let (mine, my_len) = header(self.me);
+        let mut at = body(self.me);
+        for part in parts {
+            // SAFETY: our own post, which nobody reads until its round says so; the
+            // parts add up to at most MAX_POST_BYTES.
+            unsafe {
+                std::ptr::copy_nonoverlapping(part.as_ptr(), at, part.len());
+                at = at.add(part.len());
+            }
+        }
+        my_len.store(len as u64, Ordering::Relaxed);
         mine.store(round + 1, Ordering::Release);
         self.notify_all(members);
         let mut patience = self.patience(members, peer_gone);
@@ -821,16 +823,15 @@ impl ShmGroup {
             &mut patience,
         )?;
         Ok(members.iter().filter(|&&m| m != self.me).all(|&m| {
-            let len = header(m).1.load(Ordering::Relaxed);
-            // SAFETY: member m published this round's post (its round word, read with
-            // Acquire above) and leaves it alone until it has seen ours of the next round.
-            let theirs = unsafe {
-                std::slice::from_raw_parts(
-                    self.base().add(self.layout.post(m, parity) + POST_HEADER) as *const u8,
-                    post.len(),
-                )
-            };
-            len == post.len() as u64 && theirs == post
+            if header(m).1.load(Ordering::Relaxed) != len as u64 {
+                return false;
+            }
+            // SAFETY: member m published this round's post of `len` bytes (its round
+            // word, read with Acquire above) and leaves it alone until it has seen ours
+            // of the next round.
+            let theirs = unsafe { std::slice::from_raw_parts(body(m) as *const u8, len) };
+            let (first, rest) = theirs.split_at(parts[0].len());
+            first == parts[0] && rest == parts[1]
         }))
     }
 
