@@ -202,6 +202,11 @@ impl<P> ResponseCache<P> {
             return;
         };
         if let Some(Some(slot)) = self.slots.get_mut(bit as usize) {
+            if slot.used == self.clock {
+                // The most recently used already (a lone tensor in a loop): the order,
+                // which is all the clock is for, stays as it is.
+                return;
+            }
             self.clock += 1;
             self.recency.remove(&slot.used);
             slot.used = self.clock;
