@@ -1100,7 +1100,7 @@ impl Engine {
         }
     }
 
-    /// A caller that ran a cycle lets go of the engine (`self`, locked): the background
+    /// A caller that ran a cycle lets go of the engine (`e`, locked): the background
     /// thread is woken when the job ended, or when tensors wait for later cycles or came
     /// in for it while the caller held the engine (it takes over now); otherwise it
     /// sleeps on.
