@@ -1203,6 +1203,9 @@ impl ShmGroup {
             .collect();
         match move_to_a_free_core(cpu, &taken) {
             Some(to) => {
+                // Said at once, so that the member left behind sees its core as its own
+                // (it would otherwise keep spinning less until this one waits long again).
+                self.bell(self.me).cpu.store(to + 1, Ordering::Relaxed);
                 tracing::debug!(
                     rank = self.my_rank(),
                     from = cpu,
