@@ -1693,18 +1693,8 @@ impl CycleThread {
         if !(same && eligible) {
             return Ok(None);
         }
-        if let Some(c) = self.coordinator.as_mut() {
-            let index = c.settled_step(&items);
-            if index != cycle {
-                return Err(CollectiveError::JobFailed {
-                    rank: self.rank,
-                    cause: format!(
-                        "settled cycle {cycle} is cycle {index} for rank 0's coordinator (a \
-                         bug in collectives)"
-                    ),
-                });
-            }
-        }
+        let index = self.coordinator.as_mut().map(|c| c.settled_step(&items));
+        self.check_settled(cycle, index)?;
         self.cache.refresh(&items);
         self.shared.settled_cycles.fetch_add(1, Ordering::Relaxed);
         Ok(Some(Response {
@@ -1715,6 +1705,21 @@ impl CycleThread {
             abort: None,
             cache_capacity: None,
         }))
+    }
+
+    /// Rank 0's coordinator counted the settled cycle `cycle` as `index` (`None`: not
+    /// rank 0): the two must agree.
+    fn check_settled(&self, cycle: u64, index: Option<u64>) -> Result<()> {
+        match index {
+            Some(index) if index != cycle => Err(CollectiveError::JobFailed {
+                rank: self.rank,
+                cause: format!(
+                    "settled cycle {cycle} is cycle {index} for rank 0's coordinator (a bug \
+                     in collectives)"
+                ),
+            }),
+            _ => Ok(()),
+        }
     }
 
     fn negotiate(

@@ -24,7 +24,7 @@ use super::completion::Completion;
 use super::coordinator::{self, BitRun, OpKind, Ready, Request, TensorRequest};
 use super::{CycleThread, Engine, Entry, Events, Handle, Runtime, Work, push_run, settled_post};
 use crate::algorithms::{SLICE_BYTES, Schedule, allreduce_tensors};
-use crate::error::{CollectiveError, Result};
+use crate::error::Result;
 use crate::tensor::{ReduceOp, Tensor};
 
 /// What became of a blocking allreduce offered to the quick path.
@@ -235,18 +235,8 @@ impl CycleThread {
         cycle: u64,
         start: Instant,
     ) -> Result<()> {
-        if let Some(c) = self.coordinator.as_mut() {
-            let index = c.settled_step_of(name);
-            if index != cycle {
-                return Err(CollectiveError::JobFailed {
-                    rank: self.rank,
-                    cause: format!(
-                        "settled cycle {cycle} is cycle {index} for rank 0's coordinator (a \
-                         bug in collectives)"
-                    ),
-                });
-            }
-        }
+        let index = self.coordinator.as_mut().map(|c| c.settled_step_of(name));
+        self.check_settled(cycle, index)?;
         self.cache.touch(name);
         self.shared.settled_cycles.fetch_add(1, Ordering::Relaxed);
         self.shared.quick_cycles.fetch_add(1, Ordering::Relaxed);
