@@ -2064,32 +2064,29 @@ mod tests {
                 eprintln!("one core allowed: no core of its own for each member, nothing to check");
                 return;
             }
+            // Read right before each call: a loaded machine may move this thread.
             // SAFETY: no arguments.
-            let here = unsafe { libc::sched_getcpu() } as u32;
-            let elsewhere = allowed
-                .iter()
-                .map(|&c| c as u32)
-                .find(|&c| c != here)
-                .unwrap();
+            let current = || unsafe { libc::sched_getcpu() } as u32;
+            let elsewhere = |cpu: u32| allowed.iter().map(|&c| c as u32).find(|&c| c != cpu);
             let publish = |member: usize, cpu: u32| {
                 groups[0].bell(member).cpu.store(cpu + 1, Ordering::Relaxed)
             };
             // Member 1 last waited elsewhere: member 0 has this core to itself.
-            publish(1, elsewhere);
+            publish(1, elsewhere(current()).unwrap());
             assert!(!groups[0].leave_a_shared_core());
             // Member 1 last waited here: member 0 shares the core and, as the earlier of
             // the two, stays (its waits spin less meanwhile).
+            let here = current();
             publish(1, here);
             assert!(groups[0].leave_a_shared_core());
-            // SAFETY: no arguments.
-            assert_eq!(unsafe { libc::sched_getcpu() } as u32, here);
+            assert_eq!(groups[0].bell(0).cpu.load(Ordering::Relaxed), here + 1);
             // Member 1, on the core member 0 published, is the later one: it moves to a
-            // core nobody waited on and has one of its own; once per MOVE_EVERY.
+            // core nobody waited on, says so at once, and has a core of its own.
             assert!(!groups[1].leave_a_shared_core());
-            // SAFETY: no arguments.
-            let moved_to = unsafe { libc::sched_getcpu() } as u32;
+            let moved_to = groups[0].bell(1).cpu.load(Ordering::Relaxed) - 1;
             assert_ne!(moved_to, here);
-            publish(0, moved_to);
+            // Within MOVE_EVERY it does not move again.
+            publish(0, current());
             assert!(
                 groups[1].leave_a_shared_core(),
                 "moved again within MOVE_EVERY"
