@@ -506,6 +506,56 @@ fn a_quick_post_the_other_ranks_do_not_match_is_negotiated_in_the_same_cycle() {
 }
 
 #[test]
+fn a_rank_that_leaves_during_quick_cycles_is_named_by_the_others() {
+    // Three ranks reduce "x" until it runs on the quick path, then rank 2 leaves
+    // (interrupted, as by a signal) while ranks 0 and 1 wait in their quick post for
+    // it: both must fail, naming rank 2, and later calls must fail at once.
+    let n = 3;
+    let port = free_port();
+    let warm = Arc::new(Barrier::new(n));
+    let mut handles = Vec::new();
+    for rank in 0..n {
+        let warm = warm.clone();
+        handles.push(std::thread::spawn(move || {
+            let mut cfg = config(rank, n, n, port);
+            cfg.timeout = Duration::from_secs(3);
+            // No idle cycles on the background thread's timer (1 s, the most): the call that
+            // meets the departure is the caller's own quick cycle.
+            cfg.knobs.cycle_time_us = 1_000_000;
+            let rt = Runtime::new(cfg).unwrap();
+            for _ in 0..20 {
+                rt.allreduce("x", Tensor::from_slice(&[1.0f32; 256]), ReduceOp::Sum)
+                    .unwrap();
+            }
+            let quick = rt.totals().quick_cycles;
+            warm.wait();
+            if rank == 2 {
+                std::thread::sleep(Duration::from_millis(200));
+                rt.interrupter().interrupt("test: rank 2 leaves");
+                return (rank, quick, String::new(), None);
+            }
+            let err = rt
+                .allreduce("x", Tensor::from_slice(&[1.0f32; 256]), ReduceOp::Sum)
+                .unwrap_err();
+            let later = rt
+                .allreduce("x", Tensor::from_slice(&[1.0f32; 256]), ReduceOp::Sum)
+                .unwrap_err();
+            (rank, quick, err.to_string(), Some(later))
+        }));
+    }
+    for h in handles {
+        let (rank, quick, err, later) = h.join().unwrap();
+        assert!(quick > 0, "rank {rank}: no quick cycle while warming up");
+        let Some(later) = later else { continue };
+        assert!(err.contains("rank 2"), "rank {rank}: {err}");
+        assert!(
+            !matches!(later, CollectiveError::WaitTimeout { .. }),
+            "rank {rank}: {later}"
+        );
+    }
+}
+
+#[test]
 fn fusion_disabled_and_tiny_threshold_give_the_same_results() {
     for threshold in [0u64, 100] {
         run_job(
