@@ -106,6 +106,10 @@ const POST_HEADER: usize = 16;
 /// Most bytes one [`ShmGroup::same_posts`] can post.
 pub const MAX_POST_BYTES: usize = POST_BYTES - POST_HEADER;
 
+/// What an early post adds to its bytes ([`ShmGroup::same_posts_early`]): whether the
+/// inputs went into the slot (1 byte) and their length (8).
+pub const EARLY_TRAILER_BYTES: usize = 9;
+
 /// The segment's first line.
 #[repr(C)]
 struct SegmentHeader {
@@ -731,12 +735,16 @@ impl ShmGroup {
         early: Option<&[u8]>,
         peer_gone: PeerGone<'_>,
     ) -> Result<bool> {
-        let extra = if early.is_some() { 9 } else { 0 };
+        let extra = if early.is_some() {
+            EARLY_TRAILER_BYTES
+        } else {
+            0
+        };
         if post.len() + extra > MAX_POST_BYTES || !members.contains(&self.me) {
             return Err(self.link_error(self.my_rank(), "shared post: bad size or members"));
         }
         let mut early_chunk = None;
-        let mut trailer = [0u8; 9];
+        let mut trailer = [0u8; EARLY_TRAILER_BYTES];
         // Held through the round: nothing else starts a chunk meanwhile.
         let mut chunks = self.lock(&self.chunks, self.me)?;
         if let Some(data) = early {

@@ -1674,7 +1674,8 @@ impl CycleThread {
             [Item::Allreduce { names, .. }]
                 if names.len() == 1
                     && !self.knobs.hierarchical_allreduce
-                    && 9 + post.len() <= crate::shm::MAX_POST_BYTES =>
+                    && crate::shm::EARLY_TRAILER_BYTES + post.len()
+                        <= crate::shm::MAX_POST_BYTES =>
             {
                 self.pending.get(&names[0]).map(|e| e.tensor.as_bytes())
             }

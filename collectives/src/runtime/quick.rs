@@ -147,7 +147,8 @@ impl CycleThread {
         settled_post(&mut post, cycle);
         push_run(&mut post, BitRun(bit, 1));
         // As the general path: the bytes go with the post when there is room.
-        let early = (9 + post.len() <= crate::shm::MAX_POST_BYTES).then(|| tensor.as_bytes());
+        let early = (crate::shm::EARLY_TRAILER_BYTES + post.len() <= crate::shm::MAX_POST_BYTES)
+            .then(|| tensor.as_bytes());
         let same = self.transport.same_posts(&self.all_ranks, &post, early);
         self.post = post;
         match same {
