@@ -254,6 +254,23 @@ pub fn ring_allreduce(t: &dyn Transport, buf: &mut [u8], dtype: DType, op: Reduc
     allreduce_over(t, &ranks, buf, dtype, op, n, &segments)
 }
 
+/// Ring allreduce of `buf` among `ranks` only (this rank among them), in place; an
+/// `Average` divides by `divisor` (the whole job's size when `ranks` reduce partial sums).
+pub fn ring_allreduce_among(
+    t: &dyn Transport,
+    ranks: &[usize],
+    buf: &mut [u8],
+    dtype: DType,
+    op: ReduceOp,
+    divisor: usize,
+) -> Result<()> {
+    let n = ranks.len();
+    let count = buf.len() / dtype.size();
+    let segments: SmallVec<[Range<usize>; 16]> =
+        (0..n).map(|i| segment_bound(count, n, i)).collect();
+    allreduce_over(t, ranks, buf, dtype, op, divisor, &segments)
+}
+
 /// Ring allreduce of a buffer laid out by `layout` (built with `parts = world size`).
 pub fn ring_allreduce_fused(
     t: &dyn Transport,

@@ -131,6 +131,16 @@ pub enum CollectiveError {
         cause: String,
     },
 
+    /// A GPU tensor could not be used or reduced (no driver, bad memory, a CUDA or NCCL
+    /// failure); the message says which and, where there is one, what to do.
+    #[error("rank {rank}: GPU: {message}")]
+    Gpu {
+        /// The rank reporting the error.
+        rank: usize,
+        /// What went wrong.
+        message: String,
+    },
+
     /// The runtime was shut down before the operation completed.
     #[error("rank {rank}: the runtime has shut down")]
     ShutDown {

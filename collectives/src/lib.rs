@@ -80,6 +80,8 @@
 pub mod algorithms;
 pub mod control;
 pub mod error;
+#[cfg(feature = "cuda")]
+pub mod gpu;
 pub mod knobs;
 pub mod mesh;
 mod poll;

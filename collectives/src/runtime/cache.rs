@@ -497,6 +497,7 @@ mod tests {
             kind: OpKind::Allreduce(ReduceOp::Sum),
             dtype: DType::F32,
             shape: shape.to_vec(),
+            device: false,
         };
         let mut rank = RankCache::new();
         rank.table.set_capacity(4);

@@ -45,6 +45,14 @@ pub struct TensorRequest {
     pub dtype: DType,
     /// Its shape.
     pub shape: Vec<usize>,
+    /// Its memory is on a GPU (feature `cuda`). GPU and host tensors are never fused
+    /// together, and a tensor must be on a GPU on every rank or on none.
+    #[serde(default, skip_serializing_if = "is_false")]
+    pub device: bool,
+}
+
+fn is_false(b: &bool) -> bool {
+    !*b
 }
 
 /// Response-cache bits `first, first + 1, …, first + count - 1`, written `[first, count]`.
@@ -420,8 +428,8 @@ impl Coordinator {
 /// buffer of its dtype and op if it fits under the fusion threshold (0: no fusion).
 struct Fusion {
     threshold: u64,
-    /// Per dtype and op: the open buffer's item and its bytes so far.
-    open: HashMap<(DType, ReduceOp), (usize, u64)>,
+    /// Per dtype, op and memory (GPU or host): the open buffer's item and its bytes so far.
+    open: HashMap<(DType, ReduceOp, bool), (usize, u64)>,
 }
 
 impl Fusion {
@@ -443,7 +451,7 @@ impl Fusion {
         match first.kind {
             OpKind::Allreduce(op) => {
                 let bytes = (first.shape.iter().product::<usize>() * first.dtype.size()) as u64;
-                let key = (first.dtype, op);
+                let key = (first.dtype, op, first.device);
                 match self.open.get_mut(&key) {
                     Some((idx, used)) if self.threshold > 0 && *used + bytes <= self.threshold => {
                         if let Some(Item::Allreduce { names, .. }) = items.get_mut(*idx) {
@@ -526,6 +534,16 @@ fn validate(reqs: &[TensorRequest], world_size: usize) -> Result<(), String> {
     if dtypes.iter().any(|d| *d != dtypes[0]) {
         return Err(format!("dtype differs across ranks: {}", describe(&dtypes)));
     }
+    let memory: Vec<&str> = reqs
+        .iter()
+        .map(|r| if r.device { "gpu" } else { "host" })
+        .collect();
+    if memory.iter().any(|m| *m != memory[0]) {
+        return Err(format!(
+            "the tensor is on a GPU on some ranks and in host memory on others: {}",
+            describe(&memory)
+        ));
+    }
     match kinds[0] {
         OpKind::Allgather => {
             let tails: Vec<&[usize]> = reqs
@@ -568,6 +586,7 @@ mod tests {
             kind,
             dtype: DType::F32,
             shape: shape.to_vec(),
+            device: false,
         }
     }
 
@@ -933,6 +952,7 @@ mod tests {
                     kind: OpKind::Allreduce(op),
                     dtype: [DType::F32, DType::F32, DType::I32, DType::BF16][i % 4],
                     shape: vec![i * 13 + 1, 5],
+                    device: false,
                 }
             })
             .chain([request("bc", &[9], OpKind::Broadcast(2))])
@@ -1007,6 +1027,7 @@ mod tests {
                     kind: OpKind::Allreduce(op),
                     dtype: if i % 4 == 3 { DType::I32 } else { DType::F32 },
                     shape: vec![i * 7 + 1, 3],
+                    device: false,
                 }
             })
             .chain([request("bc", &[9], OpKind::Broadcast(1))])

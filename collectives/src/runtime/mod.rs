@@ -17,6 +17,8 @@ pub mod cache;
 mod claim;
 mod completion;
 pub mod coordinator;
+#[cfg(feature = "cuda")]
+mod device;
 mod faults;
 mod quick;
 #[cfg(feature = "autotune")]
@@ -88,6 +90,10 @@ pub struct RuntimeConfig {
     /// cache, every tensor is negotiated by name). Only rank 0's value matters: it gives it
     /// to every rank in its first response.
     pub cache_capacity: usize,
+    /// GPU tensors may go through NCCL (`RINGWATCH_NCCL`, default on) where every rank has
+    /// a GPU of its own; off, they are staged through host memory into the rings. Only
+    /// matters with the `cuda` feature.
+    pub nccl: bool,
 }
 
 impl RuntimeConfig {
@@ -103,6 +109,7 @@ impl RuntimeConfig {
             autotune: None,
             shared_memory: true,
             cache_capacity: DEFAULT_CACHE_CAPACITY,
+            nccl: true,
         }
     }
 
@@ -129,13 +136,20 @@ impl RuntimeConfig {
                 None => true,
             },
             cache_capacity: cache_capacity_from(&get)?,
+            nccl: match get("RINGWATCH_NCCL") {
+                Some(v) => parse_bool("RINGWATCH_NCCL", &v)?,
+                None => true,
+            },
         })
     }
 }
 
 struct Entry {
     request: TensorRequest,
+    /// The tensor; for a GPU tensor, an empty stand-in (its memory is `device`).
     tensor: Tensor,
+    #[cfg(feature = "cuda")]
+    device: Option<crate::gpu::DeviceTensor>,
     /// Its handle's slot; also says whether a caller waits for this tensor and runs
     /// its cycle itself ([`Handle::drive`]): the background thread leaves such a tensor
     /// in the inbox until its timer.
@@ -190,6 +204,9 @@ struct Shared {
     settled_cycles: AtomicU64,
     caller_cycles: AtomicU64,
     quick_cycles: AtomicU64,
+    /// [`Totals::nccl_allreduces`] and [`Totals::staged_allreduces`].
+    nccl_allreduces: AtomicU64,
+    staged_allreduces: AtomicU64,
     claims: Arc<TuningClaims>,
     self_tune: Arc<Mutex<Option<SelfTuneOutcome>>>,
     /// Set by an [`Interrupter`]: why this rank leaves.
@@ -374,6 +391,10 @@ pub struct Totals {
     /// Of the caller's cycles, those of a blocking allreduce of one cached tensor that
     /// settled without an inbox entry or a result slot (the quick path, `runtime::quick`).
     pub quick_cycles: u64,
+    /// Fused buffers of GPU tensors reduced by one `ncclAllReduce` (feature `cuda`).
+    pub nccl_allreduces: u64,
+    /// Fused buffers of GPU tensors staged through pinned host memory into the rings.
+    pub staged_allreduces: u64,
 }
 
 /// One rank of a collective job.
@@ -388,6 +409,9 @@ pub struct Runtime {
     job_id: String,
     control_path: Option<PathBuf>,
     faults: Option<Arc<FaultChannel>>,
+    /// The GPU this rank's GPU tensors are on (set by the first one).
+    #[cfg(feature = "cuda")]
+    gpu_device: std::sync::OnceLock<i32>,
 }
 
 impl std::fmt::Debug for Runtime {
@@ -464,6 +488,8 @@ impl Runtime {
             settled_cycles: AtomicU64::new(0),
             caller_cycles: AtomicU64::new(0),
             quick_cycles: AtomicU64::new(0),
+            nccl_allreduces: AtomicU64::new(0),
+            staged_allreduces: AtomicU64::new(0),
             claims: claims.clone(),
             self_tune: Arc::new(Mutex::new(None)),
             interrupted: Mutex::new(None),
@@ -548,6 +574,10 @@ impl Runtime {
             stats_held: None,
             stats_sent_at: None,
             fusion: AlignedBuf::default(),
+            #[cfg(feature = "cuda")]
+            gpu: None,
+            #[cfg(feature = "cuda")]
+            nccl: config.nccl,
             timeline,
             server,
             feeder,
@@ -595,6 +625,8 @@ impl Runtime {
             job_id,
             control_path,
             faults,
+            #[cfg(feature = "cuda")]
+            gpu_device: std::sync::OnceLock::new(),
         })
     }
 
@@ -653,6 +685,8 @@ impl Runtime {
             settled_cycles: self.shared.settled_cycles.load(Ordering::Relaxed),
             caller_cycles: self.shared.caller_cycles.load(Ordering::Relaxed),
             quick_cycles: self.shared.quick_cycles.load(Ordering::Relaxed),
+            nccl_allreduces: self.shared.nccl_allreduces.load(Ordering::Relaxed),
+            staged_allreduces: self.shared.staged_allreduces.load(Ordering::Relaxed),
         }
     }
 
@@ -677,7 +711,37 @@ impl Runtime {
     /// Puts a tensor in the inbox; `waited`: the caller waits for it at once and runs its
     /// cycle itself ([`Handle::drive`]), so the background thread is not woken for it.
     fn enqueue(&self, name: &str, kind: OpKind, tensor: Tensor, waited: bool) -> Result<Handle> {
+        let request = TensorRequest {
+            name: name.to_string(),
+            kind,
+            dtype: tensor.dtype(),
+            shape: tensor.shape().to_vec(),
+            device: false,
+        };
+        self.enqueue_entry(
+            request,
+            |request, done| Entry {
+                request,
+                tensor,
+                #[cfg(feature = "cuda")]
+                device: None,
+                done,
+            },
+            waited,
+        )
+    }
+
+    /// Puts the entry `make` builds (whose request is `request`) in the inbox.
+    fn enqueue_entry(
+        &self,
+        request: TensorRequest,
+        make: impl FnOnce(TensorRequest, Done) -> Entry,
+        waited: bool,
+    ) -> Result<Handle> {
         let rank = self.shared.rank;
+        let name = request.name.clone();
+        let name = name.as_str();
+        let kind = request.kind;
         let invalid = |message: &str| CollectiveError::InvalidTensor {
             rank,
             name: name.to_string(),
@@ -688,7 +752,7 @@ impl Runtime {
         {
             return Err(invalid(&format!("root {root} is not a rank")));
         }
-        if kind == OpKind::Allgather && tensor.shape().is_empty() {
+        if kind == OpKind::Allgather && request.shape.is_empty() {
             return Err(invalid("allgather needs at least one dimension"));
         }
         {
@@ -704,16 +768,7 @@ impl Runtime {
             }
         }
         let (done, completion) = Completion::new(waited);
-        let entry = Entry {
-            request: TensorRequest {
-                name: name.to_string(),
-                kind,
-                dtype: tensor.dtype(),
-                shape: tensor.shape().to_vec(),
-            },
-            tensor,
-            done,
-        };
+        let entry = make(request, done);
         let mut inbox = self
             .shared
             .inbox
@@ -903,6 +958,12 @@ struct CycleThread {
     stats_held: Option<CycleStats>,
     stats_sent_at: Option<Instant>,
     fusion: AlignedBuf,
+    /// This rank's GPU side, started by the job's first GPU allreduce.
+    #[cfg(feature = "cuda")]
+    gpu: Option<crate::gpu::GpuEngine>,
+    /// `RuntimeConfig::nccl`.
+    #[cfg(feature = "cuda")]
+    nccl: bool,
     timeline: Option<TimelineFile>,
     server: Option<Arc<ControlServer>>,
     /// A rank that is not its host's first: its timeline goes to the host's socket.
@@ -978,6 +1039,16 @@ fn settled_post(post: &mut Vec<u8>, cycle: u64) {
 fn push_run(post: &mut Vec<u8>, run: coordinator::BitRun) {
     post.extend_from_slice(&run.0.to_le_bytes());
     post.extend_from_slice(&run.1.to_le_bytes());
+}
+
+/// The timeline activity and phase of a fusion-buffer copy.
+fn copy_activity(phase: CopyPhase) -> (&'static str, Phase) {
+    match phase {
+        CopyPhase::InBegin => (activity::MEMCPY_IN_FUSION_BUFFER, Phase::Begin),
+        CopyPhase::InEnd => (activity::MEMCPY_IN_FUSION_BUFFER, Phase::End),
+        CopyPhase::OutBegin => (activity::MEMCPY_OUT_FUSION_BUFFER, Phase::Begin),
+        CopyPhase::OutEnd => (activity::MEMCPY_OUT_FUSION_BUFFER, Phase::End),
+    }
 }
 
 fn negotiate_activity(kind: OpKind) -> &'static str {
@@ -1677,7 +1748,11 @@ impl CycleThread {
                     && crate::shm::EARLY_TRAILER_BYTES + post.len()
                         <= crate::shm::MAX_POST_BYTES =>
             {
-                self.pending.get(&names[0]).map(|e| e.tensor.as_bytes())
+                // A GPU tensor's bytes are not in host memory.
+                self.pending
+                    .get(&names[0])
+                    .filter(|e| !e.request.device)
+                    .map(|e| e.tensor.as_bytes())
             }
             _ => None,
         };
@@ -1910,6 +1985,10 @@ impl CycleThread {
                     events.add(&e.request.name, activity::QUEUE, Phase::End, &[]);
                     events.add(&e.request.name, activity::ALLREDUCE, Phase::Begin, &args);
                 }
+                #[cfg(feature = "cuda")]
+                if entries.iter().any(|e| e.request.device) {
+                    return self.execute_device(entries, dtype, op, schedule, work, events);
+                }
                 let total: usize = entries.iter().map(|e| e.tensor.byte_len()).sum();
                 // Only the timeline needs them while the tensors are lent out below.
                 let names: Vec<String> = if events.enabled {
@@ -1930,15 +2009,8 @@ impl CycleThread {
                     SLICE_BYTES,
                     &mut self.fusion,
                     &mut |i, phase| {
-                        let (activity, phase) = match phase {
-                            CopyPhase::InBegin => (activity::MEMCPY_IN_FUSION_BUFFER, Phase::Begin),
-                            CopyPhase::InEnd => (activity::MEMCPY_IN_FUSION_BUFFER, Phase::End),
-                            CopyPhase::OutBegin => {
-                                (activity::MEMCPY_OUT_FUSION_BUFFER, Phase::Begin)
-                            }
-                            CopyPhase::OutEnd => (activity::MEMCPY_OUT_FUSION_BUFFER, Phase::End),
-                        };
                         if let Some(name) = names.get(i) {
+                            let (activity, phase) = copy_activity(phase);
                             events.add(name, activity, phase, &[]);
                         }
                     },

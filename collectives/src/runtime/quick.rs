@@ -215,6 +215,7 @@ impl CycleThread {
         }
         let (bit, cached) = self.cache.table().bit(name)?;
         (cached.kind == OpKind::Allreduce(op)
+            && !cached.device
             && cached.dtype == tensor.dtype()
             && cached.shape == tensor.shape())
         .then_some(bit)
@@ -273,8 +274,11 @@ impl CycleThread {
                 kind: OpKind::Allreduce(op),
                 dtype: tensor.dtype(),
                 shape: tensor.shape().to_vec(),
+                device: false,
             },
             tensor,
+            #[cfg(feature = "cuda")]
+            device: None,
             done,
         };
         self.pending.insert(name.to_string(), entry);

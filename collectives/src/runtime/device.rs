@@ -1,0 +1,195 @@
+//! GPU tensors in the runtime (feature `cuda`): enqueued like host tensors, with an empty
+//! host stand-in and the device memory beside it; negotiated like them (their requests
+//! say they are on a GPU); run by [`crate::gpu::GpuEngine`] when their item comes.
+
+use super::coordinator::{OpKind, TensorRequest};
+use super::{CycleThread, Entry, Events, Handle, Runtime, Work, copy_activity};
+use crate::algorithms::{SLICE_BYTES, Schedule, allreduce_tensors};
+use std::sync::atomic::Ordering;
+
+use crate::control::Phase;
+use crate::error::{CollectiveError, Result};
+use crate::gpu::{self, DeviceTensor, GpuEngine};
+use crate::tensor::{AlignedBuf, DType, ReduceOp, Tensor};
+use crate::timeline::activity;
+
+impl Runtime {
+    /// Enqueues an in-place allreduce of the GPU tensor `tensor` under `name` (the same
+    /// name, shape and dtype on every rank, on a GPU on every rank). Waits first for the
+    /// work on the tensor's stream; the result is in the tensor when the handle is waited
+    /// on. A rank's GPU tensors must all be on one GPU.
+    ///
+    /// # Safety
+    /// [`DeviceTensor::new`]'s contract: the memory stays valid and untouched until the
+    /// handle has been waited on.
+    pub unsafe fn allreduce_device_async(
+        &self,
+        name: &str,
+        tensor: DeviceTensor,
+        op: ReduceOp,
+    ) -> Result<Handle> {
+        // SAFETY: the caller's promise.
+        unsafe { self.enqueue_device(name, tensor, op, false) }
+    }
+
+    /// Allreduces the GPU tensor `tensor` in place and waits.
+    ///
+    /// # Safety
+    /// As [`Runtime::allreduce_device_async`].
+    pub unsafe fn allreduce_device(
+        &self,
+        name: &str,
+        tensor: DeviceTensor,
+        op: ReduceOp,
+    ) -> Result<()> {
+        // SAFETY: the caller's promise.
+        unsafe { self.enqueue_device(name, tensor, op, true) }?
+            .wait()
+            .map(drop)
+    }
+
+    unsafe fn enqueue_device(
+        &self,
+        name: &str,
+        tensor: DeviceTensor,
+        op: ReduceOp,
+        waited: bool,
+    ) -> Result<Handle> {
+        let rank = self.rank();
+        gpu::prepare(&tensor).map_err(|m| CollectiveError::Gpu {
+            rank,
+            message: format!("tensor '{name}': {m}"),
+        })?;
+        let first = *self.gpu_device.get_or_init(|| tensor.device());
+        if first != tensor.device() {
+            return Err(CollectiveError::InvalidTensor {
+                rank,
+                name: name.to_string(),
+                message: format!(
+                    "it is on GPU {}, but this rank's GPU tensors are on GPU {first} (one \
+                     GPU per rank)",
+                    tensor.device()
+                ),
+            });
+        }
+        let request = TensorRequest {
+            name: name.to_string(),
+            kind: OpKind::Allreduce(op),
+            dtype: tensor.dtype(),
+            shape: tensor.shape().to_vec(),
+            device: true,
+        };
+        let stand_in = empty(tensor.dtype());
+        self.enqueue_entry(
+            request,
+            |request, done| Entry {
+                request,
+                tensor: stand_in,
+                device: Some(tensor),
+                done,
+            },
+            waited,
+        )
+    }
+}
+
+/// A host tensor of no elements.
+fn empty(dtype: DType) -> Tensor {
+    Tensor::from_bytes(dtype, &[0], AlignedBuf::zeroed(0))
+        .expect("zero elements of any dtype are zero bytes")
+}
+
+impl CycleThread {
+    /// Runs an allreduce item of GPU tensors (`entries`, taken from `pending`; their
+    /// queue-end and allreduce-begin events are already added).
+    pub(super) fn execute_device(
+        &mut self,
+        entries: Vec<Entry>,
+        dtype: DType,
+        op: ReduceOp,
+        schedule: Schedule,
+        work: &mut Work,
+        events: &mut Events,
+    ) -> Result<()> {
+        let tensors: Vec<DeviceTensor> = entries.iter().filter_map(|e| e.device.clone()).collect();
+        let outcome = (|| {
+            if tensors.len() != entries.len() {
+                // The coordinator fuses GPU tensors only with GPU tensors.
+                return Err(CollectiveError::Gpu {
+                    rank: self.rank,
+                    message: "an item mixes GPU and host tensors (a bug in collectives)".into(),
+                });
+            }
+            if self.gpu.is_none() {
+                let device = tensors.first().map_or(0, DeviceTensor::device);
+                self.gpu = Some(GpuEngine::start(
+                    &*self.transport,
+                    self.rank,
+                    device,
+                    self.nccl,
+                    self.layout,
+                )?);
+            }
+            let names: Vec<&str> = if events.enabled {
+                entries.iter().map(|e| e.request.name.as_str()).collect()
+            } else {
+                Vec::new()
+            };
+            let (transport, fusion) = (&*self.transport, &mut self.fusion);
+            let Some(engine) = self.gpu.as_mut() else {
+                return Err(CollectiveError::Gpu {
+                    rank: self.rank,
+                    message: "the GPU side did not start (a bug in collectives)".into(),
+                });
+            };
+            let hierarchical = match schedule {
+                Schedule::Hierarchical(layout) => Some(layout),
+                Schedule::Ring => None,
+            };
+            engine.allreduce(transport, &tensors, dtype, op, hierarchical, |views| {
+                allreduce_tensors(
+                    transport,
+                    views,
+                    dtype,
+                    op,
+                    schedule,
+                    SLICE_BYTES,
+                    fusion,
+                    &mut |i, phase| {
+                        if let Some(name) = names.get(i) {
+                            let (activity, phase) = copy_activity(phase);
+                            events.add(name, activity, phase, &[]);
+                        }
+                    },
+                )
+            })
+        })();
+        let path = match outcome {
+            Ok(path) => path,
+            Err(e) => {
+                // Back into `pending`, so that they fail with the job's final error.
+                for entry in entries {
+                    self.pending.insert(entry.request.name.clone(), entry);
+                }
+                return Err(e);
+            }
+        };
+        match path {
+            gpu::Path::Nccl | gpu::Path::NcclHierarchical => &self.shared.nccl_allreduces,
+            gpu::Path::Staged => &self.shared.staged_allreduces,
+        }
+        .fetch_add(1, Ordering::Relaxed);
+        let total: usize = tensors.iter().map(DeviceTensor::byte_len).sum();
+        for e in &entries {
+            events.add(&e.request.name, activity::ALLREDUCE, Phase::End, &[]);
+        }
+        work.bytes_reduced += total as u64;
+        work.bytes_total += total as u64;
+        work.tensors += entries.len() as u64;
+        work.buffers += 1;
+        for e in entries {
+            e.succeed();
+        }
+        Ok(())
+    }
+}
