@@ -115,6 +115,11 @@ enum Workload {
         /// first calls of a tensor also negotiate its name and fill the response cache).
         #[arg(long, default_value_t = 0)]
         warmup: usize,
+        /// Tensors in GPU memory (build with the `cuda` feature): each rank on GPU
+        /// LOCAL_RANK modulo the GPUs it sees. Through NCCL where every rank has a GPU of
+        /// its own, else staged through host memory (RINGWATCH_NCCL=0 stages always).
+        #[arg(long)]
+        gpu: bool,
     },
     /// Each step allreduces ResNet-50's 161 gradient tensors (real sizes, f32) in backward
     /// order, as a framework would; prints steps/s and effective bandwidth.
@@ -416,6 +421,7 @@ fn worker(cli: &Cli, workload: &Workload) -> Result<Option<i32>> {
             factor,
             iters,
             warmup,
+            gpu,
         } => sweep(
             cli,
             *min_bytes,
@@ -423,6 +429,7 @@ fn worker(cli: &Cli, workload: &Workload) -> Result<Option<i32>> {
             (*factor).max(2),
             *iters,
             *warmup,
+            *gpu,
         ),
         Workload::Resnet50 {
             steps,
@@ -511,8 +518,10 @@ fn sweep(
     factor: u64,
     iters: Option<usize>,
     warmup: usize,
+    gpu: bool,
 ) -> Result<()> {
     let rt = runtime(cli)?;
+    let device = if gpu { Some(gpu_of(&rt)?) } else { None };
     let n = rt.world_size();
     let rank = rt.rank();
     let mut sizes = Vec::new();
@@ -525,11 +534,28 @@ fn sweep(
     let mut rows = Vec::new();
     for &bytes in &sizes {
         let count = (bytes / 4) as usize;
+        let iters = iters.unwrap_or_else(|| ((1u64 << 30) / bytes).clamp(3, 50) as usize);
+        let name = format!("sweep.{bytes}");
+        if let Some(device) = device {
+            let (secs, wrong) = gpu_row(&rt, device, &name, count, warmup, iters)?;
+            let algbw = bytes as f64 / secs / 1e9;
+            rows.push(SweepRow {
+                bytes,
+                count: count as u64,
+                time_us: secs * 1e6,
+                algbw_gbps: algbw,
+                busbw_gbps: algbw * busbw_factor(n),
+                wrong,
+                cycle_thread_sleeps: 0,
+                caller_cycles: 0,
+            });
+            bar.inc(1);
+            continue;
+        }
         // Exact check on the first call: every element sums to n(n+1)/2.
         let mut t = Tensor::from_slice(&vec![(rank + 1) as f32; count]);
         // Named once, as a training loop names its tensors: the timed calls measure the
         // allreduce, not the formatting of its name.
-        let name = format!("sweep.{bytes}");
         t = rt.allreduce(&name, t, ReduceOp::Sum)?;
         let want = (n * (n + 1) / 2) as f32;
         let wrong = t
@@ -538,7 +564,6 @@ fn sweep(
             .iter()
             .filter(|&&v| v != want)
             .count() as u64;
-        let iters = iters.unwrap_or_else(|| ((1u64 << 30) / bytes).clamp(3, 50) as usize);
         for _ in 0..warmup {
             t = rt.allreduce(&name, t, ReduceOp::Sum)?;
         }
@@ -577,6 +602,11 @@ fn sweep(
                     "cycles": rt.totals().cycles,
                     "settled_cycles": rt.totals().settled_cycles,
                     "quick_cycles": rt.totals().quick_cycles,
+                    "gpu": device.map(|d| serde_json::json!({
+                        "device": d,
+                        "nccl_allreduces": rt.totals().nccl_allreduces,
+                        "staged_allreduces": rt.totals().staged_allreduces,
+                    })),
                     "rows": rows,
                 })
             );
@@ -586,6 +616,13 @@ fn sweep(
                  shared-memory peers {:?}",
                 rt.shared_memory_peers()
             );
+            if let Some(d) = device {
+                let t = rt.totals();
+                println!(
+                    "# GPU tensors on GPU {d}: {} NCCL allreduces, {} staged through host memory",
+                    t.nccl_allreduces, t.staged_allreduces
+                );
+            }
             println!(
                 "{:>12} {:>12} {:>12} {:>10} {:>10} {:>6}",
                 "size(B)", "count", "time(us)", "algbw(GB/s)", "busbw(GB/s)", "wrong"
@@ -603,6 +640,61 @@ fn sweep(
     }
     rt.shutdown();
     Ok(())
+}
+
+/// The GPU of this rank: LOCAL_RANK modulo the GPUs this process sees.
+#[cfg(feature = "cuda")]
+fn gpu_of(rt: &Runtime) -> Result<i32> {
+    let count = collectives::gpu::device_count().map_err(anyhow::Error::msg)?;
+    let local = rt.ranks()[rt.rank()].local_rank;
+    Ok(i32::try_from(local % count)?)
+}
+
+#[cfg(not(feature = "cuda"))]
+fn gpu_of(_: &Runtime) -> Result<i32> {
+    bail!("--gpu needs collbench built with the cuda feature (cargo build --features cuda)")
+}
+
+/// One sweep row of GPU tensors: the seconds a call and the wrong elements of the first.
+#[cfg(feature = "cuda")]
+fn gpu_row(
+    rt: &Runtime,
+    device: i32,
+    name: &str,
+    count: usize,
+    warmup: usize,
+    iters: usize,
+) -> Result<(f64, u64)> {
+    use collectives::DType;
+    use collectives::gpu::DeviceBuffer;
+    let (rank, n) = (rt.rank(), rt.world_size());
+    let host = vec![(rank + 1) as f32; count];
+    let buf =
+        DeviceBuffer::upload(device, bytemuck::cast_slice(&host)).map_err(anyhow::Error::msg)?;
+    // SAFETY: `buf` outlives every call below, each waited for.
+    let tensor = || unsafe { buf.tensor(DType::F32, &[count]) };
+    // SAFETY: as above.
+    let call = || unsafe { rt.allreduce_device(name, tensor(), ReduceOp::Sum) };
+    call()?;
+    let want = (n * (n + 1) / 2) as f32;
+    let got = buf.download().map_err(anyhow::Error::msg)?;
+    let wrong = got
+        .chunks_exact(4)
+        .filter(|c| f32::from_ne_bytes([c[0], c[1], c[2], c[3]]) != want)
+        .count() as u64;
+    for _ in 0..warmup {
+        call()?;
+    }
+    let start = Instant::now();
+    for _ in 0..iters {
+        call()?;
+    }
+    Ok((start.elapsed().as_secs_f64() / iters as f64, wrong))
+}
+
+#[cfg(not(feature = "cuda"))]
+fn gpu_row(_: &Runtime, _: i32, _: &str, _: usize, _: usize, _: usize) -> Result<(f64, u64)> {
+    bail!("--gpu needs collbench built with the cuda feature")
 }
 
 /// Parameter tensors of torchvision's ResNet-50, in forward (registration) order:
