@@ -257,6 +257,16 @@ fn totals() -> PyResult<(u64, u64, u64)> {
     })
 }
 
+/// GPU allreduces since start: fused buffers reduced by NCCL, and those staged through
+/// host memory into the rings.
+#[pyfunction]
+fn gpu_totals() -> PyResult<(u64, u64)> {
+    with_runtime(|rt| {
+        let t = rt.totals();
+        Ok((t.nccl_allreduces, t.staged_allreduces))
+    })
+}
+
 /// What keeps an enqueued tensor's memory alive: the Python object that owns it. Dropped on
 /// whatever thread drops the tensor; PyO3 defers the decref until a thread holds the GIL.
 struct Owner(
@@ -330,7 +340,75 @@ fn enqueue(
             pending: Some(handle),
             result: None,
         }),
+        owner: None,
     })
+}
+
+/// Whether this build takes GPU tensors (the runtime's `cuda` feature). A GPU tensor may
+/// still fail on a machine without a driver, with an error that says so.
+#[pyfunction]
+fn has_cuda() -> bool {
+    cfg!(feature = "cuda")
+}
+
+/// Enqueues an in-place allreduce of a contiguous CUDA tensor: `ptr` is its `data_ptr()` on
+/// GPU `device`, `stream` the `cuda_stream` of the stream that produced it (the runtime
+/// waits for that stream first), `owner` keeps it alive until the handle is waited on.
+///
+/// The caller (the `ringwatch.torch` layer) promises that `ptr` is device memory valid for
+/// the tensor's bytes and that nothing touches it until the handle is waited on; the
+/// runtime checks with the driver that the memory is on that GPU and long enough.
+#[pyfunction]
+#[pyo3(signature = (name, dtype, shape, ptr, device, stream, owner, op="sum"))]
+#[allow(
+    clippy::too_many_arguments,
+    reason = "one flat call per collective, from Python"
+)]
+#[cfg_attr(not(feature = "cuda"), allow(unused_variables))]
+fn enqueue_device(
+    py: Python<'_>,
+    name: &str,
+    dtype: &str,
+    shape: Vec<usize>,
+    ptr: u64,
+    device: i32,
+    stream: usize,
+    owner: Py<PyAny>,
+    op: &str,
+) -> PyResult<Handle> {
+    let dtype = dtype_from(dtype)?;
+    let op = op_from(op)?;
+    if name.is_empty() {
+        return Err(PyValueError::new_err("a collective needs a non-empty name"));
+    }
+    #[cfg(feature = "cuda")]
+    {
+        // SAFETY: the caller's promise above; `owner` keeps the memory alive until the
+        // handle is waited on.
+        let tensor =
+            unsafe { collectives::gpu::DeviceTensor::new(ptr, dtype, &shape, device, stream) };
+        // The wait for the tensor's stream happens here, without the GIL (and without the
+        // runtime's lock); the runtime's own check then finds the stream idle.
+        let checked = py.detach(|| collectives::gpu::prepare(&tensor));
+        checked.map_err(|m| RingwatchError::new_err(format!("tensor '{name}': {m}")))?;
+        // SAFETY: as above.
+        let handle = with_runtime(|rt| {
+            unsafe { rt.allreduce_device_async(name, tensor, op) }.map_err(to_py)
+        })?;
+        Ok(Handle {
+            name: name.to_string(),
+            state: Mutex::new(HandleState {
+                pending: Some(handle),
+                result: None,
+            }),
+            owner: Some(owner),
+        })
+    }
+    #[cfg(not(feature = "cuda"))]
+    Err(PyValueError::new_err(format!(
+        "tensor '{name}' is on a GPU, and this ringwatch was built without the cuda feature \
+         (maturin build --features cuda), or move it with .cpu()"
+    )))
 }
 
 /// A collective in flight. `wait()` returns `None` for in-place results (allreduce,
@@ -339,6 +417,10 @@ fn enqueue(
 struct Handle {
     name: String,
     state: Mutex<HandleState>,
+    /// A GPU tensor's owner (a host tensor's travels with the runtime's tensor), kept
+    /// until the handle is dropped.
+    #[allow(dead_code, reason = "held, not read: it keeps the tensor alive")]
+    owner: Option<Py<PyAny>>,
 }
 
 /// A handle's progress: the runtime's handle until its result is taken.
@@ -405,7 +487,7 @@ impl Handle {
                 )));
             }
         };
-        if tensor.is_external() {
+        if tensor.is_external() || self.owner.is_some() {
             // The result is in the caller's memory; dropping the tensor releases its owner.
             return Ok(None);
         }
@@ -486,5 +568,8 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(set_knobs, m)?)?;
     m.add_function(wrap_pyfunction!(totals, m)?)?;
     m.add_function(wrap_pyfunction!(enqueue, m)?)?;
+    m.add_function(wrap_pyfunction!(enqueue_device, m)?)?;
+    m.add_function(wrap_pyfunction!(has_cuda, m)?)?;
+    m.add_function(wrap_pyfunction!(gpu_totals, m)?)?;
     Ok(())
 }

@@ -15,7 +15,13 @@ import torch
 import torch.nn.functional as F
 
 MODE = os.environ["MODE"]          # single | optimizer | accumulate | ddp
+DEVICE = os.environ.get("DEVICE", "cpu")
 STEPS, PER_RANK = 6, 8
+if DEVICE == "cuda":
+    # TF32 rounds differently for different batch splits; the comparison needs full f32.
+    torch.backends.cudnn.allow_tf32 = False
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.deterministic = True
 
 def model_and_data(world):
     torch.manual_seed(0)
@@ -27,7 +33,7 @@ def model_and_data(world):
     g = torch.Generator().manual_seed(1)
     x = torch.randn(STEPS, world * PER_RANK, 3, 8, 8, generator=g)
     y = torch.randint(0, 10, (STEPS, world * PER_RANK), generator=g)
-    return model, x, y
+    return model.to(DEVICE), x.to(DEVICE), y.to(DEVICE)
 
 if MODE == "single":
     world = int(os.environ["COMBINED"])
@@ -99,10 +105,11 @@ print(json.dumps({"losses": losses, "params": params}))
 """
 
 
-def single_process(tmp_path, combined):
+def single_process(tmp_path, combined, device="cpu"):
     script = tmp_path / "single.py"
     script.write_text(TRAIN)
-    env = dict(os.environ, MODE="single", COMBINED=str(combined), OMP_NUM_THREADS="1")
+    env = dict(os.environ, MODE="single", COMBINED=str(combined), OMP_NUM_THREADS="1",
+               DEVICE=device)
     out = subprocess.run(
         [sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=120
     )
@@ -127,6 +134,17 @@ def test_distributed_optimizer_trains_like_one_process(run_job, tmp_path):
         assert_same_training(res, want)
     # Every rank holds the same model, bit for bit.
     assert all(res["params"] == results[0]["params"] for res in results)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no GPU")
+def test_distributed_optimizer_trains_like_one_process_on_a_gpu(run_job, tmp_path):
+    # Two ranks on the one GPU: gradients staged through host memory, the optimizer state
+    # broadcast through a host copy, the model on the GPU throughout.
+    results = run_job(TRAIN, 2, env={"MODE": "optimizer", "DEVICE": "cuda"}).results()
+    want = single_process(tmp_path, 2, device="cuda")
+    for res in results:
+        assert_same_training(res, want)
+    assert results[0]["params"] == results[1]["params"]
 
 
 def test_ddp_comm_hook_trains_like_one_process(run_job, tmp_path):

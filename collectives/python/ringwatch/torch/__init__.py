@@ -12,9 +12,13 @@
         loss_fn(model(x), y).backward()         # gradients allreduced as they are produced
         opt.step()                              # waits for them, then steps
 
-Tensors are CPU tensors of float32, float64, float16, bfloat16, int32 or int64. A
+Tensors are CPU or CUDA tensors of float32, float64, float16, bfloat16, int32 or int64. A
 contiguous tensor is handed to the runtime in place (no copy in or out; the GIL is released
-while the runtime works); a non-contiguous one is refused with a message saying so.
+while the runtime works); a non-contiguous one is refused with a message saying so. A CUDA
+tensor's allreduce runs on the GPU through NCCL where every rank has a GPU of its own, else
+through pinned host memory and the runtime's rings (``RINGWATCH_NCCL=0`` always stages); the
+runtime first waits for the tensor's current stream. Broadcast and allgather of CUDA tensors
+(parameters at start-up) go through a host copy.
 
 The knobs (``RINGWATCH_FUSION_THRESHOLD``, ``RINGWATCH_CYCLE_TIME_MS``,
 ``RINGWATCH_HIERARCHICAL_ALLREDUCE`` or Horovod's ``HOROVOD_*``), the control socket the
@@ -152,13 +156,15 @@ def set_knobs(fusion_threshold=None, cycle_time_ms=None, hierarchical_allreduce=
 class Handle:
     """A collective in flight; :func:`synchronize` returns its result."""
 
-    __slots__ = ("_native", "_tensor", "_kind", "_dtype")
+    __slots__ = ("_native", "_tensor", "_kind", "_dtype", "_gpu")
 
-    def __init__(self, native, tensor, kind):
+    def __init__(self, native, tensor, kind, gpu=None):
         self._native = native
         self._tensor = tensor
         self._kind = kind
         self._dtype = tensor.dtype
+        # A CUDA tensor staged through the host copy `tensor`: the result goes back to it.
+        self._gpu = gpu
 
     @property
     def name(self):
@@ -180,10 +186,17 @@ def _name(prefix, name):
 def _check(tensor, name, what):
     if not isinstance(tensor, torch.Tensor):
         raise TypeError(f"{what} of '{name}': expected a torch.Tensor, got {type(tensor).__name__}")
-    if tensor.device.type != "cpu":
+    if tensor.device.type == "cuda":
+        if not _native.has_cuda():
+            raise ValueError(
+                f"{what} of '{name}': the tensor is on {tensor.device}, and this ringwatch was "
+                "built without the cuda feature (maturin build --features cuda): move it "
+                "with .cpu()"
+            )
+    elif tensor.device.type != "cpu":
         raise ValueError(
-            f"{what} of '{name}': the tensor is on {tensor.device}; ringwatch reduces CPU "
-            "tensors (GPU tensors need the runtime's cuda feature): move it with .cpu()"
+            f"{what} of '{name}': the tensor is on {tensor.device}; ringwatch takes CPU and "
+            "CUDA tensors: move it with .cpu()"
         )
     if tensor.layout != torch.strided:
         raise ValueError(f"{what} of '{name}': {tensor.layout} tensors are not supported")
@@ -204,6 +217,24 @@ def _check(tensor, name, what):
 
 def _submit(kind, tensor, name, op=Average, root=0):
     dtype = _check(tensor, name, kind)
+    if tensor.device.type == "cuda":
+        if kind == "allreduce":
+            native = _native.enqueue_device(
+                name,
+                dtype,
+                list(tensor.shape),
+                tensor.data_ptr(),
+                tensor.device.index,
+                torch.cuda.current_stream(tensor.device).cuda_stream,
+                tensor,
+                op,
+            )
+            return Handle(native, tensor, kind)
+        # Broadcast and allgather (start-up work) go through a host copy.
+        host = tensor.cpu()
+        handle = _submit(kind, host, name, op=op, root=root)
+        handle._gpu = tensor
+        return handle
     native = _native.enqueue(
         kind,
         name,
@@ -319,11 +350,18 @@ def synchronize(handle):
         raise TypeError(f"synchronize expects a ringwatch Handle, got {type(handle).__name__}")
     out = handle._native.wait()
     if out is None:
+        if handle._gpu is not None:
+            # A CUDA tensor's broadcast, staged through a host copy.
+            return handle._gpu.copy_(handle._tensor)
         return handle._tensor
     buf, shape = out
     if len(buf) == 0:
-        return torch.empty(shape, dtype=handle._dtype)
-    return torch.frombuffer(buf, dtype=handle._dtype).reshape(shape)
+        result = torch.empty(shape, dtype=handle._dtype)
+    else:
+        result = torch.frombuffer(buf, dtype=handle._dtype).reshape(shape)
+    if handle._gpu is not None:
+        return result.to(handle._gpu.device)
+    return result
 
 
 def broadcast_parameters(params, root_rank=0):
