@@ -183,13 +183,7 @@ impl CycleThread {
         for e in &entries {
             events.add(&e.request.name, activity::ALLREDUCE, Phase::End, &[]);
         }
-        work.bytes_reduced += total as u64;
-        work.bytes_total += total as u64;
-        work.tensors += entries.len() as u64;
-        work.buffers += 1;
-        for e in entries {
-            e.succeed();
-        }
+        work.allreduced(total, entries);
         Ok(())
     }
 }

@@ -1074,6 +1074,20 @@ struct Work {
     buffers: u64,
 }
 
+impl Work {
+    /// Counts an allreduce item of `tensors` tensors and `bytes` bytes, and hands each
+    /// entry its result.
+    fn allreduced(&mut self, bytes: usize, entries: Vec<Entry>) {
+        self.bytes_reduced += bytes as u64;
+        self.bytes_total += bytes as u64;
+        self.tensors += entries.len() as u64;
+        self.buffers += 1;
+        for e in entries {
+            e.succeed();
+        }
+    }
+}
+
 /// One rank's cycles, run by whichever thread holds it: the background thread (on its
 /// timer, or when work arrives while it waits) or a caller waiting for its result while
 /// nothing else is in flight ([`Handle::drive`]).
@@ -2025,13 +2039,7 @@ impl CycleThread {
                 for name in &names {
                     events.add(name, activity::ALLREDUCE, Phase::End, &[]);
                 }
-                work.bytes_reduced += total as u64;
-                work.bytes_total += total as u64;
-                work.tensors += entries.len() as u64;
-                work.buffers += 1;
-                for e in entries {
-                    e.succeed();
-                }
+                work.allreduced(total, entries);
                 Ok(())
             }
             Item::Allgather { name, first_dims } => {
