@@ -536,45 +536,13 @@ fn sweep(
         let count = (bytes / 4) as usize;
         let iters = iters.unwrap_or_else(|| ((1u64 << 30) / bytes).clamp(3, 50) as usize);
         let name = format!("sweep.{bytes}");
-        if let Some(device) = device {
-            let (secs, wrong) = gpu_row(&rt, device, &name, count, warmup, iters)?;
-            let algbw = bytes as f64 / secs / 1e9;
-            rows.push(SweepRow {
-                bytes,
-                count: count as u64,
-                time_us: secs * 1e6,
-                algbw_gbps: algbw,
-                busbw_gbps: algbw * busbw_factor(n),
-                wrong,
-                cycle_thread_sleeps: 0,
-                caller_cycles: 0,
-            });
-            bar.inc(1);
-            continue;
-        }
-        // Exact check on the first call: every element sums to n(n+1)/2.
-        let mut t = Tensor::from_slice(&vec![(rank + 1) as f32; count]);
-        // Named once, as a training loop names its tensors: the timed calls measure the
-        // allreduce, not the formatting of its name.
-        t = rt.allreduce(&name, t, ReduceOp::Sum)?;
-        let want = (n * (n + 1) / 2) as f32;
-        let wrong = t
-            .to_vec::<f32>()
-            .unwrap_or_default()
-            .iter()
-            .filter(|&&v| v != want)
-            .count() as u64;
-        for _ in 0..warmup {
-            t = rt.allreduce(&name, t, ReduceOp::Sum)?;
-        }
-        let (switches, caller_cycles) = (cycle_thread_sleeps(), rt.totals().caller_cycles);
-        let start = Instant::now();
-        for _ in 0..iters {
-            t = rt.allreduce(&name, t, ReduceOp::Sum)?;
-        }
-        let secs = start.elapsed().as_secs_f64() / iters as f64;
-        let switches = cycle_thread_sleeps().saturating_sub(switches);
-        let caller_cycles = rt.totals().caller_cycles - caller_cycles;
+        let (secs, wrong, switches, caller_cycles) = match device {
+            Some(device) => {
+                let (secs, wrong) = gpu_row(&rt, device, &name, count, warmup, iters)?;
+                (secs, wrong, 0, 0)
+            }
+            None => host_row(&rt, &name, count, warmup, iters)?,
+        };
         let algbw = bytes as f64 / secs / 1e9;
         rows.push(SweepRow {
             bytes,
@@ -640,6 +608,42 @@ fn sweep(
     }
     rt.shutdown();
     Ok(())
+}
+
+/// One sweep row of host tensors: the seconds a call, the wrong elements of the first,
+/// the cycle thread's sleeps and the callers' cycles during the timed calls.
+fn host_row(
+    rt: &Runtime,
+    name: &str,
+    count: usize,
+    warmup: usize,
+    iters: usize,
+) -> Result<(f64, u64, u64, u64)> {
+    let (rank, n) = (rt.rank(), rt.world_size());
+    // Exact check on the first call: every element sums to n(n+1)/2.
+    let mut t = Tensor::from_slice(&vec![(rank + 1) as f32; count]);
+    // Named once, as a training loop names its tensors: the timed calls measure the
+    // allreduce, not the formatting of its name.
+    t = rt.allreduce(name, t, ReduceOp::Sum)?;
+    let want = (n * (n + 1) / 2) as f32;
+    let wrong = t
+        .to_vec::<f32>()
+        .unwrap_or_default()
+        .iter()
+        .filter(|&&v| v != want)
+        .count() as u64;
+    for _ in 0..warmup {
+        t = rt.allreduce(name, t, ReduceOp::Sum)?;
+    }
+    let (switches, caller_cycles) = (cycle_thread_sleeps(), rt.totals().caller_cycles);
+    let start = Instant::now();
+    for _ in 0..iters {
+        t = rt.allreduce(name, t, ReduceOp::Sum)?;
+    }
+    let secs = start.elapsed().as_secs_f64() / iters as f64;
+    let switches = cycle_thread_sleeps().saturating_sub(switches);
+    let caller_cycles = rt.totals().caller_cycles - caller_cycles;
+    Ok((secs, wrong, switches, caller_cycles))
 }
 
 /// The GPU of this rank: LOCAL_RANK modulo the GPUs this process sees.
