@@ -9,6 +9,8 @@ import torch
 import ringwatch.torch as rw
 from ringwatch import _native
 
+from _worker_helpers import WORKER_HELPERS
+
 GPU = r"""
 import json, os
 import torch
@@ -18,37 +20,7 @@ from ringwatch import _native
 rw.init()
 r, n = rw.rank(), rw.size()
 dev = torch.device("cuda", 0)
-DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int32, torch.int64]
-BITS = {torch.float32: torch.int32, torch.float64: torch.int64, torch.float16: torch.int16,
-        torch.bfloat16: torch.int16, torch.int32: torch.int32, torch.int64: torch.int64}
-
-def inputs(rank, dtype, shape):
-    numel = 1
-    for d in shape:
-        numel *= d
-    base = torch.arange(numel, dtype=torch.int64).reshape(shape)
-    return ((base * 7 + rank * 13) % 23 - 11).to(dtype)
-
-def same_bits(a, b):
-    return a.dtype == b.dtype and a.shape == b.shape and torch.equal(
-        a.contiguous().view(BITS[a.dtype]), b.contiguous().view(BITS[b.dtype]))
-
-def reference(everyone, op, dtype):
-    if op == rw.Sum:
-        return everyone.sum(0).to(dtype)
-    if op == rw.Average:
-        if dtype.is_floating_point:
-            return (everyone.to(torch.float64).sum(0) / n).to(dtype)
-        return torch.div(everyone.sum(0), n, rounding_mode="trunc").to(dtype)
-    if op == rw.Min:
-        return everyone.min(0).values
-    return everyone.max(0).values
-
-failures = []
-def check(ok, what):
-    if not ok:
-        failures.append(what)
-
+""" + WORKER_HELPERS + r"""
 for dtype in DTYPES:
     for shape in [(), (5,), (3, 17), (70001,)]:
         everyone = torch.stack([inputs(k, dtype, shape) for k in range(n)])
