@@ -28,6 +28,7 @@ pub mod nccl;
 use std::collections::HashMap;
 use std::ffi::c_void;
 use std::sync::{Mutex, OnceLock};
+use std::time::{Duration, Instant};
 
 use cudarc::driver::{result, sys};
 
@@ -333,6 +334,9 @@ struct Comm {
 /// One rank's GPU side: its GPU, its stream, NCCL's communicators, buffers.
 pub(crate) struct GpuEngine {
     rank: usize,
+    /// How long NCCL's work may take before the peers are taken for gone (the runtime's
+    /// peer timeout).
+    timeout: Duration,
     device: i32,
     stream: sys::CUstream,
     /// Over every rank: where every rank has a GPU of its own.
@@ -435,6 +439,7 @@ impl GpuEngine {
         device: i32,
         nccl_allowed: bool,
         layout: Option<NodeLayout>,
+        timeout: Duration,
     ) -> Result<Self> {
         let err = |m: String| gpu_error(rank, m);
         bind(device).map_err(err)?;
@@ -444,6 +449,7 @@ impl GpuEngine {
             .map_err(|e| err(format!("GPU {device}: creating a stream: {e}")))?;
         let mut engine = GpuEngine {
             rank,
+            timeout,
             device,
             stream,
             world: None,
@@ -576,6 +582,7 @@ impl GpuEngine {
                     .map_err(|m| gpu_error(rank, m))?;
                 }
                 self.unpack(tensors)?;
+                self.wait_for_nccl(world)?;
                 Ok(Path::Nccl)
             }
             _ => {
@@ -633,9 +640,8 @@ impl GpuEngine {
                 // SAFETY: the segment lies in `buf`; the copy is waited for below.
                 unsafe { result::memcpy_dtoh_async(&mut host[..], at, stream) }
                     .map_err(|e| err(format!("copying a segment to host memory: {e}")))?;
-                // SAFETY: our stream.
-                unsafe { result::stream::synchronize(stream) }
-                    .map_err(|e| err(format!("copying a segment to host memory: {e}")))?;
+                // The node's NCCL allreduce comes first on the stream.
+                self.wait_for_nccl(local)?;
                 ring_allreduce_among(
                     t,
                     &layout.cross_ranks(rank),
@@ -664,7 +670,8 @@ impl GpuEngine {
             }
             .map_err(err)?;
         }
-        self.unpack(tensors)
+        self.unpack(tensors)?;
+        self.wait_for_nccl(local)
     }
 
     /// The item's device buffer: a lone tensor itself, else the tensors packed into the
@@ -689,8 +696,52 @@ impl GpuEngine {
         Ok(self.fused.ptr)
     }
 
-    /// Copies the device fusion buffer back into the tensors (nothing for a lone tensor)
-    /// and waits for everything queued on our stream.
+    /// Waits for everything queued on our stream, NCCL's work among it, at most the peer
+    /// timeout: NCCL waits for its peers without end, so a rank that died would otherwise
+    /// hold this one forever. On timeout the communicator is aborted (which ends its
+    /// kernels) and dropped, and the cycle fails; the runtime then names the rank that
+    /// left where its fault channel knows it.
+    fn wait_for_nccl(&mut self, comm: Comm) -> Result<()> {
+        let rank = self.rank;
+        let start = Instant::now();
+        let mut pause = Duration::from_micros(1);
+        loop {
+            // SAFETY: our stream.
+            match unsafe { sys::cuStreamQuery(self.stream) } {
+                sys::CUresult::CUDA_SUCCESS => return Ok(()),
+                sys::CUresult::CUDA_ERROR_NOT_READY => {}
+                e => {
+                    return Err(gpu_error(
+                        rank,
+                        format!("waiting for NCCL: {}", result::DriverError(e)),
+                    ));
+                }
+            }
+            if start.elapsed() > self.timeout {
+                // SAFETY: ours; it is forgotten below and never used again.
+                unsafe { comm.lib.abort(comm.comm) };
+                for mine in [&mut self.world, &mut self.local] {
+                    if mine.is_some_and(|c| c.comm == comm.comm) {
+                        *mine = None;
+                    }
+                }
+                return Err(gpu_error(
+                    rank,
+                    format!(
+                        "NCCL's allreduce did not finish within {:?}: a rank stopped taking \
+                         part (the communicator was aborted)",
+                        self.timeout
+                    ),
+                ));
+            }
+            // Short waits are polled closely, long ones (hundreds of MiB) every 50 µs.
+            std::thread::sleep(pause);
+            pause = (pause * 2).min(Duration::from_micros(50));
+        }
+    }
+
+    /// Queues the copies of the device fusion buffer back into the tensors (nothing for a
+    /// lone tensor) on our stream; [`GpuEngine::wait_for_nccl`] waits for them.
     fn unpack(&mut self, tensors: &[DeviceTensor]) -> Result<()> {
         let rank = self.rank;
         if tensors.len() > 1 {
@@ -704,9 +755,7 @@ impl GpuEngine {
                 at += t.byte_len() as u64;
             }
         }
-        // SAFETY: our stream.
-        unsafe { result::stream::synchronize(self.stream) }
-            .map_err(|e| gpu_error(rank, format!("waiting for NCCL: {e}")))
+        Ok(())
     }
 
     fn staged_allreduce(

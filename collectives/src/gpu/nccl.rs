@@ -1,4 +1,4 @@
-//! The few NCCL entry points the runtime calls, loaded at run time.
+//! The NCCL entry points the runtime calls, loaded at run time.
 //!
 //! cudarc's NCCL bindings look the library up under names (`libnccl.so`, `libnccl.so.12`,
 //! …) that miss `libnccl.so.2`, the one name NCCL's packages ship (PyPI's `nvidia-nccl-*`
@@ -57,6 +57,7 @@ pub struct Nccl {
     group_start: Group,
     group_end: Group,
     comm_destroy: CommDestroy,
+    comm_abort: CommDestroy,
     get_error_string: GetErrorString,
     // Keeps the functions above mapped.
     _library: libloading::Library,
@@ -153,6 +154,7 @@ fn bind(library: libloading::Library, path: PathBuf) -> Result<Nccl, String> {
         group_start: get(&library, &path, "ncclGroupStart")?,
         group_end: get(&library, &path, "ncclGroupEnd")?,
         comm_destroy: get(&library, &path, "ncclCommDestroy")?,
+        comm_abort: get(&library, &path, "ncclCommAbort")?,
         get_error_string: get(&library, &path, "ncclGetErrorString")?,
         path,
         _library: library,
@@ -260,6 +262,21 @@ impl Nccl {
         let code = unsafe { (self.comm_destroy)(comm) };
         if let Err(e) = self.check("ncclCommDestroy", code) {
             tracing::warn!(error = %e, "freeing the NCCL communicator");
+        }
+    }
+}
+
+impl Nccl {
+    /// Stops a communicator's work in flight and frees it: what a rank does when a peer
+    /// stopped taking part, so that its stream (and this thread) are not stuck forever.
+    ///
+    /// # Safety
+    /// `comm` came from [`Nccl::init_rank`] and is not used again.
+    pub unsafe fn abort(&self, comm: Comm) {
+        // SAFETY: the caller's promise.
+        let code = unsafe { (self.comm_abort)(comm) };
+        if let Err(e) = self.check("ncclCommAbort", code) {
+            tracing::warn!(error = %e, "aborting the NCCL communicator");
         }
     }
 }

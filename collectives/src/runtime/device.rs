@@ -128,6 +128,7 @@ impl CycleThread {
                     device,
                     self.nccl,
                     self.layout,
+                    self.gpu_timeout,
                 )?);
             }
             let names: Vec<&str> = if events.enabled {

@@ -578,6 +578,8 @@ impl Runtime {
             gpu: None,
             #[cfg(feature = "cuda")]
             nccl: config.nccl,
+            #[cfg(feature = "cuda")]
+            gpu_timeout: config.timeout,
             timeline,
             server,
             feeder,
@@ -964,6 +966,9 @@ struct CycleThread {
     /// `RuntimeConfig::nccl`.
     #[cfg(feature = "cuda")]
     nccl: bool,
+    /// `RuntimeConfig::timeout`: how long NCCL's work may wait on the peers.
+    #[cfg(feature = "cuda")]
+    gpu_timeout: Duration,
     timeline: Option<TimelineFile>,
     server: Option<Arc<ControlServer>>,
     /// A rank that is not its host's first: its timeline goes to the host's socket.
