@@ -44,6 +44,11 @@ def parse_args():
     p.add_argument("--dtype", choices=["float32", "float64"], default="float32",
                    help="the model's and data's dtype; float64 keeps rounding far below what "
                         "training amplifies, for comparing losses with --backend single")
+    p.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
+                   help="where the model and its gradients live (default cpu); cuda: each rank "
+                        "on GPU LOCAL_RANK modulo the GPUs it sees. ringwatch then allreduces "
+                        "the gradients on the GPU: through NCCL where every rank has a GPU of "
+                        "its own, else staged through host memory")
     p.add_argument("--threads", type=int, default=1, help="torch threads per process (default 1)")
     p.add_argument("--horovod-rendezvous", metavar="NODESxRANKS", default=None,
                    help="serve Horovod's gloo rendezvous for the ranks (what horovodrun would)")
@@ -198,12 +203,23 @@ def main():
     torch.set_num_threads(args.threads)
     if args.backend == "single" and not args.world:
         sys.exit("--backend single needs --world N (the ranks whose combined batch it trains on)")
+    if args.device == "cuda":
+        if not torch.cuda.is_available():
+            sys.exit("--device cuda: torch sees no GPU (torch.cuda.is_available() is False)")
+        local = int(os.environ.get("LOCAL_RANK", "0"))
+        torch.cuda.set_device(local % torch.cuda.device_count())
+        # TF32 would round differently for each batch split; keep full precision so that
+        # the losses can be compared with --backend single.
+        torch.backends.cuda.matmul.allow_tf32 = False
+        torch.backends.cudnn.allow_tf32 = False
+    device = torch.device(args.device, torch.cuda.current_device()) if args.device == "cuda" \
+        else torch.device("cpu")
     be = Backend(args.backend, args.world)
     torch.manual_seed(args.seed)
     build = getattr(torchvision.models, args.model)
     model = build(num_classes=args.classes, norm_layer=lambda c: torch.nn.GroupNorm(32, c))
     dtype = getattr(torch, args.dtype)
-    model = model.to(dtype)
+    model = model.to(device=device, dtype=dtype)
     opt = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
     model, opt = be.wrap(model, opt)
     if args.backend == "single":
@@ -221,7 +237,7 @@ def main():
         if args.duration is not None and started is not None and time.perf_counter() - started >= args.duration:
             break
         x, y = batch(args, be.world, step)
-        x = x.to(dtype)
+        x, y = x.to(device=device, dtype=dtype), y.to(device)
         opt.zero_grad()
         loss = F.cross_entropy(model(x[mine]), y[mine])
         loss.backward()
