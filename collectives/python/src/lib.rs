@@ -340,7 +340,6 @@ fn enqueue(
             pending: Some(handle),
             result: None,
         }),
-        owner: None,
     })
 }
 
@@ -392,8 +391,11 @@ fn enqueue_device(
         let checked = py.detach(|| collectives::gpu::prepare(&tensor));
         checked.map_err(|m| RingwatchError::new_err(format!("tensor '{name}': {m}")))?;
         // SAFETY: as above.
+        // The runtime holds `owner` until it is done with the memory, even if the handle
+        // is dropped unwaited (an exception in a training step).
         let handle = with_runtime(|rt| {
-            unsafe { rt.allreduce_device_async(name, tensor, op) }.map_err(to_py)
+            unsafe { rt.allreduce_device_async_owned(name, tensor, op, Box::new(Owner(owner))) }
+                .map_err(to_py)
         })?;
         Ok(Handle {
             name: name.to_string(),
@@ -401,7 +403,6 @@ fn enqueue_device(
                 pending: Some(handle),
                 result: None,
             }),
-            owner: Some(owner),
         })
     }
     #[cfg(not(feature = "cuda"))]
@@ -417,10 +418,6 @@ fn enqueue_device(
 struct Handle {
     name: String,
     state: Mutex<HandleState>,
-    /// A GPU tensor's owner (a host tensor's travels with the runtime's tensor), kept
-    /// until the handle is dropped.
-    #[allow(dead_code, reason = "held, not read: it keeps the tensor alive")]
-    owner: Option<Py<PyAny>>,
 }
 
 /// A handle's progress: the runtime's handle until its result is taken.
@@ -487,7 +484,7 @@ impl Handle {
                 )));
             }
         };
-        if tensor.is_external() || self.owner.is_some() {
+        if tensor.is_external() {
             // The result is in the caller's memory; dropping the tensor releases its owner.
             return Ok(None);
         }

@@ -350,6 +350,9 @@ pub(crate) struct GpuEngine {
     local_pending: Option<&'static nccl::Nccl>,
     pinned: Pinned,
     fused: DeviceBuf,
+    /// NCCL work failed or timed out: the communicators were aborted, not to be used or
+    /// destroyed (the job is over).
+    failed: bool,
 }
 
 // SAFETY: CUDA handles are process-wide; the engine is used by one cycle at a time, under
@@ -363,6 +366,9 @@ fn gpu_error(rank: usize, message: String) -> CollectiveError {
 /// Descriptor bytes each rank contributes when the path is chosen: NCCL loads here (1
 /// byte), then the GPU's UUID.
 const DESCRIPTOR: usize = 32;
+
+/// How long a failed engine waits for its stream to drain after aborting NCCL.
+const DRAIN_LIMIT: Duration = Duration::from_secs(5);
 
 /// A unique id slot: a flag byte (the id is there), then the id.
 const ID_SLOT: usize = 129;
@@ -390,6 +396,10 @@ fn why_not(descriptors: &[&[u8]], ranks: &[usize], nccl_allowed: bool) -> Option
 /// group, `members` its size and `index` this rank's place in it. Every group leader makes
 /// an id, every rank learns its leader's over `t` (one allgather), and joins. `None`
 /// where a leader got no id.
+#[allow(
+    clippy::too_many_arguments,
+    reason = "who joins which group, on which GPU, for how long"
+)]
 fn make_comm(
     t: &dyn Transport,
     lib: &'static nccl::Nccl,
@@ -397,6 +407,8 @@ fn make_comm(
     leader: usize,
     members: usize,
     index: usize,
+    device: i32,
+    timeout: Duration,
 ) -> Result<Option<Comm>> {
     let err = |m: String| gpu_error(rank, m);
     let n = t.world_size();
@@ -423,8 +435,40 @@ fn make_comm(
     for (d, s) in id.internal.iter_mut().zip(&slot[1..]) {
         *d = *s as std::ffi::c_char;
     }
-    let comm = lib.init_rank(members, id, index).map_err(err)?;
+    let comm = init_within(lib, members, id, index, device, timeout).map_err(err)?;
     Ok(Some(Comm { lib, comm }))
+}
+
+/// `ncclCommInitRank` on a thread of its own, waited for at most `timeout`: it blocks
+/// until every member has joined, and a member whose own init failed, or that left,
+/// would otherwise hold this rank forever. On timeout the thread is left behind (NCCL
+/// gives no way to stop it) and the job fails.
+fn init_within(
+    lib: &'static nccl::Nccl,
+    members: usize,
+    id: nccl::UniqueId,
+    index: usize,
+    device: i32,
+    timeout: Duration,
+) -> std::result::Result<nccl::Comm, String> {
+    struct Made(nccl::Comm);
+    // SAFETY: a communicator handle is usable from any thread (NCCL's own rule).
+    unsafe impl Send for Made {}
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::Builder::new()
+        .name("rw-nccl-init".into())
+        .spawn(move || {
+            let made = bind(device).and_then(|_| lib.init_rank(members, id, index));
+            let _ = tx.send(made.map(Made));
+        })
+        .map_err(|e| format!("starting NCCL's init: {e}"))?;
+    match rx.recv_timeout(timeout) {
+        Ok(made) => made.map(|m| m.0),
+        Err(_) => Err(format!(
+            "NCCL's communicator of {members} ranks was not made within {timeout:?}: a rank \
+             did not join (its NCCL init failed, or it left)"
+        )),
+    }
 }
 
 impl GpuEngine {
@@ -460,6 +504,7 @@ impl GpuEngine {
                 cap: 0,
             },
             fused: DeviceBuf { ptr: 0, cap: 0 },
+            failed: false,
         };
         let loaded = if nccl_allowed {
             nccl::nccl().ok()
@@ -494,7 +539,7 @@ impl GpuEngine {
         };
         if let Some(lib) = loaded {
             if world_why.is_none() {
-                engine.world = make_comm(t, lib, rank, 0, n, rank)?;
+                engine.world = make_comm(t, lib, rank, 0, n, rank, device, timeout)?;
             }
             if local_why.is_none() {
                 engine.local_pending = Some(lib);
@@ -534,11 +579,27 @@ impl GpuEngine {
         host: impl FnOnce(&mut [&mut [u8]]) -> Result<()>,
     ) -> Result<Path> {
         let rank = self.rank;
+        if self.failed {
+            return Err(gpu_error(
+                rank,
+                "an earlier GPU allreduce failed and NCCL was aborted".into(),
+            ));
+        }
         bind(self.device).map_err(|m| gpu_error(rank, m))?;
         let integer_average = matches!(dtype, DType::I32 | DType::I64) && op == ReduceOp::Average;
         if let (Some(l), Some(lib)) = (hierarchical, self.local_pending.take()) {
             let leader = rank / l.local_size * l.local_size;
-            let made = make_comm(t, lib, rank, leader, l.local_size, rank - leader)?;
+            let index = rank - leader;
+            let made = make_comm(
+                t,
+                lib,
+                rank,
+                leader,
+                l.local_size,
+                index,
+                self.device,
+                self.timeout,
+            )?;
             // Every node must have its communicator, or no node uses one: the ranks agree.
             let n = t.world_size();
             let mut made_here = vec![0u8; n];
@@ -557,39 +618,71 @@ impl GpuEngine {
                 }
             }
         }
-        match (hierarchical, self.local, self.world) {
-            (Some(layout), Some(local), _) => {
-                self.nccl_hierarchical(t, local, layout, tensors, dtype, op)?;
-                Ok(Path::NcclHierarchical)
-            }
-            (None, _, Some(world)) if !integer_average => {
-                let buf = self.pack(tensors)?;
-                let count =
-                    tensors.iter().map(DeviceTensor::byte_len).sum::<usize>() / dtype.size();
-                if count > 0 {
-                    // SAFETY: `buf` holds `count` elements of `dtype` on this GPU; the
-                    // stream and the communicator are ours.
-                    unsafe {
-                        world.lib.all_reduce(
-                            buf,
-                            count,
-                            nccl_dtype(dtype),
-                            nccl_op(op),
-                            world.comm,
-                            self.stream.cast::<c_void>(),
-                        )
-                    }
-                    .map_err(|m| gpu_error(rank, m))?;
-                }
-                self.unpack(tensors)?;
-                self.wait_for_nccl(world)?;
-                Ok(Path::Nccl)
-            }
+        let outcome = match (hierarchical, self.local, self.world) {
+            (Some(layout), Some(local), _) => self
+                .nccl_hierarchical(t, local, layout, tensors, dtype, op)
+                .map(|()| Path::NcclHierarchical),
+            (None, _, Some(world)) if !integer_average => self
+                .nccl_flat(world, tensors, dtype, op)
+                .map(|()| Path::Nccl),
             _ => {
-                self.staged_allreduce(tensors, host)?;
-                Ok(Path::Staged)
+                return self.staged_allreduce(tensors, host).map(|()| Path::Staged);
             }
+        };
+        if outcome.is_err() {
+            self.abandon_nccl();
         }
+        outcome
+    }
+
+    /// After a failure with NCCL work queued (a timeout, a peer gone from the host ring,
+    /// a CUDA error): every communicator is aborted, which ends its kernels, and the
+    /// stream drained (for at most a few seconds), so that no queued copy writes into a
+    /// tensor after its allreduce has failed. The job is over; nothing NCCL is used again.
+    fn abandon_nccl(&mut self) {
+        self.failed = true;
+        self.local_pending = None;
+        for c in [self.world.take(), self.local.take()].into_iter().flatten() {
+            // SAFETY: ours, never used again.
+            unsafe { c.lib.abort(c.comm) };
+        }
+        let start = Instant::now();
+        // SAFETY: our stream; any answer but "not ready" ends the wait.
+        while unsafe { sys::cuStreamQuery(self.stream) } == sys::CUresult::CUDA_ERROR_NOT_READY
+            && start.elapsed() < DRAIN_LIMIT
+        {
+            std::thread::sleep(Duration::from_micros(50));
+        }
+    }
+
+    /// One `ncclAllReduce` over every rank of the item's buffer, waited for.
+    fn nccl_flat(
+        &mut self,
+        world: Comm,
+        tensors: &[DeviceTensor],
+        dtype: DType,
+        op: ReduceOp,
+    ) -> Result<()> {
+        let rank = self.rank;
+        let buf = self.pack(tensors)?;
+        let count = tensors.iter().map(DeviceTensor::byte_len).sum::<usize>() / dtype.size();
+        if count > 0 {
+            // SAFETY: `buf` holds `count` elements of `dtype` on this GPU; the stream and
+            // the communicator are ours.
+            unsafe {
+                world.lib.all_reduce(
+                    buf,
+                    count,
+                    nccl_dtype(dtype),
+                    nccl_op(op),
+                    world.comm,
+                    self.stream.cast::<c_void>(),
+                )
+            }
+            .map_err(|m| gpu_error(rank, m))?;
+        }
+        self.unpack(tensors)?;
+        self.wait_for_nccl()
     }
 
     /// NCCL allreduce within the node (sums for an average), this rank's segment of the
@@ -641,7 +734,7 @@ impl GpuEngine {
                 unsafe { result::memcpy_dtoh_async(&mut host[..], at, stream) }
                     .map_err(|e| err(format!("copying a segment to host memory: {e}")))?;
                 // The node's NCCL allreduce comes first on the stream.
-                self.wait_for_nccl(local)?;
+                self.wait_for_nccl()?;
                 ring_allreduce_among(
                     t,
                     &layout.cross_ranks(rank),
@@ -671,7 +764,7 @@ impl GpuEngine {
             .map_err(err)?;
         }
         self.unpack(tensors)?;
-        self.wait_for_nccl(local)
+        self.wait_for_nccl()
     }
 
     /// The item's device buffer: a lone tensor itself, else the tensors packed into the
@@ -698,10 +791,10 @@ impl GpuEngine {
 
     /// Waits for everything queued on our stream, NCCL's work among it, at most the peer
     /// timeout: NCCL waits for its peers without end, so a rank that died would otherwise
-    /// hold this one forever. On timeout the communicator is aborted (which ends its
-    /// kernels) and dropped, and the cycle fails; the runtime then names the rank that
-    /// left where its fault channel knows it.
-    fn wait_for_nccl(&mut self, comm: Comm) -> Result<()> {
+    /// hold this one forever. On timeout the cycle fails (and [`GpuEngine::allreduce`]
+    /// aborts the communicators); the runtime then names the rank that left where its
+    /// fault channel knows it.
+    fn wait_for_nccl(&mut self) -> Result<()> {
         let rank = self.rank;
         let start = Instant::now();
         let mut pause = Duration::from_micros(1);
@@ -718,18 +811,11 @@ impl GpuEngine {
                 }
             }
             if start.elapsed() > self.timeout {
-                // SAFETY: ours; it is forgotten below and never used again.
-                unsafe { comm.lib.abort(comm.comm) };
-                for mine in [&mut self.world, &mut self.local] {
-                    if mine.is_some_and(|c| c.comm == comm.comm) {
-                        *mine = None;
-                    }
-                }
                 return Err(gpu_error(
                     rank,
                     format!(
                         "NCCL's allreduce did not finish within {:?}: a rank stopped taking \
-                         part (the communicator was aborted)",
+                         part (the communicators are aborted)",
                         self.timeout
                     ),
                 ));
@@ -885,6 +971,7 @@ impl Drop for GpuEngine {
         if bind(self.device).is_err() {
             return;
         }
+        // A failed engine's communicators were aborted already (`abandon_nccl`).
         for c in [self.world.take(), self.local.take()].into_iter().flatten() {
             // SAFETY: ours, not used again.
             unsafe { c.lib.destroy(c.comm) };

@@ -29,7 +29,26 @@ impl Runtime {
         op: ReduceOp,
     ) -> Result<Handle> {
         // SAFETY: the caller's promise.
-        unsafe { self.enqueue_device(name, tensor, op, false) }
+        unsafe { self.enqueue_device(name, tensor, op, false, None) }
+    }
+
+    /// [`Runtime::allreduce_device_async`] with `owner`, whatever keeps the tensor's
+    /// memory alive (a framework's tensor object): the runtime holds it until it is done
+    /// with the memory, even if the handle is dropped unwaited, and gives it back with the
+    /// handle's result.
+    ///
+    /// # Safety
+    /// As [`Runtime::allreduce_device_async`], with "until the handle has been waited on"
+    /// read as "while `owner` lives".
+    pub unsafe fn allreduce_device_async_owned(
+        &self,
+        name: &str,
+        tensor: DeviceTensor,
+        op: ReduceOp,
+        owner: Box<dyn Send>,
+    ) -> Result<Handle> {
+        // SAFETY: the caller's promise.
+        unsafe { self.enqueue_device(name, tensor, op, false, Some(owner)) }
     }
 
     /// Allreduces the GPU tensor `tensor` in place and waits.
@@ -43,7 +62,7 @@ impl Runtime {
         op: ReduceOp,
     ) -> Result<()> {
         // SAFETY: the caller's promise.
-        unsafe { self.enqueue_device(name, tensor, op, true) }?
+        unsafe { self.enqueue_device(name, tensor, op, true, None) }?
             .wait()
             .map(drop)
     }
@@ -54,6 +73,7 @@ impl Runtime {
         tensor: DeviceTensor,
         op: ReduceOp,
         waited: bool,
+        owner: Option<Box<dyn Send>>,
     ) -> Result<Handle> {
         let rank = self.rank();
         gpu::prepare(&tensor).map_err(|m| CollectiveError::Gpu {
@@ -79,7 +99,7 @@ impl Runtime {
             shape: tensor.shape().to_vec(),
             device: true,
         };
-        let stand_in = empty(tensor.dtype());
+        let stand_in = stand_in(tensor.dtype(), owner);
         self.enqueue_entry(
             request,
             |request, done| Entry {
@@ -93,10 +113,23 @@ impl Runtime {
     }
 }
 
-/// A host tensor of no elements.
-fn empty(dtype: DType) -> Tensor {
-    Tensor::from_bytes(dtype, &[0], AlignedBuf::zeroed(0))
-        .expect("zero elements of any dtype are zero bytes")
+/// The host tensor a GPU tensor's entry carries: no elements, and the tensor's owner,
+/// if any, so that the owner lives exactly as long as the entry and its result.
+fn stand_in(dtype: DType, owner: Option<Box<dyn Send>>) -> Tensor {
+    match owner {
+        // SAFETY: zero bytes at a dangling, never dereferenced address.
+        Some(owner) => unsafe {
+            Tensor::from_external(
+                dtype,
+                &[0],
+                std::ptr::NonNull::dangling().as_ptr(),
+                0,
+                owner,
+            )
+        },
+        None => Tensor::from_bytes(dtype, &[0], AlignedBuf::zeroed(0)),
+    }
+    .expect("zero elements of any dtype are zero bytes")
 }
 
 impl CycleThread {

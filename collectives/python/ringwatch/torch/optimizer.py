@@ -161,5 +161,7 @@ def broadcast_optimizer_state(optimizer, root_rank=0):
         payload = torch.zeros(int(length[0]), dtype=torch.int64)
     rw.broadcast_(payload, root_rank, name="broadcast.optimizer_state")
     if rw.rank() != root_rank:
-        state = torch.load(io.BytesIO(payload.numpy().tobytes()))
+        # On the host: load_state_dict moves each state tensor to its parameter's device
+        # (the root's GPU index need not exist here, or be this rank's).
+        state = torch.load(io.BytesIO(payload.numpy().tobytes()), map_location="cpu")
         optimizer.load_state_dict(state)
