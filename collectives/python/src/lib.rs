@@ -334,13 +334,7 @@ fn enqueue(
         }
         .map_err(to_py)
     })?;
-    Ok(Handle {
-        name: name.to_string(),
-        state: Mutex::new(HandleState {
-            pending: Some(handle),
-            result: None,
-        }),
-    })
+    Ok(Handle::pending(name, handle))
 }
 
 /// Whether this build takes GPU tensors (the runtime's `cuda` feature). A GPU tensor may
@@ -397,13 +391,7 @@ fn enqueue_device(
             unsafe { rt.allreduce_device_async_owned(name, tensor, op, Box::new(Owner(owner))) }
                 .map_err(to_py)
         })?;
-        Ok(Handle {
-            name: name.to_string(),
-            state: Mutex::new(HandleState {
-                pending: Some(handle),
-                result: None,
-            }),
-        })
+        Ok(Handle::pending(name, handle))
     }
     #[cfg(not(feature = "cuda"))]
     Err(PyValueError::new_err(format!(
@@ -427,6 +415,17 @@ struct HandleState {
 }
 
 impl Handle {
+    /// The handle of a collective the runtime has taken.
+    fn pending(name: &str, handle: collectives::Handle) -> Self {
+        Handle {
+            name: name.to_string(),
+            state: Mutex::new(HandleState {
+                pending: Some(handle),
+                result: None,
+            }),
+        }
+    }
+
     fn state(&self) -> PyResult<MutexGuard<'_, HandleState>> {
         self.state
             .lock()

@@ -147,6 +147,16 @@ def test_distributed_optimizer_trains_like_one_process_on_a_gpu(run_job, tmp_pat
     assert results[0]["params"] == results[1]["params"]
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no GPU")
+def test_ddp_comm_hook_trains_like_one_process_on_a_gpu(run_job, tmp_path):
+    # DDP's CUDA gradient buckets through the hook: the runtime waits for the autograd
+    # stream, reduces on the GPU (staged: the two ranks share it) and completes the future.
+    results = run_job(TRAIN, 2, env={"MODE": "ddp", "DEVICE": "cuda"}).results()
+    want = single_process(tmp_path, 2, device="cuda")
+    for res in results:
+        assert_same_training(res, want)
+
+
 def test_ddp_comm_hook_trains_like_one_process(run_job, tmp_path):
     results = run_job(TRAIN, 2, env={"MODE": "ddp"}).results()
     want = single_process(tmp_path, 2)
