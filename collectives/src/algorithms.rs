@@ -245,13 +245,9 @@ fn allreduce_over(
 /// a reduce-scatter then an allgather, each step sending one segment to the next rank while
 /// receiving another from the previous one, reducing received pieces as they arrive.
 pub fn ring_allreduce(t: &dyn Transport, buf: &mut [u8], dtype: DType, op: ReduceOp) -> Result<()> {
-    // One tensor's fused layout is its own segment bounds.
     let n = t.world_size();
-    let count = buf.len() / dtype.size();
-    let segments: SmallVec<[Range<usize>; 16]> =
-        (0..n).map(|i| segment_bound(count, n, i)).collect();
     let ranks: SmallVec<[usize; 16]> = (0..n).collect();
-    allreduce_over(t, &ranks, buf, dtype, op, n, &segments)
+    ring_allreduce_among(t, &ranks, buf, dtype, op, n)
 }
 
 /// Ring allreduce of `buf` among `ranks` only (this rank among them), in place; an
@@ -264,6 +260,7 @@ pub fn ring_allreduce_among(
     op: ReduceOp,
     divisor: usize,
 ) -> Result<()> {
+    // One tensor's fused layout is its own segment bounds.
     let n = ranks.len();
     let count = buf.len() / dtype.size();
     let segments: SmallVec<[Range<usize>; 16]> =

@@ -137,24 +137,17 @@ def test_distributed_optimizer_trains_like_one_process(run_job, tmp_path):
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="no GPU")
-def test_distributed_optimizer_trains_like_one_process_on_a_gpu(run_job, tmp_path):
-    # Two ranks on the one GPU: gradients staged through host memory, the optimizer state
-    # broadcast through a host copy, the model on the GPU throughout.
-    results = run_job(TRAIN, 2, env={"MODE": "optimizer", "DEVICE": "cuda"}).results()
+@pytest.mark.parametrize("mode", ["optimizer", "ddp"])
+def test_training_on_a_gpu_is_like_one_process(run_job, tmp_path, mode):
+    # Two ranks on the one GPU, the model there throughout: DistributedOptimizer's
+    # gradients, or DDP's CUDA gradient buckets through the hook, staged through host
+    # memory (the ranks share the GPU); the runtime waits for the producing stream first.
+    # The optimizer state is broadcast through a host copy.
+    results = run_job(TRAIN, 2, env={"MODE": mode, "DEVICE": "cuda"}).results()
     want = single_process(tmp_path, 2, device="cuda")
     for res in results:
         assert_same_training(res, want)
     assert results[0]["params"] == results[1]["params"]
-
-
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="no GPU")
-def test_ddp_comm_hook_trains_like_one_process_on_a_gpu(run_job, tmp_path):
-    # DDP's CUDA gradient buckets through the hook: the runtime waits for the autograd
-    # stream, reduces on the GPU (staged: the two ranks share it) and completes the future.
-    results = run_job(TRAIN, 2, env={"MODE": "ddp", "DEVICE": "cuda"}).results()
-    want = single_process(tmp_path, 2, device="cuda")
-    for res in results:
-        assert_same_training(res, want)
 
 
 def test_ddp_comm_hook_trains_like_one_process(run_job, tmp_path):
