@@ -2,7 +2,7 @@
 //!
 //! cudarc's NCCL bindings look the library up under names (`libnccl.so`, `libnccl.so.12`,
 //! …) that miss `libnccl.so.2`, the one name NCCL's packages ship (PyPI's `nvidia-nccl-*`
-//! included), and panic when none is found. The runtime needs seven symbols, so it loads
+//! included), and panic when none is found. The runtime needs ten symbols, so it loads
 //! them itself, without a panic: `RINGWATCH_NCCL_LIBRARY` if set, else the `libnccl.so*`
 //! this process has already mapped (PyTorch's, so that one NCCL serves both), else
 //! `libnccl.so.2` and `libnccl.so` from the loader's search path.
