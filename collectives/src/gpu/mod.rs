@@ -162,6 +162,18 @@ fn bind(device: i32) -> std::result::Result<sys::CUcontext, String> {
     Ok(ctx)
 }
 
+/// A 32-bit attribute of the memory at `ptr` (memory type, GPU ordinal).
+fn pointer_attribute(
+    ptr: u64,
+    attribute: sys::CUpointer_attribute,
+) -> std::result::Result<u32, result::DriverError> {
+    let mut value: u32 = 0;
+    // SAFETY: the attributes asked for are one 32-bit value; the driver checks the address.
+    unsafe { sys::cuPointerGetAttribute((&raw mut value).cast::<c_void>(), attribute, ptr) }
+        .result()?;
+    Ok(value)
+}
+
 /// Checks a tensor being enqueued (the driver knows its memory, on its GPU, as long as
 /// the tensor) and waits for the work on its stream, so that the cycle, on whatever
 /// thread runs it, reads what the caller's kernels wrote. The runtime calls it on every
@@ -171,16 +183,10 @@ pub fn prepare(t: &DeviceTensor) -> std::result::Result<(), String> {
     bind(t.device)?;
     let bytes = t.byte_len();
     if bytes > 0 {
-        let mut kind: u32 = 0;
-        // SAFETY: the attribute is one 32-bit value; the driver checks the address.
-        unsafe {
-            sys::cuPointerGetAttribute(
-                (&raw mut kind).cast::<c_void>(),
-                sys::CUpointer_attribute::CU_POINTER_ATTRIBUTE_MEMORY_TYPE,
-                t.ptr,
-            )
-        }
-        .result()
+        let kind = pointer_attribute(
+            t.ptr,
+            sys::CUpointer_attribute::CU_POINTER_ATTRIBUTE_MEMORY_TYPE,
+        )
         .map_err(|e| format!("{:#x} is not memory the CUDA driver knows ({e})", t.ptr))?;
         if kind != sys::CUmemorytype::CU_MEMORYTYPE_DEVICE as u32 {
             return Err(format!(
@@ -188,18 +194,12 @@ pub fn prepare(t: &DeviceTensor) -> std::result::Result<(), String> {
                 t.ptr
             ));
         }
-        let mut ordinal: i32 = -1;
-        // SAFETY: as above, one 32-bit value.
-        unsafe {
-            sys::cuPointerGetAttribute(
-                (&raw mut ordinal).cast::<c_void>(),
-                sys::CUpointer_attribute::CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL,
-                t.ptr,
-            )
-        }
-        .result()
+        let ordinal = pointer_attribute(
+            t.ptr,
+            sys::CUpointer_attribute::CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL,
+        )
         .map_err(|e| format!("{:#x}: its GPU: {e}", t.ptr))?;
-        if ordinal != t.device {
+        if i32::try_from(ordinal).ok() != Some(t.device) {
             return Err(format!(
                 "the memory is on GPU {ordinal}, not GPU {}",
                 t.device
