@@ -18,6 +18,15 @@
 //! phase at once, and two such within [`SLOW_YIELD_WINDOW`] turn yielding off for
 //! the whole process for [`BACK_OFF`]: the rank then sleeps on the futex as before,
 //! and pays at most one slice per second to find out whether the contention is over.
+//!
+//! Sleeping or yielding beside such work costs a slice as well: the rank gets its
+//! core back only when the busy task's protected slice runs out. Open MPI never
+//! sleeps; beside one niced busy loop per rank its 2-rank 4 KiB allreduce took 15 µs
+//! by median and ours, which slept after 5 µs of spins, 6 to 20 (up to 80). So a
+//! rank whose peers run on cores of their own first spins for up to [`SPIN_BUDGET`]
+//! ([`spin_until`]) and yields or sleeps only after that: the same call took 1.2 µs
+//! (docs/BENCHMARKS.md, "Under contention"). Where ranks outnumber cores the peer
+//! needs this core, and nothing spins that long.
 
 use std::sync::OnceLock;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -40,6 +49,12 @@ pub(crate) const SLOW_YIELD_WINDOW: Duration = Duration::from_millis(100);
 
 /// How long yielding stays off after contention is seen.
 pub(crate) const BACK_OFF: Duration = Duration::from_secs(1);
+
+/// How long a rank whose peers run on other cores spins before it yields or sleeps:
+/// longer than the hand-offs between ranks within one call, short beside a
+/// scheduler slice (2 ranks beside niced busy loops: 50 µs left 4 KiB–1 MiB calls
+/// 1.2–2.6× slower than 200 µs).
+pub(crate) const SPIN_BUDGET: Duration = Duration::from_micros(200);
 
 /// Microseconds since the first call (0 is "never").
 fn now_us() -> u64 {
@@ -86,6 +101,23 @@ pub(crate) fn yield_until(budget: Duration, mut done: impl FnMut() -> bool) -> b
         }
     }
     false
+}
+
+/// Spins until `done()` holds, for at most `budget`, without giving the core away;
+/// returns `done()`'s last answer. The clock is read once per 64 looks.
+pub(crate) fn spin_until(budget: Duration, mut done: impl FnMut() -> bool) -> bool {
+    let until = Instant::now() + budget;
+    loop {
+        for _ in 0..64 {
+            if done() {
+                return true;
+            }
+            std::hint::spin_loop();
+        }
+        if Instant::now() >= until {
+            return done();
+        }
+    }
 }
 
 fn note_slow_yield() {
@@ -145,6 +177,29 @@ mod tests {
         };
         setter.join().unwrap();
         assert!(yield_until(YIELD_BUDGET, || flag.load(Ordering::SeqCst)));
+    }
+
+    #[test]
+    fn spinning_sees_a_flag_set_elsewhere_and_stops_after_its_budget() {
+        let flag = Arc::new(AtomicBool::new(false));
+        let setter = {
+            let flag = flag.clone();
+            std::thread::spawn(move || {
+                std::thread::sleep(Duration::from_millis(1));
+                flag.store(true, Ordering::SeqCst);
+            })
+        };
+        assert!(spin_until(Duration::from_secs(60), || flag.load(Ordering::SeqCst)));
+        setter.join().unwrap();
+        let start = Instant::now();
+        let mut looks = 0u64;
+        assert!(!spin_until(SPIN_BUDGET, || {
+            looks += 1;
+            false
+        }));
+        assert!(start.elapsed() >= SPIN_BUDGET);
+        // It looked many times, not once per budget.
+        assert!(looks >= 64, "{looks}");
     }
 
     #[test]

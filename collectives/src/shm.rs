@@ -1254,6 +1254,16 @@ impl ShmGroup {
             if shared { OVERSUBSCRIBED_SPINS } else { SPINS },
             Ordering::Relaxed,
         );
+        // The peers run on other cores: a yield or a sleep beside other work would
+        // lose this core for a slice, so spin a while first (crate::poll).
+        if !shared
+            && self.spread
+            && crate::poll::spin_until(crate::poll::SPIN_BUDGET, || {
+                bell.seq.load(Ordering::Relaxed) != seq
+            })
+        {
+            return Ok(());
+        }
         // The peer may be waiting for this core (more ranks than cores): hand it over.
         if crate::poll::yield_until(crate::poll::YIELD_BUDGET, || {
             bell.seq.load(Ordering::Relaxed) != seq
