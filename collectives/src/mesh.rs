@@ -425,6 +425,13 @@ impl Transport for HostTransport {
         self.shm.as_ref().map(ShmGroup::peers).unwrap_or_default()
     }
 
+    fn alloc_shared(&self, len: usize) -> std::io::Result<Option<crate::shm::SharedLease>> {
+        match &self.shm {
+            Some(g) => g.alloc_shared(len),
+            None => Ok(None),
+        }
+    }
+
     fn native_allreduce(
         &self,
         ranks: &[usize],
@@ -671,6 +678,115 @@ mod tests {
                 }
             }
         }
+    }
+
+    #[test]
+    fn shared_tensors_reduce_in_place_with_the_rings_bits() {
+        use crate::algorithms::ring_allreduce;
+        use crate::tensor::{DType, ReduceOp};
+        use crate::transport::MemoryTransport;
+        // Every member's buffer in its arena: folded in place from the others' tensors.
+        // Some members' only: staged through the slots (the members that offered theirs
+        // put their first chunk in late). Either way the ring's bits, on every rank, and
+        // the same links go on working for ordinary buffers after each.
+        for n in [2usize, 3, 4] {
+            let links: Vec<std::sync::Arc<HostTransport>> =
+                connect(&vec![Some("h"); n], &vec![true; n])
+                    .into_iter()
+                    .map(std::sync::Arc::new)
+                    .collect();
+            for (count, op, shared_on) in [
+                (16_385usize, ReduceOp::Sum, vec![true; n]),
+                (3_000_001, ReduceOp::Average, vec![true; n]),
+                (777_777, ReduceOp::Min, vec![true; n]),
+                (3_000_001, ReduceOp::Sum, (0..n).map(|r| r != 1).collect()),
+                (777_777, ReduceOp::Sum, (0..n).map(|r| r == 0).collect()),
+                (3_000_001, ReduceOp::Sum, vec![false; n]),
+            ] {
+                let mut rng = fastrand::Rng::with_seed((n * 7 + count) as u64);
+                let inputs: Vec<Vec<f32>> = (0..n)
+                    .map(|_| (0..count).map(|_| rng.f32() * 2e3 - 1e3).collect())
+                    .collect();
+                let handles: Vec<_> = MemoryTransport::mesh(n, Duration::from_secs(10))
+                    .into_iter()
+                    .zip(inputs.clone())
+                    .map(|(t, data)| {
+                        std::thread::spawn(move || {
+                            let mut buf: Vec<u8> = bytemuck::cast_slice(&data).to_vec();
+                            ring_allreduce(&t, &mut buf, DType::F32, op).unwrap();
+                            buf
+                        })
+                    })
+                    .collect();
+                let expected: Vec<Vec<u8>> =
+                    handles.into_iter().map(|h| h.join().unwrap()).collect();
+                let handles: Vec<_> = links
+                    .iter()
+                    .cloned()
+                    .zip(inputs.clone())
+                    .zip(shared_on.clone())
+                    .map(|((t, data), shared)| {
+                        std::thread::spawn(move || {
+                            let bytes: &[u8] = bytemuck::cast_slice(&data);
+                            let lease = if shared {
+                                Some(t.alloc_shared(bytes.len()).unwrap().unwrap())
+                            } else {
+                                None
+                            };
+                            let mut own = Vec::new();
+                            let buf: &mut [u8] = match &lease {
+                                // SAFETY: the lease is at least `bytes.len()` bytes and
+                                // lives until the end of this closure.
+                                Some(l) => unsafe {
+                                    std::slice::from_raw_parts_mut(l.ptr(), bytes.len())
+                                },
+                                None => {
+                                    own.resize(bytes.len(), 0);
+                                    &mut own
+                                }
+                            };
+                            buf.copy_from_slice(bytes);
+                            ring_allreduce(&*t, buf, DType::F32, op).unwrap();
+                            buf.to_vec()
+                        })
+                    })
+                    .collect();
+                let got: Vec<Vec<u8>> = handles.into_iter().map(|h| h.join().unwrap()).collect();
+                assert!(
+                    got == expected,
+                    "n={n} count={count} {op:?} shared {shared_on:?}"
+                );
+            }
+        }
+    }
+
+    #[test]
+    fn a_shared_tensors_pages_come_back_zeroed_and_its_room_is_reused() {
+        let t = connect(&[Some("h"); 2], &[true; 2]);
+        let first = t[0].alloc_shared(3 << 20).unwrap().unwrap();
+        let at = first.ptr();
+        // SAFETY: the lease is 3 MiB and lives until dropped below.
+        unsafe { std::ptr::write_bytes(at, 0xAB, 3 << 20) };
+        let second = t[0].alloc_shared(100).unwrap().unwrap();
+        assert_eq!(second.ptr() as usize, at as usize + (3 << 20));
+        drop(first);
+        let again = t[0].alloc_shared(1 << 20).unwrap().unwrap();
+        assert_eq!(again.ptr(), at, "the freed room is taken first");
+        // SAFETY: the lease is 1 MiB.
+        let bytes = unsafe { std::slice::from_raw_parts(again.ptr(), 1 << 20) };
+        assert!(
+            bytes.iter().all(|&b| b == 0),
+            "a new shared tensor starts at 0"
+        );
+        // More than the arena holds: no memory, no error.
+        assert!(
+            t[0].alloc_shared(crate::shm::ARENA_BYTES + 1)
+                .unwrap()
+                .is_none()
+        );
+        // A rank that shares memory with nobody has no arena.
+        let alone = connect(&[Some("h"), Some("other")], &[true; 2]);
+        assert!(alone[0].alloc_shared(100).unwrap().is_none());
     }
 
     #[test]

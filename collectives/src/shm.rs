@@ -17,8 +17,8 @@ use std::fs::{File, OpenOptions};
 use std::os::fd::AsRawFd;
 use std::os::unix::fs::OpenOptionsExt;
 use std::path::PathBuf;
-use std::sync::Mutex;
 use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use memmap2::{MmapOptions, MmapRaw};
@@ -91,7 +91,7 @@ const SPINS: u32 = 200;
 /// [`SPINS`] where the host has more ranks than cores.
 const OVERSUBSCRIBED_SPINS: u32 = 10;
 
-const SEGMENT_MAGIC: u64 = u64::from_le_bytes(*b"RWSHM\0v2");
+const SEGMENT_MAGIC: u64 = u64::from_le_bytes(*b"RWSHM\0v3");
 const MESSAGE_MAGIC: u64 = u64::from_le_bytes(*b"RWmsg\0v1");
 /// Header in front of every message: payload length, magic (detects a protocol slip).
 const HEADER: usize = ALIGN;
@@ -110,6 +110,19 @@ pub const MAX_POST_BYTES: usize = POST_BYTES - POST_HEADER;
 /// inputs went into the slot (1 byte) and their length (8).
 pub const EARLY_TRAILER_BYTES: usize = 9;
 
+/// Address space each member's arena of shared tensors takes in the segment
+/// ([`ShmGroup::alloc_shared`]). Sparse: memory is taken only by what is allocated, and
+/// given back when it is freed.
+pub const ARENA_BYTES: usize = 16 << 30;
+
+/// Shared tensors' allocations are whole pages (so freeing one gives its pages back
+/// without touching a neighbour).
+const ARENA_GRANULE: usize = PAGE;
+
+/// A folded block of a shared-tensor allreduce ([`ShmGroup::fold_allreduce`]): all the
+/// peers' bytes are folded into it and its result sent back while it is in the cache.
+const ARENA_BLOCK: usize = 64 << 10;
+
 /// The segment's first line.
 #[repr(C)]
 struct SegmentHeader {
@@ -117,6 +130,7 @@ struct SegmentHeader {
     members: AtomicU64,
     ring_bytes: AtomicU64,
     nonce: AtomicU64,
+    arena_bytes: AtomicU64,
 }
 
 /// A rank's doorbell: every event that may let it progress (data in one of its incoming
@@ -135,6 +149,8 @@ struct Bell {
 struct Layout {
     members: usize,
     ring_bytes: usize,
+    /// Bytes of each member's arena of shared tensors, after the slots.
+    arena_bytes: usize,
 }
 
 impl Layout {
@@ -166,18 +182,31 @@ impl Layout {
     fn slot(&self, i: usize, s: usize) -> usize {
         self.data_start() + (self.members * self.members + 2 * i + s) * self.ring_bytes
     }
+    /// Member `i`'s arena of shared tensors.
+    fn arena(&self, i: usize) -> usize {
+        self.slot(self.members, 0) + i * self.arena_bytes
+    }
     fn total(&self) -> usize {
-        self.data_start() + (self.members * self.members + 2 * self.members) * self.ring_bytes
+        self.arena(self.members)
     }
 }
 
 /// How far a member is through the chunks of shared allreduces (counts, only growing):
 /// its inputs are in its slot, its own part is reduced, it has copied everyone's results.
+/// A member whose buffer is a shared tensor says so with the first chunk's `written`.
 #[repr(C)]
 struct Flags {
     written: AtomicU64,
     reduced: AtomicU64,
     consumed: AtomicU64,
+    /// Chunk + 1 for which `arena_at`/`arena_len` hold: the buffer is at `arena_at` in
+    /// this member's arena, `arena_len` bytes.
+    arena_chunk: AtomicU64,
+    arena_at: AtomicU64,
+    arena_len: AtomicU64,
+    /// Chunk + 1 whose inputs this member put in its slot late: it offered its shared
+    /// tensor instead, and not every member did.
+    late_written: AtomicU64,
 }
 
 /// What a rank needs from the layer above while it waits: whether a peer's process is gone
@@ -200,7 +229,14 @@ struct RxState {
 
 /// This rank's view of a host's segment: rings to and from every other member.
 pub struct ShmGroup {
-    map: MmapRaw,
+    /// Shared with this member's shared tensors ([`SharedLease`]), which may outlive the
+    /// group.
+    map: Arc<MmapRaw>,
+    /// The segment file (its name is gone after the handshake): shared tensors reserve
+    /// and give back their pages through it.
+    file: Arc<File>,
+    /// What is free in this member's arena.
+    arena: Arc<Mutex<ArenaFree>>,
     layout: Layout,
     /// Global rank of each member, in member order.
     ranks: Vec<usize>,
@@ -231,6 +267,113 @@ impl std::fmt::Debug for ShmGroup {
             .field("active", &self.active)
             .field("me", &self.me)
             .finish()
+    }
+}
+
+/// The free ranges of a member's arena (offsets from its start), sorted, none touching.
+#[derive(Debug)]
+struct ArenaFree {
+    ranges: Vec<std::ops::Range<usize>>,
+}
+
+impl ArenaFree {
+    fn new(bytes: usize) -> Self {
+        ArenaFree {
+            ranges: (bytes > 0).then_some(0..bytes).into_iter().collect(),
+        }
+    }
+
+    /// The first free range of `len` bytes (a multiple of [`ARENA_GRANULE`]), taken.
+    fn take(&mut self, len: usize) -> Option<usize> {
+        let i = self.ranges.iter().position(|r| r.len() >= len)?;
+        let at = self.ranges[i].start;
+        self.ranges[i].start += len;
+        if self.ranges[i].is_empty() {
+            self.ranges.remove(i);
+        }
+        Some(at)
+    }
+
+    /// Gives `at..at + len` back, joined with its free neighbours.
+    fn give(&mut self, at: usize, len: usize) {
+        let i = self.ranges.partition_point(|r| r.start < at);
+        self.ranges.insert(i, at..at + len);
+        if i + 1 < self.ranges.len() && self.ranges[i].end == self.ranges[i + 1].start {
+            let next = self.ranges.remove(i + 1);
+            self.ranges[i].end = next.end;
+        }
+        if i > 0 && self.ranges[i - 1].end == self.ranges[i].start {
+            let this = self.ranges.remove(i);
+            self.ranges[i - 1].end = this.end;
+        }
+    }
+}
+
+/// `fallocate(2)` on the segment file: reserve (`mode` 0) or give back pages.
+fn fallocate(file: &File, mode: libc::c_int, offset: usize, len: usize) -> std::io::Result<()> {
+    // SAFETY: a plain syscall on an open file.
+    let rc = unsafe {
+        libc::fallocate(
+            file.as_raw_fd(),
+            mode,
+            offset as libc::off_t,
+            len as libc::off_t,
+        )
+    };
+    if rc == 0 {
+        Ok(())
+    } else {
+        Err(std::io::Error::last_os_error())
+    }
+}
+
+/// One shared tensor's memory in its member's arena ([`ShmGroup::alloc_shared`]): the
+/// pages are reserved while it lives and given back when it is dropped. It keeps the
+/// mapping alive, so a tensor may outlive the runtime.
+pub struct SharedLease {
+    map: Arc<MmapRaw>,
+    file: Arc<File>,
+    arena: Arc<Mutex<ArenaFree>>,
+    /// Where the bytes are in the file, and in the arena.
+    file_offset: usize,
+    arena_offset: usize,
+    /// Bytes reserved (whole pages).
+    len: usize,
+}
+
+impl SharedLease {
+    /// The first byte; valid for the length asked of [`ShmGroup::alloc_shared`].
+    pub fn ptr(&self) -> *mut u8 {
+        // SAFETY: `file_offset + len` is inside the mapping, which `self.map` keeps.
+        unsafe { self.map.as_mut_ptr().add(self.file_offset) }
+    }
+}
+
+impl std::fmt::Debug for SharedLease {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("SharedLease")
+            .field("arena_offset", &self.arena_offset)
+            .field("len", &self.len)
+            .finish()
+    }
+}
+
+impl Drop for SharedLease {
+    fn drop(&mut self) {
+        // The pages go back to the system zeroed, so the next tensor there starts at 0.
+        if let Err(e) = fallocate(
+            &self.file,
+            libc::FALLOC_FL_PUNCH_HOLE | libc::FALLOC_FL_KEEP_SIZE,
+            self.file_offset,
+            self.len,
+        ) {
+            // Not given back: the range stays taken rather than hand out dirty memory.
+            tracing::warn!("cannot free a shared tensor's {} bytes: {e}", self.len);
+            return;
+        }
+        if let Ok(mut free) = self.arena.lock() {
+            free.give(self.arena_offset, self.len);
+        }
     }
 }
 
@@ -572,6 +715,7 @@ impl ShmGroup {
         let mut chunks = self.lock(&self.chunks, self.me)?;
         let mut patience = self.patience(members, peer_gone);
         let me = self.flags(self.me);
+        let shared = self.arena_offset_of(buf);
         for round in 0..rounds {
             let (g, s) = self.next_chunk(&mut chunks.next, members, &mut patience)?;
             let sub = |j: usize| {
@@ -580,19 +724,65 @@ impl ShmGroup {
                 start..(start + part).min(seg.end)
             };
             let my_slot = self.slot(self.me, s);
-            for j in (0..n).filter(|&j| j != p) {
-                let r = sub(j);
-                // SAFETY: part j of our slot has room for `part` bytes; nobody reads it
-                // until `written` says so.
-                unsafe {
-                    std::ptr::copy_nonoverlapping(
-                        buf[r.clone()].as_ptr(),
-                        my_slot.add(j * part),
-                        r.len(),
-                    )
-                };
+            let copy_in = |buf: &[u8]| {
+                for j in (0..n).filter(|&j| j != p) {
+                    let r = sub(j);
+                    // SAFETY: part j of our slot has room for `part` bytes; nobody reads
+                    // it until `written` (or `late_written`) says so.
+                    unsafe {
+                        std::ptr::copy_nonoverlapping(
+                            buf[r.clone()].as_ptr(),
+                            my_slot.add(j * part),
+                            r.len(),
+                        )
+                    };
+                }
+            };
+            match shared {
+                // A shared tensor is offered instead of the first chunk's inputs; they
+                // go in the slot late if not every member offers one.
+                Some(at) if round == 0 => {
+                    me.arena_at.store(at as u64, Ordering::Relaxed);
+                    me.arena_len.store(buf.len() as u64, Ordering::Relaxed);
+                    me.arena_chunk.store(g + 1, Ordering::Relaxed);
+                }
+                _ => copy_in(buf),
             }
             self.written_barrier(members, g, &mut patience)?;
+            if round == 0 {
+                let offers: Members = members
+                    .iter()
+                    .filter_map(|&m| self.offered(m, g, buf.len()))
+                    .collect();
+                if offers.len() == n {
+                    return self.arena_fold(
+                        members,
+                        p,
+                        g,
+                        &offers,
+                        buf,
+                        segments,
+                        combine,
+                        finish,
+                        &mut patience,
+                    );
+                }
+                if shared.is_some() {
+                    copy_in(buf);
+                    me.late_written.store(g + 1, Ordering::Release);
+                    self.notify_all(members);
+                }
+                let late: Members = members
+                    .iter()
+                    .copied()
+                    .filter(|&m| m != self.me && self.offered(m, g, buf.len()).is_some())
+                    .collect();
+                self.wait_for_members(
+                    &late,
+                    |m| self.flags(m).late_written.load(Ordering::Acquire) > g,
+                    &mut patience,
+                )?;
+            }
             let mine = sub(p);
             if !mine.is_empty() {
                 let acc = &mut buf[mine];
@@ -638,6 +828,123 @@ impl ShmGroup {
             self.notify_all(members);
         }
         Ok(())
+    }
+
+    /// Where in this member's arena `buf` is, if it is a shared tensor there.
+    fn arena_offset_of(&self, buf: &[u8]) -> Option<usize> {
+        let arena = self.base() as usize + self.layout.arena(self.me);
+        let at = (buf.as_ptr() as usize).checked_sub(arena)?;
+        (!buf.is_empty() && at + buf.len() <= self.layout.arena_bytes).then_some(at)
+    }
+
+    /// Where in its arena member `m` offered its buffer of `len` bytes for chunk `g`, if it
+    /// did (read after `g`'s `written` barrier, which published it).
+    fn offered(&self, m: usize, g: u64, len: usize) -> Option<usize> {
+        let f = self.flags(m);
+        if f.arena_chunk.load(Ordering::Acquire) != g + 1
+            || f.arena_len.load(Ordering::Relaxed) != len as u64
+        {
+            return None;
+        }
+        let at = usize::try_from(f.arena_at.load(Ordering::Relaxed)).ok()?;
+        at.checked_add(len)
+            .is_some_and(|end| end <= self.layout.arena_bytes)
+            .then_some(at)
+    }
+
+    /// [`Self::fold_allreduce`] when every member's buffer is a shared tensor (`at[j]`:
+    /// where in its arena the buffer of the member at position `j` is): the member at
+    /// position `p` folds segment `p` straight from the others' tensors, in the fold's
+    /// order (its own bytes, then positions p+1, p+2, …), into its own tensor, and writes
+    /// the result into theirs, a block at a time while the block is in the cache. Each
+    /// member reads the inputs of its segment once and writes each result byte once per
+    /// member: 2·S of memory traffic per member for S bytes, the least any allreduce
+    /// moves, against (7(n−1)+2)·S/n through the slots. One chunk, two barriers.
+    #[allow(clippy::too_many_arguments)] // fold_allreduce's, plus where the tensors are
+    fn arena_fold(
+        &self,
+        members: &[usize],
+        p: usize,
+        g: u64,
+        at: &[usize],
+        buf: &mut [u8],
+        segments: &[std::ops::Range<usize>],
+        combine: &dyn Fn(&mut [u8], &[u8]),
+        finish: &dyn Fn(&mut [u8]),
+        patience: &mut Patience<'_>,
+    ) -> Result<()> {
+        let n = members.len();
+        // SAFETY (for the pointers below): `offered` checked that every member's buffer
+        // lies inside its arena; the members are all in this allreduce (past `written`),
+        // and until everyone says `reduced` each touches only its own segment of every
+        // member's tensor, so no byte is read and written by two members at once.
+        let tensor = |position: usize| unsafe {
+            self.base()
+                .add(self.layout.arena(members[position]) + at[position])
+        };
+        let mine = segments[p].clone();
+        let mut start = mine.start;
+        while start < mine.end {
+            let r = start..(start + ARENA_BLOCK).min(mine.end);
+            let acc = &mut buf[r.clone()];
+            for k in 1..n {
+                // SAFETY: see above; `r` is inside segment `p` of a buffer of `buf.len()`.
+                let incoming = unsafe {
+                    std::slice::from_raw_parts(
+                        tensor((p + k) % n).add(r.start) as *const u8,
+                        r.len(),
+                    )
+                };
+                combine(acc, incoming);
+            }
+            finish(acc);
+            for k in 1..n {
+                // SAFETY: as above; only this member writes segment `p` of any tensor.
+                unsafe {
+                    std::ptr::copy_nonoverlapping(
+                        acc.as_ptr(),
+                        tensor((p + k) % n).add(r.start),
+                        r.len(),
+                    )
+                };
+            }
+            start = r.end;
+        }
+        let me = self.flags(self.me);
+        me.reduced.store(g + 1, Ordering::Release);
+        // No slot was used: the chunk's slot is free for the next one at once.
+        me.consumed.store(g + 1, Ordering::Release);
+        self.notify_all(members);
+        self.wait_for_all(members, |f| f.reduced.load(Ordering::Acquire) > g, patience)
+    }
+
+    /// `len` zeroed bytes in this member's arena, for a tensor that the members can
+    /// allreduce in place when every one of them passes one ([`Self::fold_allreduce`]);
+    /// `Ok(None)`: the arena has no room left for them. The pages are reserved now, so a
+    /// full `/dev/shm` is an error here, not a SIGBUS later.
+    pub fn alloc_shared(&self, len: usize) -> std::io::Result<Option<SharedLease>> {
+        let len = len.max(1).div_ceil(ARENA_GRANULE) * ARENA_GRANULE;
+        let arena = || {
+            self.arena
+                .lock()
+                .map_err(|_| std::io::Error::other("the shared-tensor arena's lock is poisoned"))
+        };
+        let Some(at) = arena()?.take(len) else {
+            return Ok(None);
+        };
+        let file_offset = self.layout.arena(self.me) + at;
+        if let Err(e) = fallocate(&self.file, 0, file_offset, len) {
+            arena()?.give(at, len);
+            return Err(e);
+        }
+        Ok(Some(SharedLease {
+            map: self.map.clone(),
+            file: self.file.clone(),
+            arena: self.arena.clone(),
+            file_offset,
+            arena_offset: at,
+            len,
+        }))
     }
 
     /// [`Self::fold_allreduce`] for a buffer that fits in one slot, with one barrier
@@ -1500,6 +1807,7 @@ pub fn create_segment(
     let layout = Layout {
         members,
         ring_bytes,
+        arena_bytes: ARENA_BYTES,
     };
     remove_orphans(dir);
     let nonce = random_nonce();
@@ -1534,8 +1842,9 @@ pub fn create_segment(
         }
     }
     reserve(layout.slot(0, 0), 2 * members * ring_bytes)?;
+    // The arenas stay sparse: shared tensors reserve their pages when allocated.
     let map = MmapOptions::new()
-        .len(layout.total())
+        .len(layout.data_start())
         .map_raw(&segment.file)?;
     // SAFETY: offset 0 of a fresh, page-aligned mapping that nobody else has yet.
     let header = unsafe { &*(map.as_mut_ptr() as *const SegmentHeader) };
@@ -1544,6 +1853,9 @@ pub fn create_segment(
         .ring_bytes
         .store(ring_bytes as u64, Ordering::Relaxed);
     header.nonce.store(nonce, Ordering::Relaxed);
+    header
+        .arena_bytes
+        .store(ARENA_BYTES as u64, Ordering::Relaxed);
     header.magic.store(SEGMENT_MAGIC, Ordering::Release);
     Ok(segment)
 }
@@ -1572,6 +1884,7 @@ pub fn map_segment(
     let layout = Layout {
         members: ranks.len(),
         ring_bytes,
+        arena_bytes: ARENA_BYTES,
     };
     let file = OpenOptions::new()
         .read(true)
@@ -1594,7 +1907,9 @@ pub fn map_segment(
         .map_raw(&file)
         .map_err(|e| format!("cannot map {}: {e}", path.display()))?;
     let group = ShmGroup {
-        map,
+        map: Arc::new(map),
+        file: Arc::new(file),
+        arena: Arc::new(Mutex::new(ArenaFree::new(layout.arena_bytes))),
         layout,
         ranks: ranks.to_vec(),
         active: vec![true; ranks.len()],
@@ -1611,7 +1926,8 @@ pub fn map_segment(
     let ok = header.magic.load(Ordering::Acquire) == SEGMENT_MAGIC
         && header.nonce.load(Ordering::Relaxed) == nonce
         && header.members.load(Ordering::Relaxed) == ranks.len() as u64
-        && header.ring_bytes.load(Ordering::Relaxed) == ring_bytes as u64;
+        && header.ring_bytes.load(Ordering::Relaxed) == ring_bytes as u64
+        && header.arena_bytes.load(Ordering::Relaxed) == group.layout.arena_bytes as u64;
     if !ok {
         return Err(format!(
             "{} is not the segment that was announced",
@@ -1642,6 +1958,23 @@ mod tests {
             })
             .collect();
         (seg, groups)
+    }
+
+    #[test]
+    fn an_arenas_free_ranges_join_when_given_back_in_any_order() {
+        let mut free = ArenaFree::new(10 * PAGE);
+        let a = free.take(2 * PAGE).unwrap();
+        let b = free.take(3 * PAGE).unwrap();
+        let c = free.take(PAGE).unwrap();
+        assert_eq!((a, b, c), (0, 2 * PAGE, 5 * PAGE));
+        assert_eq!(free.take(5 * PAGE), None, "4 pages are left");
+        free.give(a, 2 * PAGE);
+        free.give(c, PAGE);
+        assert_eq!(free.ranges, vec![0..2 * PAGE, 5 * PAGE..10 * PAGE]);
+        free.give(b, 3 * PAGE);
+        assert_eq!(free.ranges, vec![0..10 * PAGE]);
+        assert_eq!(free.take(10 * PAGE), Some(0));
+        assert!(free.ranges.is_empty());
     }
 
     /// `err` is member 0 (rank 10) giving up on member 1 (rank 11).

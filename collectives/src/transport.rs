@@ -85,6 +85,14 @@ pub trait Transport: Send + Sync {
         Vec::new()
     }
 
+    /// `len` zeroed bytes that this rank's shared-memory peers can read and write, for a
+    /// tensor that [`Transport::native_allreduce`] reduces in place when every rank passes
+    /// one (see [`crate::Runtime::shared_tensor`]); `Ok(None)`: the transport has no such
+    /// memory (no peers on this host share it, or its arena is full).
+    fn alloc_shared(&self, _len: usize) -> std::io::Result<Option<crate::shm::SharedLease>> {
+        Ok(None)
+    }
+
     /// Allreduce of `buf` among `ranks` done by the transport itself, when it has a native
     /// way for exactly these ranks (all in one shared-memory segment); `None`: run a
     /// schedule. It must give the bits a ring reduce-scatter then allgather over

@@ -139,6 +139,28 @@ fn shared_memory_within_pretend_nodes_tcp_between_and_tcp_only_all_check_out() {
 }
 
 #[test]
+fn shared_tensors_check_out_on_one_host_across_pretend_nodes_and_over_tcp() {
+    // Through the launcher, as a job runs them: on one host every allreduce above 64 KiB
+    // folds the ranks' tensors in place; across pretend nodes and over TCP they are
+    // ordinary tensors to the schedule. Every row's first call is checked exactly.
+    let sizes = ["--min-bytes", "4", "--max-bytes", "16M", "--shared-tensors"];
+    let peers = |v: &serde_json::Value| v["shared_memory_peers"].clone();
+    let v = checked_sweep(&[&["-n", "3"], &sizes[..]].concat(), &[]);
+    assert_eq!(peers(&v), serde_json::json!([1, 2]));
+    assert_eq!(v["shared_tensors"], true);
+    let v = checked_sweep(
+        &[&["-n", "4", "--local-size", "2"], &sizes[..]].concat(),
+        &[],
+    );
+    assert_eq!(peers(&v), serde_json::json!([1]));
+    let v = checked_sweep(
+        &[&["-n", "2"], &sizes[..]].concat(),
+        &[("RINGWATCH_SHM", "0")],
+    );
+    assert_eq!(peers(&v), serde_json::json!([]));
+}
+
+#[test]
 fn blocking_calls_in_a_loop_run_their_own_cycles_and_leave_the_cycle_thread_asleep() {
     // Two ranks, 3000 blocking 4 KiB allreduces. Each caller runs its own cycles; the
     // background thread wakes on its timer (the default cycle time, 1 ms) and goes

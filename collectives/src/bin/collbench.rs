@@ -120,6 +120,10 @@ enum Workload {
         /// its own, else staged through host memory (RINGWATCH_NCCL=0 stages always).
         #[arg(long)]
         gpu: bool,
+        /// Tensors in memory that the ranks of a host share (Runtime::shared_tensor):
+        /// above 64 KiB a one-host job reduces them in place, with no staging copies.
+        #[arg(long, conflicts_with = "gpu")]
+        shared_tensors: bool,
     },
     /// Each step allreduces ResNet-50's 161 gradient tensors (real sizes, f32) in backward
     /// order, as a framework would; prints steps/s and effective bandwidth.
@@ -422,6 +426,7 @@ fn worker(cli: &Cli, workload: &Workload) -> Result<Option<i32>> {
             iters,
             warmup,
             gpu,
+            shared_tensors,
         } => sweep(
             cli,
             *min_bytes,
@@ -430,6 +435,7 @@ fn worker(cli: &Cli, workload: &Workload) -> Result<Option<i32>> {
             *iters,
             *warmup,
             *gpu,
+            *shared_tensors,
         ),
         Workload::Resnet50 {
             steps,
@@ -511,6 +517,7 @@ fn cycle_thread_sleeps() -> u64 {
         .sum()
 }
 
+#[allow(clippy::too_many_arguments)] // the sweep's options, each its own
 fn sweep(
     cli: &Cli,
     min: u64,
@@ -519,6 +526,7 @@ fn sweep(
     iters: Option<usize>,
     warmup: usize,
     gpu: bool,
+    shared_tensors: bool,
 ) -> Result<()> {
     let rt = runtime(cli)?;
     let device = if gpu { Some(gpu_of(&rt)?) } else { None };
@@ -541,7 +549,7 @@ fn sweep(
                 let (secs, wrong) = gpu_row(&rt, device, &name, count, warmup, iters)?;
                 (secs, wrong, 0, 0)
             }
-            None => host_row(&rt, &name, count, warmup, iters)?,
+            None => host_row(&rt, &name, count, warmup, iters, shared_tensors)?,
         };
         let algbw = bytes as f64 / secs / 1e9;
         rows.push(SweepRow {
@@ -567,6 +575,7 @@ fn sweep(
                     "world_size": n,
                     "knobs": knobs,
                     "shared_memory_peers": rt.shared_memory_peers(),
+                    "shared_tensors": shared_tensors,
                     "cycles": rt.totals().cycles,
                     "settled_cycles": rt.totals().settled_cycles,
                     "quick_cycles": rt.totals().quick_cycles,
@@ -581,8 +590,13 @@ fn sweep(
         } else {
             println!(
                 "# collbench sweep: allreduce sum f32, {n} ranks, knobs {knobs:?}, rank 0's \
-                 shared-memory peers {:?}",
-                rt.shared_memory_peers()
+                 shared-memory peers {:?}{}",
+                rt.shared_memory_peers(),
+                if shared_tensors {
+                    ", shared tensors"
+                } else {
+                    ""
+                }
             );
             if let Some(d) = device {
                 let t = rt.totals();
@@ -618,10 +632,20 @@ fn host_row(
     count: usize,
     warmup: usize,
     iters: usize,
+    shared: bool,
 ) -> Result<(f64, u64, u64, u64)> {
     let (rank, n) = (rt.rank(), rt.world_size());
     // Exact check on the first call: every element sums to n(n+1)/2.
-    let mut t = Tensor::from_slice(&vec![(rank + 1) as f32; count]);
+    let value = (rank + 1) as f32;
+    let mut t = if shared {
+        let mut t = rt.shared_tensor(collectives::DType::F32, &[count])?;
+        for chunk in t.as_bytes_mut().chunks_exact_mut(4) {
+            chunk.copy_from_slice(&value.to_ne_bytes());
+        }
+        t
+    } else {
+        Tensor::from_slice(&vec![value; count])
+    };
     // Named once, as a training loop names its tensors: the timed calls measure the
     // allreduce, not the formatting of its name.
     t = rt.allreduce(name, t, ReduceOp::Sum)?;

@@ -814,6 +814,57 @@ impl Runtime {
         self.enqueue(name, OpKind::Broadcast(root), tensor, false)
     }
 
+    /// A zeroed tensor in memory that the other ranks of this host can reach, for a job that
+    /// allreduces the same large tensors over and over (gradients). When every rank of a
+    /// one-host job allreduces such a tensor, alone (not fused with others: pass them one
+    /// at a time, or set the fusion threshold below their size) and larger than 64 KiB, the
+    /// runtime reduces it in place: each rank folds its part of the tensor straight from
+    /// the others' tensors and writes the result into all of them. No byte is staged
+    /// through the shared segment's slots, so a call moves 2 bytes of memory traffic per
+    /// byte of the tensor on each rank instead of 4.5 (2 ranks) to 5.75 (4 ranks); see
+    /// docs/BENCHMARKS.md. The results are the same bits as an ordinary tensor's.
+    ///
+    /// Write the tensor and read its result through [`Tensor::as_bytes_mut`] /
+    /// [`Tensor::as_bytes`]; hand it to [`Self::allreduce`] and use the tensor it returns
+    /// (the same memory). Its memory is given back when it is dropped. Where this rank
+    /// shares no memory with others (one rank per host, `RINGWATCH_SHM=0`) it is an
+    /// ordinary tensor, and where this rank's arena (16 GiB of address space) is full too,
+    /// with a warning.
+    pub fn shared_tensor(&self, dtype: crate::DType, shape: &[usize]) -> Result<Tensor> {
+        let invalid = |message: String| CollectiveError::InvalidTensor {
+            rank: self.shared.rank,
+            name: "(shared tensor)".into(),
+            message,
+        };
+        let len = shape
+            .iter()
+            .try_fold(dtype.size(), |acc, &d| acc.checked_mul(d))
+            .ok_or_else(|| invalid(format!("shape {shape:?} of {dtype:?} overflows")))?;
+        let lease = self.transport.alloc_shared(len).map_err(|e| {
+            invalid(format!(
+                "cannot reserve {len} bytes in {}: {e}",
+                crate::shm::SHM_DIR
+            ))
+        })?;
+        let Some(lease) = lease.filter(|_| len > 0) else {
+            if len > 0 && !self.transport.shared_memory_peers().is_empty() {
+                tracing::warn!(
+                    bytes = len,
+                    "this rank's shared-tensor arena is full: an ordinary tensor instead \
+                     (same results, staged through the segment)"
+                );
+            }
+            return Tensor::from_bytes(dtype, shape, crate::tensor::AlignedBuf::zeroed(len))
+                .ok_or_else(|| invalid(format!("shape {shape:?} does not fit {len} bytes")));
+        };
+        let ptr = lease.ptr();
+        // SAFETY: the lease is `len` bytes (rounded up to pages), zeroed, mapped for as long
+        // as the lease lives, and nobody else writes it outside an allreduce that this
+        // tensor is handed to; the tensor owns the lease.
+        unsafe { Tensor::from_external(dtype, shape, ptr, len, Box::new(lease)) }
+            .ok_or_else(|| invalid(format!("shape {shape:?} does not fit {len} bytes")))
+    }
+
     /// Allreduce and wait.
     pub fn allreduce(&self, name: &str, tensor: Tensor, op: ReduceOp) -> Result<Tensor> {
         self.allreduce_blocking(name, tensor, op)
