@@ -59,7 +59,7 @@ pub struct Args {
         long,
         value_enum,
         value_delimiter = ',',
-        default_value = "ours,mpi-shm,mpi-tcp,gloo"
+        default_value = "ours,ours-shared,mpi-shm,mpi-tcp,gloo"
     )]
     pub contenders: Vec<Contender>,
     /// compare: ours' cycle time in ms (collbench --cycle-time-ms)
@@ -129,6 +129,10 @@ pub enum Contender {
     /// transport (TCP over loopback; shared memory where it has and reports
     /// it).
     Ours,
+    /// ringwatch's runtime on tensors the ranks of a host share
+    /// (Runtime::shared_tensor; collbench sweep --shared-tensors): on one
+    /// host, reduced in place without staging copies.
+    OursShared,
     /// Open MPI's MPI_Allreduce, default transports (shared memory here).
     MpiShm,
     /// Open MPI's MPI_Allreduce over TCP on loopback (--mca btl tcp,self).
@@ -141,6 +145,7 @@ impl Contender {
     fn name(self) -> &'static str {
         match self {
             Contender::Ours => "ours",
+            Contender::OursShared => "ours-shared",
             Contender::MpiShm => "mpi-shm",
             Contender::MpiTcp => "mpi-tcp",
             Contender::Gloo => "gloo",
@@ -151,6 +156,9 @@ impl Contender {
         match self {
             Contender::Ours => {
                 "ringwatch collectives (collbench sweep --json), the runtime's own transport (TCP over loopback unless ours_runtime lists shared-memory peers), knobs as reported"
+            }
+            Contender::OursShared => {
+                "ringwatch collectives on shared tensors (Runtime::shared_tensor, collbench sweep --shared-tensors --json): above 64 KiB folded in place from the ranks' tensors, no staging copies"
             }
             Contender::MpiShm => {
                 "Open MPI MPI_Allreduce, default transports (shared memory within the node), out of place"
@@ -463,7 +471,7 @@ impl Setup {
     fn run(&self, contender: Contender, plan: &[Size]) -> Result<(Vec<f64>, Option<OursRuntime>)> {
         let limit = timeout(plan, self.warmup);
         match contender {
-            Contender::Ours => {
+            Contender::Ours | Contender::OursShared => {
                 let collbench = self.collbench.as_ref().context("collbench was not built")?;
                 let mut times = Vec::new();
                 let mut runtime = None;
@@ -480,6 +488,7 @@ impl Setup {
                         .args(["--max-bytes", &size.bytes.to_string()])
                         .args(["--iters", &size.iters.to_string()])
                         .args(["--warmup", &self.warmup.to_string()])
+                        .args((contender == Contender::OursShared).then_some("--shared-tensors"))
                         // No agent involved: no control socket, no tuning.
                         .env("RINGWATCH_CONTROL_SOCKET", "0")
                         .env_remove("RINGWATCH_AUTOTUNE")
@@ -704,6 +713,10 @@ struct Row {
     /// measured copy rate) over ours' time: 1.0 is as fast as the machine's
     /// memory allows any allreduce to be. Absent when ours did not run.
     ours_of_memory_bound: Option<f64>,
+    /// The same two for ours on shared tensors (`ours-shared`), when it ran
+    /// over shared memory.
+    ours_shared_traffic_bytes: Option<f64>,
+    ours_shared_of_memory_bound: Option<f64>,
 }
 
 /// The least memory traffic any allreduce of `bytes` on `n` ranks of one
@@ -805,6 +818,18 @@ fn ours_shared_memory_traffic(bytes: u64, n: usize) -> f64 {
     }
 }
 
+/// The same for ours on shared tensors (`ours-shared`): one shot as above up
+/// to 64 KiB; above, each rank reads its part of every rank's tensor and
+/// writes its result into every tensor, nothing staged: 2S per rank, the
+/// floor.
+fn ours_shared_tensor_traffic(bytes: u64, n: usize) -> f64 {
+    if bytes <= OURS_ONE_SHOT_MAX_BYTES {
+        ours_shared_memory_traffic(bytes, n)
+    } else {
+        floor_traffic_bytes(bytes, n)
+    }
+}
+
 fn busbw_factor(ranks: usize) -> f64 {
     if ranks <= 1 {
         0.0
@@ -856,7 +881,10 @@ pub fn run(root: &Path, args: &Args) -> Result<()> {
         bail!("no contender left to run (see above)");
     }
 
-    let collbench = if contenders.contains(&Contender::Ours) {
+    let collbench = if contenders
+        .iter()
+        .any(|c| matches!(c, Contender::Ours | Contender::OursShared))
+    {
         Some(crate::multinode::collbench(root)?)
     } else {
         None
@@ -963,6 +991,7 @@ pub fn run(root: &Path, args: &Args) -> Result<()> {
 
     let factor = busbw_factor(args.ranks);
     let ours_index = contenders.iter().position(|&c| c == Contender::Ours);
+    let shared_index = contenders.iter().position(|&c| c == Contender::OursShared);
     let rows: Vec<Row> = plan
         .iter()
         .enumerate()
@@ -994,6 +1023,7 @@ pub fn run(root: &Path, args: &Args) -> Result<()> {
                     .is_some_and(|p| p.len() + 1 == args.ranks)
             });
             let ours_time_us = ours_index.map(|i| median(&samples[i][k]));
+            let shared_time_us = shared_index.map(|i| median(&samples[i][k]));
             let traffic = ours_time_us
                 .filter(|_| ours_shm)
                 .map(|time_us| (ours_shared_memory_traffic(size.bytes, args.ranks), time_us));
@@ -1006,6 +1036,10 @@ pub fn run(root: &Path, args: &Args) -> Result<()> {
                 ours_traffic_bytes: traffic.map(|(bytes, _)| bytes),
                 ours_traffic_gbps: traffic.map(|(bytes, time_us)| bytes / (time_us * 1e-6) / 1e9),
                 ours_of_memory_bound: ours_time_us.map(|t| bound_us / t),
+                ours_shared_traffic_bytes: shared_time_us
+                    .filter(|_| ours_shm)
+                    .map(|_| ours_shared_tensor_traffic(size.bytes, args.ranks)),
+                ours_shared_of_memory_bound: shared_time_us.map(|t| bound_us / t),
             }
         })
         .collect();
@@ -1025,26 +1059,34 @@ pub fn run(root: &Path, args: &Args) -> Result<()> {
         memory_bound.traffic_gbps, memory_bound.threads
     );
     for row in &rows {
-        let Some(of) = row.ours_of_memory_bound else {
-            continue;
-        };
-        let moved = match (row.ours_traffic_bytes, row.ours_traffic_gbps) {
-            (Some(bytes), Some(gbps)) => format!(
-                "; the algorithm moves {:.1} MB per call ({:.1} GB/s, cache included)",
-                bytes / 1e6,
-                gbps
-            ),
-            _ => String::new(),
-        };
-        println!(
-            "# ours {:>9}: {:.0}% of the memory bound{moved}",
-            human(row.bytes),
-            of * 100.0
-        );
+        let shared = row
+            .ours_shared_of_memory_bound
+            .map(|of| ("ours-shared", of, row.ours_shared_traffic_bytes));
+        let plain = row
+            .ours_of_memory_bound
+            .map(|of| ("ours", of, row.ours_traffic_bytes));
+        for (name, of, traffic) in plain.into_iter().chain(shared) {
+            let moved = traffic.map_or_else(String::new, |bytes| {
+                // `of` is the bound's time over this contender's.
+                let bound_us =
+                    floor_traffic_bytes(row.bytes, args.ranks) / (memory_bound.traffic_gbps * 1e3);
+                let time_us = bound_us / of.max(f64::MIN_POSITIVE);
+                format!(
+                    "; the algorithm moves {:.1} MB per call ({:.1} GB/s, cache included)",
+                    bytes / 1e6,
+                    bytes / time_us / 1e3
+                )
+            });
+            println!(
+                "# {name:<11} {:>9}: {:.0}% of the memory bound{moved}",
+                human(row.bytes),
+                of * 100.0
+            );
+        }
     }
 
     let version = |c: Contender| match c {
-        Contender::Ours => first_line(
+        Contender::Ours | Contender::OursShared => first_line(
             "git",
             &[
                 "-C",

@@ -541,6 +541,38 @@ impl Buffer {
     }
 }
 
+/// Zeroed memory that the ranks of this host share ([`Runtime::shared_tensor`]), for
+/// `ringwatch.torch.shared_zeros`: its address and length stay valid while this object
+/// lives. `shared` is false where the runtime handed out ordinary memory instead (no rank
+/// shares this host's memory, or the arena is full).
+#[pyclass(frozen)]
+struct SharedMemory {
+    #[pyo3(get)]
+    address: usize,
+    #[pyo3(get)]
+    nbytes: usize,
+    #[pyo3(get)]
+    shared: bool,
+    /// Owns the memory; given back when Python drops this object.
+    _tensor: Mutex<Tensor>,
+}
+
+/// Allocates a [`SharedMemory`] for a tensor of `dtype` and `shape`.
+#[pyfunction]
+fn shared_memory(dtype: &str, shape: Vec<usize>) -> PyResult<SharedMemory> {
+    let dtype = dtype_from(dtype)?;
+    with_runtime(|rt| {
+        let mut tensor = rt.shared_tensor(dtype, &shape).map_err(to_py)?;
+        let bytes = tensor.as_bytes_mut();
+        Ok(SharedMemory {
+            address: bytes.as_mut_ptr() as usize,
+            nbytes: bytes.len(),
+            shared: tensor.is_external(),
+            _tensor: Mutex::new(tensor),
+        })
+    })
+}
+
 /// The extension module.
 #[pymodule]
 fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
@@ -551,6 +583,8 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("NotInitializedError", py.get_type::<NotInitializedError>())?;
     m.add_class::<Handle>()?;
     m.add_class::<Buffer>()?;
+    m.add_class::<SharedMemory>()?;
+    m.add_function(wrap_pyfunction!(shared_memory, m)?)?;
     m.add_function(wrap_pyfunction!(init, m)?)?;
     m.add_function(wrap_pyfunction!(shutdown, m)?)?;
     m.add_function(wrap_pyfunction!(is_initialized, m)?)?;

@@ -47,6 +47,22 @@ check(torch.allclose(got.to(torch.float64), ref, rtol=1e-5, atol=1e-5), "random:
 gathered = rw.allgather(got.view(1, -1), name="random.gathered")
 check(all(same_bits(gathered[k], got) for k in range(n)), "random: ranks disagree")
 
+# Shared tensors: in place, the same bits as the ordinary tensor above (one host: folded
+# straight from every rank's tensor; over TCP: an ordinary tensor), again and again.
+s = rw.shared_zeros(100_003)
+check(s.dtype == torch.float32 and s.shape == (100_003,) and not s.any(), "shared_zeros: not zeros")
+for i in range(3):
+    s.copy_(rand[r])
+    ptr = s.data_ptr()
+    out = rw.allreduce_(s, name="random.shared", op=rw.Sum)
+    check(out is s and s.data_ptr() == ptr, "shared tensor: not in place")
+    check(same_bits(s, got), f"shared tensor, call {i}: not the ordinary tensor's bits")
+grads = rw.shared_zeros((3, 40_000), dtype=torch.float64)
+grads += r + 1
+rw.allreduce_(grads, name="shared.average", op=rw.Average)
+check(torch.equal(grads, torch.full((3, 40_000), (n + 1) / 2, dtype=torch.float64)), "shared average")
+del s, grads
+
 # Async handles: poll, then synchronize.
 h = rw.allreduce_async_(torch.ones(3), name="polled", op=rw.Sum)
 while not rw.poll(h):

@@ -31,6 +31,7 @@ Rendezvous: rank 0 listens on ``RINGWATCH_MASTER_PORT``, by default ``MASTER_POR
 """
 
 import atexit
+import ctypes
 import os
 import threading
 import queue
@@ -50,7 +51,7 @@ __all__ = [
     "init", "shutdown", "is_initialized", "rank", "size", "local_rank", "local_size",
     "job_id", "knobs", "set_knobs",
     "Sum", "Average", "Min", "Max",
-    "allreduce", "allreduce_", "allreduce_async", "allreduce_async_",
+    "allreduce", "allreduce_", "allreduce_async", "allreduce_async_", "shared_zeros",
     "allgather", "allgather_async", "broadcast", "broadcast_", "broadcast_async",
     "broadcast_async_", "synchronize", "poll", "Handle",
     "broadcast_parameters", "broadcast_optimizer_state", "DistributedOptimizer",
@@ -247,6 +248,36 @@ def _submit(kind, tensor, name, op=Average, root=0):
         root,
     )
     return Handle(native, tensor, kind)
+
+
+def shared_zeros(*size, dtype=torch.float32):
+    """A zeroed CPU tensor in memory that the ranks of this host share.
+
+    Allreduce it in place (:func:`allreduce_` or :func:`allreduce_async_`), alone and on
+    every rank: on a one-host job, above 64 KiB, each rank then folds its part straight
+    from the other ranks' tensors and writes the result into all of them, with no copies
+    through staging buffers (2 bytes of memory traffic per byte per rank instead of 4.5 to
+    5.75; the same bits as an ordinary tensor). Meant for flat buffers reduced over and
+    over, such as a model's gradients packed in one tensor. Where no other rank shares this
+    host's memory it is an ordinary tensor. Its memory is given back when it is freed.
+    """
+    if len(size) == 1 and isinstance(size[0], (tuple, list, torch.Size)):
+        size = tuple(size[0])
+    shape = [int(d) for d in size]
+    name = _DTYPES.get(dtype)
+    if name is None:
+        raise TypeError(
+            f"shared_zeros: dtype {dtype} is not supported "
+            "(float32, float64, float16, bfloat16, int32, int64)"
+        )
+    memory = _native.shared_memory(name, shape)
+    if memory.nbytes == 0:
+        return torch.zeros(shape, dtype=dtype)
+    # A bytes view of the memory that keeps it alive: torch.frombuffer holds a reference to
+    # its buffer for as long as the tensor (or a view of it) lives.
+    raw = type("SharedBytes", (ctypes.c_char * memory.nbytes,), {}).from_address(memory.address)
+    raw.memory = memory
+    return torch.frombuffer(raw, dtype=torch.uint8).view(dtype).view(shape)
 
 
 def allreduce_async_(tensor, name=None, op=Average):
