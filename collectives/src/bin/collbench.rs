@@ -148,6 +148,10 @@ enum Workload {
         /// an agent tunes it), then --steps more timed steps on the final knobs.
         #[arg(long)]
         until_tuned: bool,
+        /// Gradients in memory that the ranks of a host share (Runtime::shared_tensor), as
+        /// a training loop that keeps them there would have them.
+        #[arg(long)]
+        shared_tensors: bool,
     },
     /// Plain TCP throughput between two local processes (the bound a ring cannot beat).
     Link {
@@ -442,6 +446,7 @@ fn worker(cli: &Cli, workload: &Workload) -> Result<Option<i32>> {
             warmup,
             duration,
             until_tuned,
+            shared_tensors,
         } => resnet50(
             cli,
             Resnet50Run {
@@ -449,6 +454,7 @@ fn worker(cli: &Cli, workload: &Workload) -> Result<Option<i32>> {
                 warmup: *warmup,
                 duration: *duration,
                 until_tuned: *until_tuned,
+                shared_tensors: *shared_tensors,
             },
         ),
         Workload::Link { bytes } => link(cli, *bytes),
@@ -753,6 +759,7 @@ struct Resnet50Run {
     warmup: usize,
     duration: Option<f64>,
     until_tuned: bool,
+    shared_tensors: bool,
 }
 
 /// One timed step: its wall time and the knobs in force when it started and ended.
@@ -815,10 +822,21 @@ fn resnet50(cli: &Cli, run: Resnet50Run) -> Result<()> {
     let decided_by_rank0 = run.duration.is_some() || run.until_tuned;
     let shapes = resnet50_shapes();
     let total_bytes: usize = shapes.iter().map(|s| s * 4).sum();
+    let grad = |count: usize| -> Result<Tensor> {
+        let value = 1.0f32 / n as f32;
+        if !run.shared_tensors {
+            return Ok(Tensor::from_slice(&vec![value; count]));
+        }
+        let mut t = rt.shared_tensor(collectives::DType::F32, &[count])?;
+        for chunk in t.as_bytes_mut().chunks_exact_mut(4) {
+            chunk.copy_from_slice(&value.to_ne_bytes());
+        }
+        Ok(t)
+    };
     let mut grads: Vec<Option<Tensor>> = shapes
         .iter()
-        .map(|&s| Some(Tensor::from_slice(&vec![1.0f32 / n as f32; s])))
-        .collect();
+        .map(|&s| grad(s).map(Some))
+        .collect::<Result<_>>()?;
     let bar = if decided_by_rank0 {
         ProgressBar::hidden()
     } else {
