@@ -16,6 +16,8 @@ import torch.nn.functional as F
 
 MODE = os.environ["MODE"]          # single | optimizer | accumulate | ddp
 DEVICE = os.environ.get("DEVICE", "cpu")
+WIDE = os.environ.get("WIDE") == "1"    # a layer whose gradient (512 KiB) is reduced alone
+SHARED = os.environ.get("SHARED", "1") == "1"
 STEPS, PER_RANK = 6, 8
 if DEVICE == "cuda":
     # TF32 rounds differently for different batch splits; the comparison needs full f32.
@@ -25,10 +27,12 @@ if DEVICE == "cuda":
 
 def model_and_data(world):
     torch.manual_seed(0)
+    head = [torch.nn.Linear(8 * 4 * 4, 1024), torch.nn.ReLU(), torch.nn.Linear(1024, 10)] \
+        if WIDE else [torch.nn.Linear(8 * 4 * 4, 10)]
     model = torch.nn.Sequential(
         torch.nn.Conv2d(3, 8, 3, padding=1), torch.nn.ReLU(), torch.nn.MaxPool2d(2),
         torch.nn.Conv2d(8, 8, 3, padding=1), torch.nn.ReLU(), torch.nn.Flatten(),
-        torch.nn.Linear(8 * 4 * 4, 10),
+        *head,
     )
     g = torch.Generator().manual_seed(1)
     x = torch.randn(STEPS, world * PER_RANK, 3, 8, 8, generator=g)
@@ -69,7 +73,7 @@ else:
         opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
         passes = 2 if MODE == "accumulate" else 1
         opt = rw.DistributedOptimizer(opt, named_parameters=model.named_parameters(),
-                                      backward_passes_per_step=passes)
+                                      backward_passes_per_step=passes, shared_gradients=SHARED)
     losses = []
     for s in range(STEPS):
         opt.zero_grad()
@@ -90,6 +94,10 @@ else:
         losses.append(rw.allreduce(loss.detach(), name=f"loss.{s}", op=rw.Average).item())
     if MODE == "ddp":
         model = model.module
+    # Gradients that live in shared tensors now (DistributedOptimizer's shared_gradients).
+    kept = getattr(opt, "_rw_shared", {})
+    shared_grads = sum(1 for p in model.parameters()
+                       if id(p) in kept and p.grad.data_ptr() == kept[id(p)].data_ptr())
     if MODE == "optimizer":
         # Optimizer state from rank 0 reaches every rank (momentum buffers included).
         opt2 = torch.optim.SGD(model.parameters(), lr=0.5 if r else 0.1, momentum=0.9)
@@ -101,15 +109,16 @@ else:
             assert torch.equal(a["momentum_buffer"], b["momentum_buffer"])
     rw.shutdown()
 params = [p.detach().double().flatten().tolist() for p in model.parameters()]
-print(json.dumps({"losses": losses, "params": params}))
+print(json.dumps({"losses": losses, "params": params,
+                  "shared_grads": 0 if MODE == "single" else shared_grads}))
 """
 
 
-def single_process(tmp_path, combined, device="cpu"):
+def single_process(tmp_path, combined, device="cpu", wide=False):
     script = tmp_path / "single.py"
     script.write_text(TRAIN)
     env = dict(os.environ, MODE="single", COMBINED=str(combined), OMP_NUM_THREADS="1",
-               DEVICE=device)
+               DEVICE=device, WIDE="1" if wide else "0")
     out = subprocess.run(
         [sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=120
     )
@@ -134,6 +143,25 @@ def test_distributed_optimizer_trains_like_one_process(run_job, tmp_path):
         assert_same_training(res, want)
     # Every rank holds the same model, bit for bit.
     assert all(res["params"] == results[0]["params"] for res in results)
+
+
+@pytest.mark.parametrize("links", ["shm", "tcp"])
+def test_shared_gradients_train_like_one_process_and_like_private_ones(run_job, tmp_path, links):
+    # A layer's 512 KiB gradient is reduced alone: from the second step on it lives in
+    # shared memory and folds in place across the ranks (over TCP it stays private).
+    # Either way the same training as one process, and the same bits as private gradients.
+    env = {"MODE": "optimizer", "WIDE": "1"}
+    if links == "tcp":
+        env["RINGWATCH_SHM"] = "0"
+    shared = run_job(TRAIN, 2, env=env).results()
+    private = run_job(TRAIN, 2, env=dict(env, SHARED="0")).results()
+    want = single_process(tmp_path, 2, wide=True)
+    for res in shared:
+        assert_same_training(res, want)
+        assert res["shared_grads"] == (1 if links == "shm" else 0), res["shared_grads"]
+    assert [r["params"] for r in shared] == [r["params"] for r in private]
+    assert [r["losses"] for r in shared] == [r["losses"] for r in private]
+    assert all(r["shared_grads"] == 0 for r in private)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="no GPU")

@@ -263,7 +263,11 @@ def shared_zeros(*size, dtype=torch.float32):
     """
     if len(size) == 1 and isinstance(size[0], (tuple, list, torch.Size)):
         size = tuple(size[0])
-    shape = [int(d) for d in size]
+    return _shared_zeros([int(d) for d in size], dtype)[0]
+
+
+def _shared_zeros(shape, dtype):
+    """:func:`shared_zeros`, and whether the memory is shared with other ranks."""
     name = _DTYPES.get(dtype)
     if name is None:
         raise TypeError(
@@ -272,12 +276,12 @@ def shared_zeros(*size, dtype=torch.float32):
         )
     memory = _native.shared_memory(name, shape)
     if memory.nbytes == 0:
-        return torch.zeros(shape, dtype=dtype)
+        return torch.zeros(shape, dtype=dtype), memory.shared
     # A bytes view of the memory that keeps it alive: torch.frombuffer holds a reference to
     # its buffer for as long as the tensor (or a view of it) lives.
     raw = type("SharedBytes", (ctypes.c_char * memory.nbytes,), {}).from_address(memory.address)
     raw.memory = memory
-    return torch.frombuffer(raw, dtype=torch.uint8).view(dtype).view(shape)
+    return torch.frombuffer(raw, dtype=torch.uint8).view(dtype).view(shape), memory.shared
 
 
 def allreduce_async_(tensor, name=None, op=Average):

@@ -1,6 +1,11 @@
 """Horovod's ``DistributedOptimizer`` on the ringwatch runtime: every gradient is allreduced
 as soon as backward produces it (a hook on its accumulator), so the runtime's cycle time and
-tensor fusion shape a training step exactly as they do Horovod's."""
+tensor fusion shape a training step exactly as they do Horovod's.
+
+Where the ranks of a host share memory, CPU gradients above 64 KiB are moved into shared
+tensors (:func:`ringwatch.torch.shared_zeros`) after the first step and kept there:
+``zero_grad`` zeroes them in place and backward accumulates into them, so their allreduces
+fold in place across the ranks instead of being staged (the same bits either way)."""
 
 import collections
 import contextlib
@@ -11,11 +16,16 @@ import torch
 import ringwatch.torch as rw
 
 
+#: Gradients larger than this many bytes go into shared memory (smaller ones are reduced in
+#: one shot, or packed with others, either way through the segment's slots).
+SHARED_GRADIENT_MIN_BYTES = 64 << 10
+
+
 class _DistributedOptimizer(torch.optim.Optimizer):
     """Mixed into the wrapped optimizer's own class (see :func:`DistributedOptimizer`), so
     that ``isinstance`` checks, LR schedulers and ``state_dict`` keep working."""
 
-    def __init__(self, params, named_parameters, op, backward_passes_per_step):
+    def __init__(self, params, named_parameters, op, backward_passes_per_step, shared_gradients):
         super(self.__class__, self).__init__(params)
         if backward_passes_per_step < 1:
             raise ValueError(
@@ -46,6 +56,9 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         self._rw_handles = {}
         self._rw_synchronized = False
         self._rw_grad_accs = []
+        # id(p) -> the shared tensor that holds p's gradient from the second step on.
+        self._rw_shared = {}
+        self._rw_sharing = bool(shared_gradients) and rw.size() > 1
         if rw.size() > 1:
             self._rw_register_hooks()
 
@@ -93,9 +106,33 @@ class _DistributedOptimizer(torch.optim.Optimizer):
                 rw.synchronize(handle)
                 if buf is not p.grad:
                     p.grad.copy_(buf)
+                self._rw_share(p)
             for p in self._rw_params:
                 self._rw_delay[id(p)] = self._rw_passes
         self._rw_synchronized = True
+
+    def _rw_share(self, p):
+        """Moves ``p``'s gradient into shared memory for the steps to come (where it stays:
+        see ``zero_grad``), if it is a CPU gradient large enough and this host's ranks
+        share memory; the values do not change."""
+        grad = p.grad
+        if not self._rw_sharing or grad is None or grad.device.type != "cpu":
+            return
+        if grad.numel() * grad.element_size() <= SHARED_GRADIENT_MIN_BYTES:
+            return
+        shared = self._rw_shared.get(id(p))
+        if shared is None:
+            if grad.dtype not in rw._DTYPES:
+                return
+            shared, is_shared = rw._shared_zeros(list(grad.shape), grad.dtype)
+            if not is_shared:
+                # No rank shares this host's memory: nothing to gain, stop trying.
+                self._rw_sharing = False
+                return
+            self._rw_shared[id(p)] = shared
+        if grad.data_ptr() != shared.data_ptr():
+            shared.copy_(grad)
+            p.grad = shared
 
     @contextlib.contextmanager
     def skip_synchronize(self):
@@ -116,15 +153,34 @@ class _DistributedOptimizer(torch.optim.Optimizer):
                 "zero_grad() while gradients are being allreduced: call step() or "
                 "synchronize() first"
             )
-        return super(self.__class__, self).zero_grad(*args, **kwargs)
+        # Shared gradients stay where they are, zeroed (even with set_to_none): backward
+        # then accumulates into them in place. Every parameter gets a gradient at every
+        # step anyway (an unused one counts as zero, as in Horovod).
+        kept = [
+            (p, p.grad)
+            for p in self._rw_params
+            if p.grad is not None
+            and id(p) in self._rw_shared
+            and p.grad.data_ptr() == self._rw_shared[id(p)].data_ptr()
+        ]
+        result = super(self.__class__, self).zero_grad(*args, **kwargs)
+        for p, grad in kept:
+            if p.grad is None:
+                grad.zero_()
+                p.grad = grad
+        return result
 
 
-def DistributedOptimizer(optimizer, named_parameters=None, op=None, backward_passes_per_step=1):
+def DistributedOptimizer(
+    optimizer, named_parameters=None, op=None, backward_passes_per_step=1, shared_gradients=True
+):
     """Wraps ``optimizer`` so that gradients are averaged over all ranks (``op``, default
     ``rw.Average``) while backward runs; ``step()`` waits for them, then steps. Pass
     ``named_parameters=model.named_parameters()`` so that tensors carry their names (in the
     timeline and the agent's view). With ``backward_passes_per_step=N`` gradients of N
-    backward passes are summed locally before one allreduce."""
+    backward passes are summed locally before one allreduce. With ``shared_gradients``
+    (default) CPU gradients above 64 KiB live in memory the host's ranks share from the
+    second step on, and ``zero_grad`` zeroes them in place rather than dropping them."""
     if not isinstance(optimizer, torch.optim.Optimizer):
         raise TypeError(f"expected a torch.optim.Optimizer, got {type(optimizer).__name__}")
     cls = type(
@@ -137,6 +193,7 @@ def DistributedOptimizer(optimizer, named_parameters=None, op=None, backward_pas
         named_parameters,
         rw.Average if op is None else op,
         backward_passes_per_step,
+        shared_gradients,
     )
 
 
