@@ -49,6 +49,9 @@ def parse_args():
                         "on GPU LOCAL_RANK modulo the GPUs it sees. ringwatch then allreduces "
                         "the gradients on the GPU: through NCCL where every rank has a GPU of "
                         "its own, else staged through host memory")
+    p.add_argument("--shared-gradients", choices=["on", "off"], default="on",
+                   help="ringwatch: keep CPU gradients above 64 KiB in memory the host's ranks "
+                        "share, where their allreduce folds in place (default on)")
     p.add_argument("--threads", type=int, default=1, help="torch threads per process (default 1)")
     p.add_argument("--horovod-rendezvous", metavar="NODESxRANKS", default=None,
                    help="serve Horovod's gloo rendezvous for the ranks (what horovodrun would)")
@@ -141,7 +144,11 @@ class Backend:
     def wrap(self, model, opt):
         if self.name == "ringwatch":
             self.rw.broadcast_parameters(model.state_dict(), root_rank=0)
-            opt = self.rw.DistributedOptimizer(opt, named_parameters=model.named_parameters())
+            opt = self.rw.DistributedOptimizer(
+                opt,
+                named_parameters=model.named_parameters(),
+                shared_gradients=self.shared_gradients,
+            )
         elif self.name == "horovod":
             self.hvd.broadcast_parameters(model.state_dict(), root_rank=0)
             opt = self.hvd.DistributedOptimizer(opt, named_parameters=model.named_parameters())
@@ -215,6 +222,7 @@ def main():
     device = torch.device(args.device, torch.cuda.current_device()) if args.device == "cuda" \
         else torch.device("cpu")
     be = Backend(args.backend, args.world)
+    be.shared_gradients = args.shared_gradients == "on"
     torch.manual_seed(args.seed)
     build = getattr(torchvision.models, args.model)
     model = build(num_classes=args.classes, norm_layer=lambda c: torch.nn.GroupNorm(32, c))
