@@ -51,6 +51,10 @@ struct Cli {
     /// which adds two clock reads to every program run.
     #[arg(long)]
     bpf_stats: bool,
+    /// collbench: the job's gradients in memory its ranks share (collbench resnet50
+    /// --shared-tensors), as a PyTorch job's DistributedOptimizer keeps them.
+    #[arg(long)]
+    shared_gradients: bool,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
@@ -265,7 +269,8 @@ fn one_collbench_run(
     let mut command = Command::new(&sib.collbench);
     command
         .args(["-n", &cli.ranks.to_string(), "--json", "resnet50"])
-        .args(["--steps", &cli.steps.to_string(), "--warmup", "2"]);
+        .args(["--steps", &cli.steps.to_string(), "--warmup", "2"])
+        .args(cli.shared_gradients.then_some("--shared-tensors"));
     if ![Some(JOB_CONNECTED), Some(JOB_TIMELINE), Some(SERVE)].contains(&watched) {
         // The probes alone: no socket for the agent to connect to.
         command.env("RINGWATCH_CONTROL_SOCKET", "0");

@@ -10,6 +10,7 @@ fold in place across the ranks instead of being staged (the same bits either way
 import collections
 import contextlib
 import io
+import warnings
 
 import torch
 
@@ -58,6 +59,9 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         self._rw_grad_accs = []
         # id(p) -> the shared tensor that holds p's gradient from the second step on.
         self._rw_shared = {}
+        # id(p) -> how often p's gradient had to be moved in: a gradient that something
+        # else (model.zero_grad(set_to_none=True)) replaces at every step is left alone.
+        self._rw_moves = collections.Counter()
         self._rw_sharing = bool(shared_gradients) and rw.size() > 1
         if rw.size() > 1:
             self._rw_register_hooks()
@@ -120,17 +124,30 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             return
         if grad.numel() * grad.element_size() <= SHARED_GRADIENT_MIN_BYTES:
             return
+        if self._rw_moves[id(p)] > 2:
+            return  # given up on (below)
         shared = self._rw_shared.get(id(p))
         if shared is None:
             if grad.dtype not in rw._DTYPES:
                 return
-            shared, is_shared = rw._shared_zeros(list(grad.shape), grad.dtype)
+            try:
+                shared, is_shared = rw._shared_zeros(list(grad.shape), grad.dtype)
+            except (ValueError, rw.RingwatchError) as e:
+                # /dev/shm too small (a container's default is 64 MiB): private it is.
+                warnings.warn(f"ringwatch: gradients stay private: {e}", RuntimeWarning)
+                self._rw_sharing = False
+                return
             if not is_shared:
                 # No rank shares this host's memory: nothing to gain, stop trying.
                 self._rw_sharing = False
                 return
             self._rw_shared[id(p)] = shared
         if grad.data_ptr() != shared.data_ptr():
+            self._rw_moves[id(p)] += 1
+            if self._rw_moves[id(p)] > 2:
+                # Replaced again since: a copy every step would cost what sharing saves.
+                del self._rw_shared[id(p)]
+                return
             shared.copy_(grad)
             p.grad = shared
 
