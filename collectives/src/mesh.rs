@@ -17,8 +17,8 @@ use serde::{Deserialize, Serialize};
 
 use crate::error::{CollectiveError, Result};
 use crate::shm::{
-    Incoming, Outgoing, SHM_DIR, ShmGroup, create_segment, free_bytes, map_segment, ring_bytes_for,
-    valid_ring_bytes,
+    Incoming, Outgoing, SHM_DIR, ShmGroup, arena_bytes_for, create_segment, free_bytes,
+    map_segment, ring_bytes_for, valid_ring_bytes,
 };
 use crate::transport::{
     CHUNK_BYTES, MAX_FRAME_BYTES, TcpTransport, Transport, recv_frame, send_frame,
@@ -30,6 +30,8 @@ enum Offer {
         path: String,
         nonce: u64,
         ring_bytes: usize,
+        /// Each member's arena of shared tensors.
+        arena_bytes: usize,
     },
     Declined {
         reason: String,
@@ -126,13 +128,16 @@ impl HostTransport {
         let segment = if enabled {
             let free =
                 free_bytes(Path::new(SHM_DIR)).map_err(|e| format!("cannot use {SHM_DIR}: {e}"));
-            let ring = free.and_then(|free| {
-                ring_bytes_for(m, free)
-                    .ok_or_else(|| format!("{SHM_DIR} has only {} MiB free", free >> 20))
+            let sizes = free.and_then(|free| {
+                let ring = ring_bytes_for(m, free)
+                    .ok_or_else(|| format!("{SHM_DIR} has only {} MiB free", free >> 20))?;
+                // The arenas get what the rings and slots leave.
+                let staged = ((m * m + 2 * m) * ring) as u64;
+                Ok((ring, arena_bytes_for(m, free.saturating_sub(staged))))
             });
-            ring.and_then(|ring| {
-                create_segment(Path::new(SHM_DIR), job_id, m, ring)
-                    .map(|seg| (seg, ring))
+            sizes.and_then(|(ring, arena)| {
+                create_segment(Path::new(SHM_DIR), job_id, m, ring, arena)
+                    .map(|seg| (seg, ring, arena))
                     .map_err(|e| {
                         format!(
                             "cannot create a {} MiB segment in {SHM_DIR}: {e}",
@@ -144,13 +149,22 @@ impl HostTransport {
             Err(format!("RINGWATCH_SHM=0 on rank {}", tcp.rank()))
         };
         let (offer, mapped) = match &segment {
-            Ok((seg, ring)) => (
+            Ok((seg, ring, arena)) => (
                 Offer::Segment {
                     path: seg.path().display().to_string(),
                     nonce: seg.nonce(),
                     ring_bytes: *ring,
+                    arena_bytes: *arena,
                 },
-                map_segment(seg.path(), seg.nonce(), group, 0, *ring, tcp.timeout()),
+                map_segment(
+                    seg.path(),
+                    seg.nonce(),
+                    group,
+                    0,
+                    *ring,
+                    *arena,
+                    tcp.timeout(),
+                ),
             ),
             Err(reason) => (
                 Offer::Declined {
@@ -200,13 +214,14 @@ impl HostTransport {
     fn join(tcp: &TcpTransport, group: &[usize], enabled: bool) -> Result<Option<ShmGroup>> {
         let rank = tcp.rank();
         let leader = group[0];
-        let (path, nonce, ring_bytes) = match recv_json::<Offer>(tcp, leader)? {
+        let (path, nonce, ring_bytes, arena_bytes) = match recv_json::<Offer>(tcp, leader)? {
             Offer::Declined { .. } => return Ok(None),
             Offer::Segment {
                 path,
                 nonce,
                 ring_bytes,
-            } => (path, nonce, ring_bytes),
+                arena_bytes,
+            } => (path, nonce, ring_bytes, arena_bytes),
         };
         let me = group
             .iter()
@@ -218,6 +233,10 @@ impl HostTransport {
             Err(format!(
                 "rings of {ring_bytes} bytes offered: not a size this build uses"
             ))
+        } else if arena_bytes > crate::shm::ARENA_BYTES {
+            Err(format!(
+                "arenas of {arena_bytes} bytes offered: more than this build maps"
+            ))
         } else {
             map_segment(
                 Path::new(&path),
@@ -225,6 +244,7 @@ impl HostTransport {
                 group,
                 me,
                 ring_bytes,
+                arena_bytes,
                 tcp.timeout(),
             )
         };

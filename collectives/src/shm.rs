@@ -110,10 +110,19 @@ pub const MAX_POST_BYTES: usize = POST_BYTES - POST_HEADER;
 /// inputs went into the slot (1 byte) and their length (8).
 pub const EARLY_TRAILER_BYTES: usize = 9;
 
-/// Address space each member's arena of shared tensors takes in the segment
-/// ([`ShmGroup::alloc_shared`]). Sparse: memory is taken only by what is allocated, and
-/// given back when it is freed.
+/// Most address space each member's arena of shared tensors takes in the segment
+/// ([`ShmGroup::alloc_shared`]; see [`arena_bytes_for`]). Sparse: memory is taken only by
+/// what is allocated, and given back when it is freed.
 pub const ARENA_BYTES: usize = 16 << 30;
+
+/// Each member's arena for `members` ranks when `free_bytes` of the segment's directory
+/// are free besides the segment's rings and slots: its share of that, at most
+/// [`ARENA_BYTES`], in whole pages. No arena could ever hold more than the directory has
+/// (a container's `/dev/shm` is often 64 MiB), and a smaller one maps less address space.
+pub fn arena_bytes_for(members: usize, free_bytes: u64) -> usize {
+    let share = usize::try_from(free_bytes / members.max(1) as u64).unwrap_or(usize::MAX);
+    share.min(ARENA_BYTES) / PAGE * PAGE
+}
 
 /// Shared tensors' allocations are whole pages (so freeing one gives its pages back
 /// without touching a neighbour).
@@ -1803,11 +1812,12 @@ pub fn create_segment(
     job_id: &str,
     members: usize,
     ring_bytes: usize,
+    arena_bytes: usize,
 ) -> std::io::Result<SegmentFile> {
     let layout = Layout {
         members,
         ring_bytes,
-        arena_bytes: ARENA_BYTES,
+        arena_bytes: arena_bytes / PAGE * PAGE,
     };
     remove_orphans(dir);
     let nonce = random_nonce();
@@ -1855,7 +1865,7 @@ pub fn create_segment(
     header.nonce.store(nonce, Ordering::Relaxed);
     header
         .arena_bytes
-        .store(ARENA_BYTES as u64, Ordering::Relaxed);
+        .store(layout.arena_bytes as u64, Ordering::Relaxed);
     header.magic.store(SEGMENT_MAGIC, Ordering::Release);
     Ok(segment)
 }
@@ -1872,19 +1882,21 @@ impl SegmentFile {
 }
 
 /// Maps the segment at `path` as member `me` of `ranks`, checking that it is the one
-/// announced (`nonce`) and laid out as expected.
+/// announced (`nonce`) and laid out as expected (rings of `ring_bytes`, arenas of
+/// `arena_bytes`).
 pub fn map_segment(
     path: &std::path::Path,
     nonce: u64,
     ranks: &[usize],
     me: usize,
     ring_bytes: usize,
+    arena_bytes: usize,
     timeout: Duration,
 ) -> std::result::Result<ShmGroup, String> {
     let layout = Layout {
         members: ranks.len(),
         ring_bytes,
-        arena_bytes: ARENA_BYTES,
+        arena_bytes: arena_bytes / PAGE * PAGE,
     };
     let file = OpenOptions::new()
         .read(true)
@@ -1950,14 +1962,32 @@ mod tests {
 
     fn group(n: usize, ring_bytes: usize, timeout: Duration) -> (SegmentFile, Vec<ShmGroup>) {
         let dir = std::env::temp_dir();
-        let seg = create_segment(&dir, "unit", n, ring_bytes).unwrap();
+        let seg = create_segment(&dir, "unit", n, ring_bytes, 64 << 20).unwrap();
         let ranks: Vec<usize> = (10..10 + n).collect();
         let groups = (0..n)
             .map(|me| {
-                map_segment(seg.path(), seg.nonce(), &ranks, me, ring_bytes, timeout).unwrap()
+                map_segment(
+                    seg.path(),
+                    seg.nonce(),
+                    &ranks,
+                    me,
+                    ring_bytes,
+                    64 << 20,
+                    timeout,
+                )
+                .unwrap()
             })
             .collect();
         (seg, groups)
+    }
+
+    #[test]
+    fn an_arena_is_its_share_of_the_free_memory_up_to_the_cap() {
+        // A container's 64 MiB /dev/shm for 4 ranks: 16 MiB each, whole pages.
+        assert_eq!(arena_bytes_for(4, 64 << 20), 16 << 20);
+        assert_eq!(arena_bytes_for(3, 64 << 20) % PAGE, 0);
+        assert_eq!(arena_bytes_for(2, 1 << 40), ARENA_BYTES);
+        assert_eq!(arena_bytes_for(2, 100), 0);
     }
 
     #[test]
@@ -2354,7 +2384,7 @@ mod tests {
             creator_pid("ringwatch-job-a-99999999-00000000deadbeef"),
             Some(99_999_999)
         );
-        let seg = create_segment(&dir, "job", 2, MIN_RING_BYTES).unwrap();
+        let seg = create_segment(&dir, "job", 2, MIN_RING_BYTES, 0).unwrap();
         assert!(!dead.exists());
         assert!(alive.exists() && unrelated.exists() && seg.path().exists());
         drop(seg);
@@ -2450,13 +2480,14 @@ mod tests {
 
     #[test]
     fn a_segment_that_is_not_the_announced_one_is_refused() {
-        let seg = create_segment(&std::env::temp_dir(), "unit", 2, 4096).unwrap();
+        let seg = create_segment(&std::env::temp_dir(), "unit", 2, 4096, PAGE).unwrap();
         let err = map_segment(
             seg.path(),
             seg.nonce() ^ 2,
             &[0, 1],
             1,
             4096,
+            PAGE,
             Duration::from_secs(1),
         )
         .unwrap_err();
@@ -2467,6 +2498,19 @@ mod tests {
             &[0, 1, 2],
             1,
             4096,
+            PAGE,
+            Duration::from_secs(1),
+        )
+        .unwrap_err();
+        assert!(err.contains("expected"), "{err}");
+        // Arenas of another size than announced: refused too.
+        let err = map_segment(
+            seg.path(),
+            seg.nonce(),
+            &[0, 1],
+            1,
+            4096,
+            2 * PAGE,
             Duration::from_secs(1),
         )
         .unwrap_err();

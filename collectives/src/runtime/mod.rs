@@ -828,8 +828,9 @@ impl Runtime {
     /// [`Tensor::as_bytes`]; hand it to [`Self::allreduce`] and use the tensor it returns
     /// (the same memory). Its memory is given back when it is dropped. Where this rank
     /// shares no memory with others (one rank per host, `RINGWATCH_SHM=0`) it is an
-    /// ordinary tensor, and where this rank's arena (16 GiB of address space) is full too,
-    /// with a warning.
+    /// ordinary tensor, and where this rank's arena (its share of `/dev/shm`'s free space
+    /// at start, at most 16 GiB) is full too, with a warning. An error where `/dev/shm`
+    /// has no room for its pages now.
     pub fn shared_tensor(&self, dtype: crate::DType, shape: &[usize]) -> Result<Tensor> {
         let invalid = |message: String| CollectiveError::InvalidTensor {
             rank: self.shared.rank,
