@@ -10,6 +10,17 @@ use std::time::{Duration, Instant};
 
 const BIN: &str = env!("CARGO_BIN_EXE_collbench");
 
+/// The machine, shared by the tests that run jobs side by side; the one that counts the
+/// cycle thread's sleeps has it alone (other jobs' load wakes a job's threads: a CI run
+/// saw 205 sleeps against a bound of 170 while another test's 4-rank sweeps ran).
+static MACHINE: std::sync::RwLock<()> = std::sync::RwLock::new(());
+
+fn share_the_machine() -> std::sync::RwLockReadGuard<'static, ()> {
+    MACHINE
+        .read()
+        .unwrap_or_else(std::sync::PoisonError::into_inner)
+}
+
 fn wait_with_limit(child: &mut Child, limit: Duration) -> Option<std::process::ExitStatus> {
     let deadline = Instant::now() + limit;
     loop {
@@ -27,6 +38,7 @@ fn wait_with_limit(child: &mut Child, limit: Duration) -> Option<std::process::E
 
 #[test]
 fn launcher_runs_a_checked_sweep_on_three_processes() {
+    let _machine = share_the_machine();
     let mut child = Command::new(BIN)
         .args([
             "sweep",
@@ -93,6 +105,7 @@ fn checked_sweep(args: &[&str], env: &[(&str, &str)]) -> serde_json::Value {
 
 #[test]
 fn shared_memory_within_pretend_nodes_tcp_between_and_tcp_only_all_check_out() {
+    let _machine = share_the_machine();
     // Sizes from 4 B to 16 MiB: past the 2 MiB shared-memory rings and the socket buffers.
     let sizes = ["--min-bytes", "4", "--max-bytes", "16M"];
     let peers = |v: &serde_json::Value| v["shared_memory_peers"].clone();
@@ -140,6 +153,7 @@ fn shared_memory_within_pretend_nodes_tcp_between_and_tcp_only_all_check_out() {
 
 #[test]
 fn shared_tensors_check_out_on_one_host_across_pretend_nodes_and_over_tcp() {
+    let _machine = share_the_machine();
     // Through the launcher, as a job runs them: on one host every allreduce above 64 KiB
     // folds the ranks' tensors in place; across pretend nodes and over TCP they are
     // ordinary tensors to the schedule. Every row's first call is checked exactly.
@@ -162,6 +176,9 @@ fn shared_tensors_check_out_on_one_host_across_pretend_nodes_and_over_tcp() {
 
 #[test]
 fn blocking_calls_in_a_loop_run_their_own_cycles_and_leave_the_cycle_thread_asleep() {
+    let _alone = MACHINE
+        .write()
+        .unwrap_or_else(std::sync::PoisonError::into_inner);
     // Two ranks, 3000 blocking 4 KiB allreduces. Each caller runs its own cycles; the
     // background thread wakes on its timer (the default cycle time, 1 ms) and goes
     // back to sleep. It used to wake on every cycle's end in some runs (blocked on the
@@ -197,6 +214,7 @@ fn blocking_calls_in_a_loop_run_their_own_cycles_and_leave_the_cycle_thread_asle
 
 #[test]
 fn a_killed_rank_makes_the_others_fail_within_the_timeout() {
+    let _machine = share_the_machine();
     let n = 3;
     let port = std::net::TcpListener::bind("127.0.0.1:0")
         .unwrap()
@@ -247,6 +265,7 @@ fn a_killed_rank_makes_the_others_fail_within_the_timeout() {
 
 #[test]
 fn an_agent_sees_a_running_job_through_its_control_socket() {
+    let _machine = share_the_machine();
     use collectives::control::{ControlClient, KnobUpdate, ServerMessage, socket_path};
     let dir = std::env::temp_dir().join(format!("rw-proc-{}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();
@@ -355,6 +374,7 @@ fn resnet50_negotiation(n: usize, cache_capacity: &str) -> serde_json::Value {
 
 #[test]
 fn the_response_cache_sends_resnet50_steps_as_bits() {
+    let _machine = share_the_machine();
     let n = 3;
     let by_name = resnet50_negotiation(n, "0");
     let cached = resnet50_negotiation(n, "1024");
@@ -452,6 +472,7 @@ fn launched_and_stepping(tag: &str) -> (std::path::PathBuf, std::path::PathBuf, 
 
 #[test]
 fn sigterm_to_the_launcher_stops_every_rank_and_removes_the_control_socket() {
+    let _machine = share_the_machine();
     let (dir, path, mut launcher, pids) = launched_and_stepping("sigterm");
     let _guard = KillOnDrop(pids.clone());
     assert_eq!(pids.len(), 3);
@@ -471,6 +492,7 @@ fn sigterm_to_the_launcher_stops_every_rank_and_removes_the_control_socket() {
 
 #[test]
 fn a_launcher_killed_with_sigkill_takes_its_ranks_with_it() {
+    let _machine = share_the_machine();
     let (dir, path, mut launcher, pids) = launched_and_stepping("sigterm");
     let _guard = KillOnDrop(pids.clone());
     launcher.kill().unwrap();
@@ -548,6 +570,7 @@ fn errors_after_stopping(
 
 #[test]
 fn a_stopped_rank_is_named_by_every_other_rank() {
+    let _machine = share_the_machine();
     // One host of 4, rank 2 stopped: its ring neighbours and rank 0 see different things
     // (a silent peer, an aborted link), yet all must name rank 2.
     for (rank, line) in errors_after_stopping(4, 4, 2, &[]) {
@@ -568,6 +591,7 @@ fn a_stopped_rank_is_named_by_every_other_rank() {
 
 #[test]
 fn a_stopped_rank_0_is_named_by_every_other_rank() {
+    let _machine = share_the_machine();
     for (rank, line) in errors_after_stopping(3, 3, 0, &[]) {
         assert!(
             line.contains("rank 0 stopped answering"),
@@ -623,6 +647,7 @@ fn thread_names(pid: u32) -> Vec<String> {
 
 #[test]
 fn control_clients_that_never_read_are_refused_past_the_limit_and_closed_while_the_job_steps() {
+    let _machine = share_the_machine();
     use collectives::control::{ClientMessage, ControlClient, ServerMessage, write_message};
     use std::io::{BufRead, Read};
     // The server's limits (collectives::runtime::server): clients at once, queued bytes per
