@@ -452,6 +452,10 @@ impl Transport for HostTransport {
         }
     }
 
+    fn in_place_allreduces(&self) -> u64 {
+        self.shm.as_ref().map_or(0, ShmGroup::in_place_allreduces)
+    }
+
     fn native_allreduce(
         &self,
         ranks: &[usize],

@@ -246,6 +246,8 @@ pub struct ShmGroup {
     file: Arc<File>,
     /// What is free in this member's arena.
     arena: Arc<Mutex<ArenaFree>>,
+    /// Allreduces this member folded in place from shared tensors ([`Self::arena_fold`]).
+    in_place: AtomicU64,
     layout: Layout,
     /// Global rank of each member, in member order.
     ranks: Vec<usize>,
@@ -919,12 +921,18 @@ impl ShmGroup {
             }
             start = r.end;
         }
+        self.in_place.fetch_add(1, Ordering::Relaxed);
         let me = self.flags(self.me);
         me.reduced.store(g + 1, Ordering::Release);
         // No slot was used: the chunk's slot is free for the next one at once.
         me.consumed.store(g + 1, Ordering::Release);
         self.notify_all(members);
         self.wait_for_all(members, |f| f.reduced.load(Ordering::Acquire) > g, patience)
+    }
+
+    /// How many allreduces this member folded in place from shared tensors.
+    pub fn in_place_allreduces(&self) -> u64 {
+        self.in_place.load(Ordering::Relaxed)
     }
 
     /// `len` zeroed bytes in this member's arena, for a tensor that the members can
@@ -1922,6 +1930,7 @@ pub fn map_segment(
         map: Arc::new(map),
         file: Arc::new(file),
         arena: Arc::new(Mutex::new(ArenaFree::new(layout.arena_bytes))),
+        in_place: AtomicU64::new(0),
         layout,
         ranks: ranks.to_vec(),
         active: vec![true; ranks.len()],

@@ -93,6 +93,12 @@ pub trait Transport: Send + Sync {
         Ok(None)
     }
 
+    /// How many of [`Transport::native_allreduce`]'s calls reduced shared tensors in place
+    /// (every rank passed memory from [`Transport::alloc_shared`]).
+    fn in_place_allreduces(&self) -> u64 {
+        0
+    }
+
     /// Allreduce of `buf` among `ranks` done by the transport itself, when it has a native
     /// way for exactly these ranks (all in one shared-memory segment); `None`: run a
     /// schedule. It must give the bits a ring reduce-scatter then allgather over

@@ -159,19 +159,28 @@ fn shared_tensors_check_out_on_one_host_across_pretend_nodes_and_over_tcp() {
     // ordinary tensors to the schedule. Every row's first call is checked exactly.
     let sizes = ["--min-bytes", "4", "--max-bytes", "16M", "--shared-tensors"];
     let peers = |v: &serde_json::Value| v["shared_memory_peers"].clone();
+    let in_place = |v: &serde_json::Value| v["in_place_allreduces"].as_u64().unwrap();
     let v = checked_sweep(&[&["-n", "3"], &sizes[..]].concat(), &[]);
     assert_eq!(peers(&v), serde_json::json!([1, 2]));
     assert_eq!(v["shared_tensors"], true);
+    // 4 B to 16 MiB by 8: 128 KiB, 1 MiB and 8 MiB fold in place, 3 calls each (the
+    // checked one, then --iters 2); the smaller ones go in one shot.
+    assert_eq!(in_place(&v), 3 * 3, "{v}");
     let v = checked_sweep(
         &[&["-n", "4", "--local-size", "2"], &sizes[..]].concat(),
         &[],
     );
     assert_eq!(peers(&v), serde_json::json!([1]));
+    assert_eq!(in_place(&v), 0, "{v}");
     let v = checked_sweep(
         &[&["-n", "2"], &sizes[..]].concat(),
         &[("RINGWATCH_SHM", "0")],
     );
     assert_eq!(peers(&v), serde_json::json!([]));
+    assert_eq!(in_place(&v), 0, "{v}");
+    // Ordinary tensors on one host: staged, never in place.
+    let v = checked_sweep(&["-n", "2", "--min-bytes", "1M", "--max-bytes", "1M"], &[]);
+    assert_eq!(in_place(&v), 0, "{v}");
 }
 
 #[test]

@@ -259,6 +259,10 @@ struct CollbenchSweep {
     /// transport (absent from one that has only TCP).
     #[serde(default)]
     shared_memory_peers: Option<serde_json::Value>,
+    /// Allreduces rank 0 folded in place from shared tensors (absent from an
+    /// older collbench).
+    #[serde(default)]
+    in_place_allreduces: Option<u64>,
     rows: Vec<CollbenchRow>,
 }
 
@@ -507,6 +511,23 @@ impl Setup {
                             "collbench ran {} ranks, asked for {}",
                             sweep.world_size,
                             self.ranks
+                        );
+                    }
+                    // ours-shared must have taken the path it is named for wherever
+                    // it can: every rank on shared memory, above the one-shot size.
+                    let all_shared = sweep
+                        .shared_memory_peers
+                        .as_ref()
+                        .and_then(|p| p.as_array())
+                        .is_some_and(|p| p.len() + 1 == self.ranks);
+                    if contender == Contender::OursShared
+                        && all_shared
+                        && size.bytes > OURS_ONE_SHOT_MAX_BYTES
+                        && sweep.in_place_allreduces == Some(0)
+                    {
+                        bail!(
+                            "ours-shared at {} was staged, not folded in place (collbench: {json})",
+                            human(size.bytes)
                         );
                     }
                     let lines: Vec<ResultLine> = sweep

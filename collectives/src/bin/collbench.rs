@@ -582,6 +582,7 @@ fn sweep(
                     "knobs": knobs,
                     "shared_memory_peers": rt.shared_memory_peers(),
                     "shared_tensors": shared_tensors,
+                    "in_place_allreduces": rt.totals().in_place_allreduces,
                     "cycles": rt.totals().cycles,
                     "settled_cycles": rt.totals().settled_cycles,
                     "quick_cycles": rt.totals().quick_cycles,

@@ -395,6 +395,9 @@ pub struct Totals {
     pub nccl_allreduces: u64,
     /// Fused buffers of GPU tensors staged through pinned host memory into the rings.
     pub staged_allreduces: u64,
+    /// Allreduces (slices of at most 8 MiB) of shared tensors folded in place across the
+    /// host's ranks ([`Runtime::shared_tensor`]); the rest were staged through the segment.
+    pub in_place_allreduces: u64,
 }
 
 /// One rank of a collective job.
@@ -689,6 +692,7 @@ impl Runtime {
             quick_cycles: self.shared.quick_cycles.load(Ordering::Relaxed),
             nccl_allreduces: self.shared.nccl_allreduces.load(Ordering::Relaxed),
             staged_allreduces: self.shared.staged_allreduces.load(Ordering::Relaxed),
+            in_place_allreduces: self.transport.in_place_allreduces(),
         }
     }
 
