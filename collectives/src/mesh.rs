@@ -18,7 +18,7 @@ use serde::{Deserialize, Serialize};
 use crate::error::{CollectiveError, Result};
 use crate::shm::{
     Incoming, Outgoing, SHM_DIR, ShmGroup, arena_bytes_for, create_segment, free_bytes,
-    map_segment, ring_bytes_for, valid_ring_bytes,
+    map_segment, ring_bytes_for, staging_bytes, valid_ring_bytes,
 };
 use crate::transport::{
     CHUNK_BYTES, MAX_FRAME_BYTES, TcpTransport, Transport, recv_frame, send_frame,
@@ -132,7 +132,7 @@ impl HostTransport {
                 let ring = ring_bytes_for(m, free)
                     .ok_or_else(|| format!("{SHM_DIR} has only {} MiB free", free >> 20))?;
                 // The arenas get what the rings and slots leave.
-                let staged = ((m * m + 2 * m) * ring) as u64;
+                let staged = staging_bytes(m, ring);
                 Ok((ring, arena_bytes_for(m, free.saturating_sub(staged))))
             });
             sizes.and_then(|(ring, arena)| {

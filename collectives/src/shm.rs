@@ -124,6 +124,17 @@ pub fn arena_bytes_for(members: usize, free_bytes: u64) -> usize {
     share.min(ARENA_BYTES) / PAGE * PAGE
 }
 
+/// Bytes of a segment for `members` ranks with rings of `ring_bytes` before its arenas:
+/// control lines, posts, rings and slots.
+pub fn staging_bytes(members: usize, ring_bytes: usize) -> u64 {
+    let layout = Layout {
+        members,
+        ring_bytes,
+        arena_bytes: 0,
+    };
+    layout.total() as u64
+}
+
 /// Shared tensors' allocations are whole pages (so freeing one gives its pages back
 /// without touching a neighbour).
 const ARENA_GRANULE: usize = PAGE;
@@ -761,16 +772,16 @@ impl ShmGroup {
             }
             self.written_barrier(members, g, &mut patience)?;
             if round == 0 {
-                let offers: Members = members
+                let offers: smallvec::SmallVec<[Option<usize>; 16]> = members
                     .iter()
-                    .filter_map(|&m| self.offered(m, g, buf.len()))
+                    .map(|&m| self.offered(m, g, buf.len()))
                     .collect();
-                if offers.len() == n {
+                if let Some(at) = offers.iter().copied().collect::<Option<Members>>() {
                     return self.arena_fold(
                         members,
                         p,
                         g,
-                        &offers,
+                        &at,
                         buf,
                         segments,
                         combine,
@@ -785,8 +796,9 @@ impl ShmGroup {
                 }
                 let late: Members = members
                     .iter()
-                    .copied()
-                    .filter(|&m| m != self.me && self.offered(m, g, buf.len()).is_some())
+                    .zip(&offers)
+                    .filter(|&(&m, offer)| m != self.me && offer.is_some())
+                    .map(|(&m, _)| m)
                     .collect();
                 self.wait_for_members(
                     &late,
@@ -1838,21 +1850,7 @@ pub fn create_segment(
         .open(&path)?;
     let segment = SegmentFile { path, file, nonce };
     segment.file.set_len(layout.total() as u64)?;
-    let reserve = |offset: usize, len: usize| -> std::io::Result<()> {
-        // SAFETY: a plain syscall on our open file.
-        let rc = unsafe {
-            libc::posix_fallocate(
-                segment.file.as_raw_fd(),
-                offset as libc::off_t,
-                len as libc::off_t,
-            )
-        };
-        if rc == 0 {
-            Ok(())
-        } else {
-            Err(std::io::Error::from_raw_os_error(rc))
-        }
-    };
+    let reserve = |offset: usize, len: usize| fallocate(&segment.file, 0, offset, len);
     reserve(0, layout.data_start())?;
     for src in 0..members {
         for dst in (0..members).filter(|&d| d != src) {

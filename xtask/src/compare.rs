@@ -515,13 +515,8 @@ impl Setup {
                     }
                     // ours-shared must have taken the path it is named for wherever
                     // it can: every rank on shared memory, above the one-shot size.
-                    let all_shared = sweep
-                        .shared_memory_peers
-                        .as_ref()
-                        .and_then(|p| p.as_array())
-                        .is_some_and(|p| p.len() + 1 == self.ranks);
                     if contender == Contender::OursShared
-                        && all_shared
+                        && all_ranks_share_memory(sweep.shared_memory_peers.as_ref(), self.ranks)
                         && size.bytes > OURS_ONE_SHOT_MAX_BYTES
                         && sweep.in_place_allreduces == Some(0)
                     {
@@ -701,6 +696,14 @@ struct OursRuntime {
     /// Rank 0's shared-memory peers; None: this collbench reports none
     /// (TCP only).
     shared_memory_peers: Option<serde_json::Value>,
+}
+
+/// Whether rank 0's `peers` (collbench's `shared_memory_peers`) are every
+/// other rank of `ranks`: the job ran over shared memory alone.
+fn all_ranks_share_memory(peers: Option<&serde_json::Value>, ranks: usize) -> bool {
+    peers
+        .and_then(|p| p.as_array())
+        .is_some_and(|p| p.len() + 1 == ranks)
 }
 
 /// One contender's figures at one size.
@@ -1038,10 +1041,7 @@ pub fn run(root: &Path, args: &Args) -> Result<()> {
                 })
                 .collect();
             let ours_shm = ours_runtime.as_ref().is_some_and(|o: &OursRuntime| {
-                o.shared_memory_peers
-                    .as_ref()
-                    .and_then(|p| p.as_array())
-                    .is_some_and(|p| p.len() + 1 == args.ranks)
+                all_ranks_share_memory(o.shared_memory_peers.as_ref(), args.ranks)
             });
             let ours_time_us = ours_index.map(|i| median(&samples[i][k]));
             let shared_time_us = shared_index.map(|i| median(&samples[i][k]));
@@ -1082,24 +1082,27 @@ pub fn run(root: &Path, args: &Args) -> Result<()> {
     for row in &rows {
         let shared = row
             .ours_shared_of_memory_bound
-            .map(|of| ("ours-shared", of, row.ours_shared_traffic_bytes));
+            .map(|of| (Contender::OursShared, of, row.ours_shared_traffic_bytes));
         let plain = row
             .ours_of_memory_bound
-            .map(|of| ("ours", of, row.ours_traffic_bytes));
-        for (name, of, traffic) in plain.into_iter().chain(shared) {
-            let moved = traffic.map_or_else(String::new, |bytes| {
-                // `of` is the bound's time over this contender's.
-                let bound_us =
-                    floor_traffic_bytes(row.bytes, args.ranks) / (memory_bound.traffic_gbps * 1e3);
-                let time_us = bound_us / of.max(f64::MIN_POSITIVE);
-                format!(
+            .map(|of| (Contender::Ours, of, row.ours_traffic_bytes));
+        for (contender, of, traffic) in plain.into_iter().chain(shared) {
+            let time_us = row
+                .results
+                .iter()
+                .find(|m| m.contender == contender)
+                .map(|m| m.time_us);
+            let moved = match (traffic, time_us) {
+                (Some(bytes), Some(time_us)) => format!(
                     "; the algorithm moves {:.1} MB per call ({:.1} GB/s, cache included)",
                     bytes / 1e6,
-                    bytes / time_us / 1e3
-                )
-            });
+                    bytes / (time_us * 1e-6) / 1e9
+                ),
+                _ => String::new(),
+            };
             println!(
-                "# {name:<11} {:>9}: {:.0}% of the memory bound{moved}",
+                "# {:<11} {:>9}: {:.0}% of the memory bound{moved}",
+                contender.name(),
                 human(row.bytes),
                 of * 100.0
             );
