@@ -8,7 +8,8 @@
  * waits and off-CPU (blocked) time where the agent asked for them
  * (rw_histograms), and sends finished intervals of at least
  * rw_min_interval_ns, at most rw_max_intervals_per_s per thread; the others
- * are only counted (never silently lost) and are in the histograms.
+ * are only counted (never silently lost): their time and number per kind
+ * add up in the thread's state (rw_unsent), and they are in the histograms.
  *
  * This runs on every context switch of the watched job, so it sends at most
  * one record per switch (the intervals a switch ends travel together, the
@@ -99,13 +100,15 @@ static __always_inline void rw_hist_count(struct rw_thread_hist *hist, bool run_
 
 /* Whether an interval of `duration_ns` ending at `end_ns` leaves the kernel:
  * long enough, and within its thread's rate limit (which it then uses up).
- * What is held back is counted. */
+ * What is held back is counted, and its time and number are added to the
+ * thread's `unsent_ns` and `unsent` (one kind of its rw_unsent). */
 static __always_inline bool rw_interval_sent(struct rw_thread_state *state,
-					     __u64 duration_ns, __u64 end_ns)
+					     __u64 duration_ns, __u64 end_ns,
+					     __u64 *unsent_ns, __u64 *unsent)
 {
 	if (duration_ns < rw_min_interval_ns) {
 		rw_count(RW_COUNTER_INTERVALS_SKIPPED);
-		return false;
+		goto held_back;
 	}
 	if (rw_max_intervals_per_s) {
 		if (end_ns - state->rate_window_ns >= 1000000000ULL) {
@@ -114,11 +117,15 @@ static __always_inline bool rw_interval_sent(struct rw_thread_state *state,
 		}
 		if (state->rate_count >= rw_max_intervals_per_s) {
 			rw_count(RW_COUNTER_INTERVALS_RATE_LIMITED);
-			return false;
+			goto held_back;
 		}
 		state->rate_count++;
 	}
 	return true;
+held_back:
+	*unsent_ns += duration_ns;
+	*unsent += 1;
+	return false;
 }
 
 static __always_inline struct rw_thread_state *rw_thread(__u32 tid, __u32 tgid)
@@ -138,7 +145,8 @@ static __always_inline struct rw_thread_state *rw_thread(__u32 tid, __u32 tgid)
  * exit record, and its state goes (the kernel may reuse the tid). */
 static __always_inline void rw_thread_exited(__u32 tgid, __u32 tid, __u64 now,
 					     __u64 switched_out, __u64 switched_in,
-					     __u64 preempted)
+					     __u64 preempted,
+					     const struct rw_unsent *unsent)
 {
 	bpf_map_delete_elem(&thread_state, &tid);
 	struct rw_thread_exit_event *event =
@@ -153,6 +161,7 @@ static __always_inline void rw_thread_exited(__u32 tgid, __u32 tid, __u64 now,
 	event->switched_out = switched_out;
 	event->switched_in = switched_in;
 	event->preempted = preempted;
+	event->unsent = *unsent;
 	/* Called from sched_switch for the outgoing task, which is current. */
 	__builtin_memset(event->comm, 0, sizeof(event->comm));
 	bpf_get_current_comm(event->comm, sizeof(event->comm));
@@ -181,6 +190,7 @@ int BPF_PROG(rw_sched_switch, bool preempt, struct task_struct *prev,
 	/* The dying thread's final counts (its state is deleted below). */
 	bool prev_dead = false;
 	__u64 dead_out = 1, dead_in = 0, dead_preempted = 0;
+	struct rw_unsent dead_unsent = {};
 
 	if (prev_watched) {
 		prev_dead = prev_state & RW_TASK_DEAD;
@@ -198,7 +208,9 @@ int BPF_PROG(rw_sched_switch, bool preempt, struct task_struct *prev,
 			if (prev_state == 0)
 				state->preempted++;
 			if (state->on_cpu &&
-			    rw_interval_sent(state, now - state->on_ts, now)) {
+			    rw_interval_sent(state, now - state->on_ts, now,
+					     &state->unsent.on_cpu_ns,
+					     &state->unsent.on_cpu)) {
 				has_on_cpu = true;
 				on_cpu_start = state->on_ts;
 				on_cpu_cause = still_runnable ? RW_CAUSE_PREEMPTED
@@ -212,6 +224,8 @@ int BPF_PROG(rw_sched_switch, bool preempt, struct task_struct *prev,
 			dead_out = state->switched_out;
 			dead_in = state->switched_in;
 			dead_preempted = state->preempted;
+			if (prev_dead)
+				dead_unsent = state->unsent;
 		}
 	}
 	if (next_watched) {
@@ -231,12 +245,18 @@ int BPF_PROG(rw_sched_switch, bool preempt, struct task_struct *prev,
 				if (state->off_cpu_pending) {
 					__u64 off_cpu = runnable - state->off_ts;
 					rw_hist_count(hist, false, off_cpu);
-					has_off_cpu = rw_interval_sent(state, off_cpu, runnable);
+					has_off_cpu = rw_interval_sent(
+						state, off_cpu, runnable,
+						&state->unsent.off_cpu_ns,
+						&state->unsent.off_cpu);
 					off_cpu_start = state->off_ts;
 				}
 				__u64 wait = now - runnable;
 				rw_hist_count(hist, true, wait);
-				has_run_queue = rw_interval_sent(state, wait, now);
+				has_run_queue = rw_interval_sent(
+					state, wait, now,
+					&state->unsent.run_queue_ns,
+					&state->unsent.run_queue);
 			}
 			state->off_cpu_pending = 0;
 			state->runq_ts = 0;
@@ -271,7 +291,8 @@ int BPF_PROG(rw_sched_switch, bool preempt, struct task_struct *prev,
 		}
 	}
 	if (prev_dead)
-		rw_thread_exited(prev_tgid, prev_tid, now, dead_out, dead_in, dead_preempted);
+		rw_thread_exited(prev_tgid, prev_tid, now, dead_out, dead_in, dead_preempted,
+				 &dead_unsent);
 	return 0;
 }
 

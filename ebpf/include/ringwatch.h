@@ -90,6 +90,19 @@ struct rw_sched_switch_event {
 	__u8 _pad;
 };
 
+/* The intervals a thread finished that did not leave the kernel (shorter
+ * than rw_min_interval_ns, or over the per-thread rate limit): their time and
+ * number per kind, so that the agent's totals and per-second figures still
+ * add up to the thread's whole time without a record per interval. */
+struct rw_unsent {
+	__u64 on_cpu_ns;
+	__u64 run_queue_ns;
+	__u64 off_cpu_ns;
+	__u64 on_cpu;         /* intervals */
+	__u64 run_queue;      /* waits */
+	__u64 off_cpu;        /* intervals */
+};
+
 /* A watched thread exited (sent at its last switch out; its kernel-side
  * state is gone), with its final context-switch counts and its name (a
  * thread that lives less than the agent's scan would otherwise have none). */
@@ -101,6 +114,7 @@ struct rw_thread_exit_event {
 	__u64 switched_in;
 	__u64 preempted;
 	char comm[16];      /* task->comm at that switch (NUL-padded) */
+	struct rw_unsent unsent; /* its last on-CPU interval included */
 };
 
 /* Value of the `thread_state` map (key: tid): where a watched thread is and
@@ -121,6 +135,7 @@ struct rw_thread_state {
 	__u8 runq_cause;      /* enum rw_interval_cause */
 	__u8 off_cpu_pending; /* woken: [off_ts, runq_ts) is accounted at its switch in */
 	__u8 _pad[5];
+	struct rw_unsent unsent; /* cumulative */
 };
 
 /* Log2 buckets of a histogram of durations (ns): bucket `slot` counts

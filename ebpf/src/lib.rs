@@ -350,6 +350,61 @@ pub struct ThreadExitEvent {
     pub preempted: u64,
     /// Its name (`task->comm`) at that last switch, NUL-padded.
     pub comm: [u8; 16],
+    /// Its intervals that stayed in the kernel, its last on-CPU one included.
+    pub unsent: Unsent,
+}
+
+/// `struct rw_unsent`: the intervals a thread finished that did not leave
+/// the kernel as records (shorter than `--min-interval`, or over
+/// `--max-interval-rate`), their time and number per kind, cumulative.
+#[repr(C)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct Unsent {
+    /// On-CPU time, ns.
+    pub on_cpu_ns: u64,
+    /// Run-queue waiting time, ns.
+    pub run_queue_ns: u64,
+    /// Off-CPU (blocked) time, ns.
+    pub off_cpu_ns: u64,
+    /// On-CPU intervals.
+    pub on_cpu: u64,
+    /// Run-queue waits.
+    pub run_queue: u64,
+    /// Off-CPU intervals.
+    pub off_cpu: u64,
+}
+
+impl Unsent {
+    /// Field by field `self - earlier`, 0 where a field went down.
+    pub fn since(&self, earlier: &Unsent) -> Unsent {
+        Unsent {
+            on_cpu_ns: self.on_cpu_ns.saturating_sub(earlier.on_cpu_ns),
+            run_queue_ns: self.run_queue_ns.saturating_sub(earlier.run_queue_ns),
+            off_cpu_ns: self.off_cpu_ns.saturating_sub(earlier.off_cpu_ns),
+            on_cpu: self.on_cpu.saturating_sub(earlier.on_cpu),
+            run_queue: self.run_queue.saturating_sub(earlier.run_queue),
+            off_cpu: self.off_cpu.saturating_sub(earlier.off_cpu),
+        }
+    }
+
+    /// Field by field `self + other` (saturating).
+    pub fn plus(&self, other: &Unsent) -> Unsent {
+        Unsent {
+            on_cpu_ns: self.on_cpu_ns.saturating_add(other.on_cpu_ns),
+            run_queue_ns: self.run_queue_ns.saturating_add(other.run_queue_ns),
+            off_cpu_ns: self.off_cpu_ns.saturating_add(other.off_cpu_ns),
+            on_cpu: self.on_cpu.saturating_add(other.on_cpu),
+            run_queue: self.run_queue.saturating_add(other.run_queue),
+            off_cpu: self.off_cpu.saturating_add(other.off_cpu),
+        }
+    }
+
+    /// Intervals of every kind.
+    pub fn intervals(&self) -> u64 {
+        self.on_cpu
+            .saturating_add(self.run_queue)
+            .saturating_add(self.off_cpu)
+    }
 }
 
 impl ThreadExitEvent {
@@ -397,6 +452,8 @@ pub struct ThreadState {
     pub off_cpu_pending: u8,
     /// Padding.
     pub _pad: [u8; 5],
+    /// Its intervals that stayed in the kernel so far.
+    pub unsent: Unsent,
 }
 
 /// Buckets per histogram (`RW_HIST_SLOTS`): bucket `slot` counts durations
@@ -683,6 +740,10 @@ mod layout {
                 "rw_thread_exit_event.comm",
                 offset_of!(ThreadExitEvent, comm),
             ),
+            (
+                "rw_thread_exit_event.unsent",
+                offset_of!(ThreadExitEvent, unsent),
+            ),
             ("rw_thread_state", size_of::<ThreadState>()),
             ("rw_thread_state.on_ts", offset_of!(ThreadState, on_ts)),
             ("rw_thread_state.off_ts", offset_of!(ThreadState, off_ts)),
@@ -717,6 +778,14 @@ mod layout {
                 "rw_thread_state.off_cpu_pending",
                 offset_of!(ThreadState, off_cpu_pending),
             ),
+            ("rw_thread_state.unsent", offset_of!(ThreadState, unsent)),
+            ("rw_unsent", size_of::<Unsent>()),
+            ("rw_unsent.on_cpu_ns", offset_of!(Unsent, on_cpu_ns)),
+            ("rw_unsent.run_queue_ns", offset_of!(Unsent, run_queue_ns)),
+            ("rw_unsent.off_cpu_ns", offset_of!(Unsent, off_cpu_ns)),
+            ("rw_unsent.on_cpu", offset_of!(Unsent, on_cpu)),
+            ("rw_unsent.run_queue", offset_of!(Unsent, run_queue)),
+            ("rw_unsent.off_cpu", offset_of!(Unsent, off_cpu)),
             ("rw_thread_hist", size_of::<ThreadHist>()),
             (
                 "rw_thread_hist.run_queue",

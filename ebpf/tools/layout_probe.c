@@ -43,6 +43,7 @@ int main(void)
 	FIELD(rw_thread_exit_event, switched_in);
 	FIELD(rw_thread_exit_event, preempted);
 	FIELD(rw_thread_exit_event, comm);
+	FIELD(rw_thread_exit_event, unsent);
 	SIZE(rw_thread_state);
 	FIELD(rw_thread_state, on_ts);
 	FIELD(rw_thread_state, off_ts);
@@ -56,6 +57,14 @@ int main(void)
 	FIELD(rw_thread_state, on_cpu);
 	FIELD(rw_thread_state, runq_cause);
 	FIELD(rw_thread_state, off_cpu_pending);
+	FIELD(rw_thread_state, unsent);
+	SIZE(rw_unsent);
+	FIELD(rw_unsent, on_cpu_ns);
+	FIELD(rw_unsent, run_queue_ns);
+	FIELD(rw_unsent, off_cpu_ns);
+	FIELD(rw_unsent, on_cpu);
+	FIELD(rw_unsent, run_queue);
+	FIELD(rw_unsent, off_cpu);
 	SIZE(rw_thread_hist);
 	FIELD(rw_thread_hist, run_queue);
 	FIELD(rw_thread_hist, off_cpu);
