@@ -263,7 +263,6 @@ pub async fn run(args: ServeArgs) -> Result<()> {
     if let Some(tunings) = &tunings {
         tunings.set_cluster(cluster.clone(), tokio::runtime::Handle::current());
     }
-    let tunings_on = tunings.is_some();
     let state = ApiState {
         cluster: cluster.clone(),
         load_feed: (ebpf_off.is_none() && session.is_some()).then(|| feed.clone()),
@@ -345,7 +344,13 @@ pub async fn run(args: ServeArgs) -> Result<()> {
                     break;
                 }
                 session.drain_now();
-                if tunings_on {
+                if let Some(tunings) = &state.tunings {
+                    // The run-queue time that stayed in the kernel
+                    // (--min-interval) is in its thread states, read once
+                    // a second otherwise.
+                    if tunings.any_running() {
+                        session.poll_thread_states();
+                    }
                     feed.record(&session);
                 }
                 if tokio::time::Instant::now() < next_publish {

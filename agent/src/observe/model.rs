@@ -12,7 +12,7 @@ use std::collections::{BTreeMap, BTreeSet, VecDeque};
 
 use ebpf::{
     IntervalCause, IntervalKind, NcclFunc, SockStats, SwitchInterval, ThreadKey, ThreadNet,
-    ThreadState,
+    ThreadState, Unsent,
 };
 use serde::Serialize;
 
@@ -127,7 +127,10 @@ pub struct NcclCall {
     pub return_ns: u64,
 }
 
-/// Totals of one thread since the agent first saw it (never pruned).
+/// Totals of one thread since the agent first saw it (never pruned). The
+/// scheduling figures count every interval the thread finished, also those
+/// that stayed in the kernel (`--min-interval`, `--max-interval-rate`): the
+/// kernel adds up their time and number per thread.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize)]
 pub struct ThreadTotals {
     /// On-CPU time of finished on-CPU intervals, ns.
@@ -138,12 +141,16 @@ pub struct ThreadTotals {
     pub run_queue_ns: u64,
     /// Run-queue waits.
     pub run_queue_waits: u64,
-    /// Of which after a preemption.
+    /// Of the waits sent as records, those after a preemption.
     pub run_queue_waits_after_preemption: u64,
     /// Off-CPU (blocked) time, ns.
     pub off_cpu_ns: u64,
     /// Off-CPU intervals.
     pub off_cpu_intervals: u64,
+    /// Of the intervals above, those that stayed in the kernel (shorter
+    /// than `--min-interval`, or over `--max-interval-rate`): counted, not
+    /// on the timeline.
+    pub intervals_not_sent: u64,
     /// TCP bytes sent (exact, from the kernel's per-thread counters).
     pub tcp_tx_bytes: u64,
     /// TCP bytes received.
@@ -165,6 +172,7 @@ impl ThreadTotals {
         self.run_queue_waits_after_preemption += o.run_queue_waits_after_preemption;
         self.off_cpu_ns += o.off_cpu_ns;
         self.off_cpu_intervals += o.off_cpu_intervals;
+        self.intervals_not_sent += o.intervals_not_sent;
         self.tcp_tx_bytes += o.tcp_tx_bytes;
         self.tcp_rx_bytes += o.tcp_rx_bytes;
         self.tcp_tx_calls += o.tcp_tx_calls;
@@ -176,8 +184,15 @@ impl ThreadTotals {
 #[derive(Debug)]
 struct ThreadSeries {
     tgid: u32,
+    /// Of the intervals received (and TCP, NCCL); [`ThreadSeries::totals`]
+    /// adds those that stayed in the kernel.
     totals: ThreadTotals,
     intervals: VecDeque<Interval>,
+    /// The kernel's count of its intervals that stayed there, newest.
+    unsent: Unsent,
+    /// (time, `unsent`) readings, oldest first, from (first seen, zero):
+    /// what stayed in the kernel during a window is read from them.
+    unsent_readings: VecDeque<(u64, Unsent)>,
     nccl: VecDeque<NcclCall>,
     /// (time, cumulative counters) samples of the kernel's thread_net map.
     net: VecDeque<(u64, ThreadNet)>,
@@ -204,6 +219,8 @@ impl ThreadSeries {
             tgid,
             totals: ThreadTotals::default(),
             intervals: VecDeque::new(),
+            unsent: Unsent::default(),
+            unsent_readings: VecDeque::from([(now, Unsent::default())]),
             nccl: VecDeque::new(),
             net: VecDeque::new(),
             on_cpu_since: None,
@@ -212,6 +229,88 @@ impl ThreadSeries {
             exited_ns: None,
             exit_name: None,
             last_ns: now,
+        }
+    }
+
+    /// Its totals, the intervals that stayed in the kernel included.
+    fn totals(&self) -> ThreadTotals {
+        let u = &self.unsent;
+        let mut totals = self.totals;
+        totals.on_cpu_ns += u.on_cpu_ns;
+        totals.on_cpu_intervals += u.on_cpu;
+        totals.run_queue_ns += u.run_queue_ns;
+        totals.run_queue_waits += u.run_queue;
+        totals.off_cpu_ns += u.off_cpu_ns;
+        totals.off_cpu_intervals += u.off_cpu;
+        totals.intervals_not_sent = u.intervals();
+        totals
+    }
+
+    /// What of its intervals stayed in the kernel during `[from_ns, to_ns)`,
+    /// from the readings around the window (linear between readings: the
+    /// kernel adds up, it does not say when).
+    fn unsent_between(&self, from_ns: u64, to_ns: u64) -> UnsentShare {
+        let at = |t: u64| UnsentShare::at(&self.unsent_readings, t);
+        at(to_ns).minus(&at(from_ns))
+    }
+}
+
+/// The value at `t` of a cumulative counter read at times (`readings`,
+/// oldest first): linear between the two readings around `t`, the nearest
+/// reading's before the first and after the last (the caller reads the
+/// kernel right before it asks about "now").
+pub fn cumulative_at<T>(readings: &VecDeque<(u64, T)>, t: u64, value: impl Fn(&T) -> f64) -> f64 {
+    let after = readings.partition_point(|(ts, _)| *ts <= t);
+    match (
+        after.checked_sub(1).and_then(|i| readings.get(i)),
+        readings.get(after),
+    ) {
+        (Some((t0, a)), Some((t1, b))) => {
+            let (a, b) = (value(a), value(b));
+            a + (t - t0) as f64 / (t1 - t0) as f64 * (b - a)
+        }
+        (Some((_, a)), None) | (None, Some((_, a))) => value(a),
+        (None, None) => 0.0,
+    }
+}
+
+/// Interval time and number (as estimated for a window, so fractional) that
+/// stayed in the kernel.
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+struct UnsentShare {
+    on_cpu_ns: f64,
+    run_queue_ns: f64,
+    off_cpu_ns: f64,
+    run_queue: f64,
+}
+
+impl UnsentShare {
+    fn of(u: &Unsent) -> Self {
+        Self {
+            on_cpu_ns: u.on_cpu_ns as f64,
+            run_queue_ns: u.run_queue_ns as f64,
+            off_cpu_ns: u.off_cpu_ns as f64,
+            run_queue: u.run_queue as f64,
+        }
+    }
+
+    /// The cumulative figures at `t` from readings (oldest first).
+    fn at(readings: &VecDeque<(u64, Unsent)>, t: u64) -> Self {
+        let field = |f: fn(&Self) -> f64| cumulative_at(readings, t, |u| f(&Self::of(u)));
+        Self {
+            on_cpu_ns: field(|u| u.on_cpu_ns),
+            run_queue_ns: field(|u| u.run_queue_ns),
+            off_cpu_ns: field(|u| u.off_cpu_ns),
+            run_queue: field(|u| u.run_queue),
+        }
+    }
+
+    fn minus(&self, earlier: &Self) -> Self {
+        Self {
+            on_cpu_ns: (self.on_cpu_ns - earlier.on_cpu_ns).max(0.0),
+            run_queue_ns: (self.run_queue_ns - earlier.run_queue_ns).max(0.0),
+            off_cpu_ns: (self.off_cpu_ns - earlier.off_cpu_ns).max(0.0),
+            run_queue: (self.run_queue - earlier.run_queue).max(0.0),
         }
     }
 }
@@ -361,6 +460,11 @@ pub struct Model {
     closed_keys: BTreeSet<(u64, u64)>,
     retransmits: VecDeque<(u64, u32)>,
     intervals_dropped: u64,
+    /// Per process, what its threads' intervals that stayed in the kernel
+    /// add up to (never goes down, also when threads are forgotten), and
+    /// when the kernel was last read.
+    unsent_by_pid: BTreeMap<u32, Unsent>,
+    unsent_read_ns: u64,
     /// Context-switch counts (what the `watch` command reports).
     pub switches: SwitchCounts,
 }
@@ -380,6 +484,8 @@ impl Model {
             closed_keys: BTreeSet::new(),
             retransmits: VecDeque::new(),
             intervals_dropped: 0,
+            unsent_by_pid: BTreeMap::new(),
+            unsent_read_ns: 0,
             switches: SwitchCounts::default(),
         }
     }
@@ -425,6 +531,36 @@ impl Model {
             t.on_cpu_since = on_cpu.then_some(ts);
             t.blocked = if on_cpu { None } else { blocked };
         }
+    }
+
+    /// The kernel says what of the thread's intervals stayed there until
+    /// `at_ns` (cumulative; an older reading never lowers it).
+    fn read_unsent(&mut self, tgid: u32, tid: u32, at_ns: u64, unsent: &Unsent) {
+        let t = self.thread(tgid, tid, at_ns);
+        let grown = unsent.since(&t.unsent);
+        t.unsent = t.unsent.plus(&grown);
+        let newest = t.unsent;
+        match t.unsent_readings.back_mut() {
+            // Readings arrive in time order but an exit record may come
+            // after a later map reading: keep them sorted by time.
+            Some((last, value)) if *last >= at_ns => *value = newest,
+            _ => t.unsent_readings.push_back((at_ns, newest)),
+        }
+        let by_pid = self.unsent_by_pid.entry(tgid).or_default();
+        *by_pid = by_pid.plus(&grown);
+    }
+
+    /// Per process, the run-queue time of its intervals that stayed in the
+    /// kernel (cumulative, ns), as of the last reading of the kernel's
+    /// thread states (also returned).
+    pub fn unsent_run_queue_ns(&self) -> (u64, BTreeMap<u32, u64>) {
+        (
+            self.unsent_read_ns,
+            self.unsent_by_pid
+                .iter()
+                .map(|(&pid, u)| (pid, u.run_queue_ns))
+                .collect(),
+        )
     }
 
     fn record_interval(&mut self, e: &SwitchInterval) {
@@ -496,6 +632,7 @@ impl Model {
                         preempted: e.preempted,
                     },
                 );
+                self.read_unsent(e.tgid, e.tid, e.hdr.ts_ns, &e.unsent);
                 let t = self.thread(e.tgid, e.tid, e.hdr.ts_ns);
                 t.exited_ns = Some(e.hdr.ts_ns);
                 t.exit_name = e.comm();
@@ -548,7 +685,7 @@ impl Model {
                     preempted: state.preempted,
                 },
             );
-            self.thread(state.tgid, *tid, now);
+            self.read_unsent(state.tgid, *tid, now, &state.unsent);
             let (ts, on_cpu) = if state.on_cpu != 0 {
                 (state.on_ts, true)
             } else {
@@ -570,6 +707,7 @@ impl Model {
                 self.switched(state.tgid, *tid, ts, on_cpu, blocked);
             }
         }
+        self.unsent_read_ns = self.unsent_read_ns.max(now);
     }
 
     /// Takes a reading of the kernel's per-thread TCP counters (cumulative).
@@ -653,6 +791,13 @@ impl Model {
             while t.net.len() > 2 && t.net.get(1).is_some_and(|(ts, _)| *ts < horizon) {
                 t.net.pop_front();
             }
+            while t.unsent_readings.len() > 2
+                && t.unsent_readings
+                    .get(1)
+                    .is_some_and(|(ts, _)| *ts < interval_horizon)
+            {
+                t.unsent_readings.pop_front();
+            }
             if t.exited_ns.is_some_and(|x| x < horizon) || t.last_ns < horizon {
                 gone.push(tid);
             }
@@ -660,11 +805,14 @@ impl Model {
         for tid in &gone {
             self.threads.remove(tid);
         }
+        let pids: BTreeSet<u32> = self.threads.values().map(|t| t.tgid).collect();
+        self.unsent_by_pid.retain(|pid, _| pids.contains(pid));
         self.enforce_interval_budget();
         for t in self.threads.values_mut() {
             shrink_spare(&mut t.intervals);
             shrink_spare(&mut t.nccl);
             shrink_spare(&mut t.net);
+            shrink_spare(&mut t.unsent_readings);
         }
         while self
             .closed_conns
@@ -703,14 +851,14 @@ impl Model {
 
     /// Totals of one thread since first seen.
     pub fn thread_totals(&self, tid: u32) -> Option<ThreadTotals> {
-        self.threads.get(&tid).map(|t| t.totals)
+        self.threads.get(&tid).map(ThreadSeries::totals)
     }
 
     /// Totals of one process (its known threads) since first seen.
     pub fn process_totals(&self, pid: u32) -> ThreadTotals {
         let mut total = ThreadTotals::default();
         for t in self.threads.values().filter(|t| t.tgid == pid) {
-            total.add(&t.totals);
+            total.add(&t.totals());
         }
         total
     }
@@ -822,7 +970,10 @@ impl Model {
             let end = woken.unwrap_or(to_ns).min(to_ns);
             off_cpu += end.saturating_sub(since.max(from_ns));
         }
-        let (p50, p99) = percentiles(&mut waits);
+        let unsent = t.unsent_between(from_ns, to_ns);
+        let on_cpu = on_cpu as f64 + unsent.on_cpu_ns;
+        let off_cpu = off_cpu as f64 + unsent.off_cpu_ns;
+        let (p50, p99) = percentiles_with_unsent(&mut waits, &unsent);
         let (tx, rx) = net_rate(&t.net, from_ns, to_ns);
         let nccl = t
             .nccl
@@ -831,14 +982,14 @@ impl Model {
             .count();
         Some(ThreadSnapshot {
             tid,
-            cpu_pct: (100.0 * on_cpu as f64 / window).min(100.0),
-            off_cpu_pct: (100.0 * off_cpu as f64 / window).min(100.0),
+            cpu_pct: (100.0 * on_cpu / window).min(100.0),
+            off_cpu_pct: (100.0 * off_cpu / window).min(100.0),
             run_queue_p50_us: p50,
             run_queue_p99_us: p99,
             tcp_tx_bytes_per_s: tx,
             tcp_rx_bytes_per_s: rx,
             nccl_calls_per_s: nccl as f64 * 1e9 / window,
-            totals: t.totals,
+            totals: t.totals(),
             exited: t.exited_ns.is_some(),
         })
     }
@@ -857,7 +1008,17 @@ impl Model {
             .filter(|i| i.kind == IntervalKind::RunQueue)
             .map(|i| i.duration_ns)
             .collect();
-        let (p50, p99) = percentiles(&mut waits);
+        let unsent = self
+            .tids(pid)
+            .into_iter()
+            .filter_map(|tid| self.threads.get(&tid))
+            .map(|t| t.unsent_between(from_ns, to_ns))
+            .fold(UnsentShare::default(), |sum, u| UnsentShare {
+                run_queue_ns: sum.run_queue_ns + u.run_queue_ns,
+                run_queue: sum.run_queue + u.run_queue,
+                ..sum
+            });
+        let (p50, p99) = percentiles_with_unsent(&mut waits, &unsent);
         let live: Vec<&ThreadSnapshot> = threads.iter().filter(|t| !t.exited).collect();
         let retransmits_total = self
             .connections(Some(pid))
@@ -908,6 +1069,33 @@ fn percentiles(values: &mut [u64]) -> (Option<f64>, Option<f64>) {
         p99
     };
     (Some(p50 as f64 / 1000.0), Some(p99 as f64 / 1000.0))
+}
+
+/// (p50, p99) in µs of the run-queue waits of a window: those received
+/// (`values`, ns) and those that stayed in the kernel (`unsent`: their
+/// number and time in the window). The ones that stayed are shorter than
+/// every one sent (`--min-interval`): a percentile whose rank falls among
+/// them is their mean, the best the kernel's sum and count tell.
+fn percentiles_with_unsent(values: &mut [u64], unsent: &UnsentShare) -> (Option<f64>, Option<f64>) {
+    let held = unsent.run_queue.round();
+    if held < 1.0 {
+        return percentiles(values);
+    }
+    let held_mean_us = unsent.run_queue_ns / held / 1000.0;
+    let n = values.len() as f64 + held;
+    let at = |q: f64, values: &mut [u64]| {
+        // Nearest rank, 1-based, over the held waits first.
+        let rank = (q * n).ceil().clamp(1.0, n);
+        if rank <= held {
+            held_mean_us
+        } else {
+            let i = (rank - held) as usize - 1;
+            *values.select_nth_unstable(i.min(values.len() - 1)).1 as f64 / 1000.0
+        }
+    };
+    let p99 = at(0.99, values);
+    let p50 = at(0.50, values);
+    (Some(p50), Some(p99))
 }
 
 /// Bytes/s sent and received between the samples bracketing the window.
@@ -1047,6 +1235,7 @@ mod tests {
             switched_in: 2,
             preempted: 1,
             comm: *b"rw-short\0\0\0\0\0\0\0\0",
+            unsent: Unsent::default(),
         }));
         assert_eq!(model.exited_name(12), Some("rw-short"));
         assert_eq!(model.switches.process_total(10).switched_out, 5);
@@ -1249,6 +1438,128 @@ mod tests {
         assert_eq!(p.totals.on_cpu_ns, 199 * MS);
     }
 
+    fn unsent(on_cpu_ns: u64, run_queue_ns: u64, off_cpu_ns: u64, n: [u64; 3]) -> Unsent {
+        Unsent {
+            on_cpu_ns,
+            run_queue_ns,
+            off_cpu_ns,
+            on_cpu: n[0],
+            run_queue: n[1],
+            off_cpu: n[2],
+        }
+    }
+
+    #[test]
+    fn intervals_that_stayed_in_the_kernel_count_in_totals_and_windows() {
+        // A thread that trades the CPU every few µs (--min-interval keeps
+        // every interval in the kernel), and one long wait that was sent.
+        let mut model = Model::new(10_000 * MS, 1000);
+        let reading = |ts, u: Unsent| {
+            let mut s = state(10, None, ts, [0, 0, 0]);
+            s.unsent = u;
+            (11, s)
+        };
+        model.update_thread_states(1000 * MS, &[reading(1000 * MS, Unsent::default())]);
+        // Over [1000, 2000) ms: 300 ms on CPU in 30,000 intervals, 600 ms
+        // waiting in 30,000 waits of 20 µs, 50 ms blocked in 1,000.
+        let second = unsent(300 * MS, 600 * MS, 50 * MS, [30_000, 30_000, 1_000]);
+        model.update_thread_states(2000 * MS, &[reading(2000 * MS, second)]);
+        // An older reading (records and readings cross) lowers nothing.
+        model.update_thread_states(
+            1500 * MS,
+            &[reading(1500 * MS, unsent(MS, MS, MS, [1, 1, 1]))],
+        );
+        model.record_interval(&interval(10, 11, 2, 1, 1900 * MS, 40 * MS));
+        let t = model.thread_totals(11).unwrap();
+        assert_eq!(t.on_cpu_ns, 300 * MS);
+        assert_eq!(t.run_queue_ns, 640 * MS);
+        assert_eq!(t.off_cpu_ns, 50 * MS);
+        assert_eq!(
+            (t.on_cpu_intervals, t.run_queue_waits, t.off_cpu_intervals),
+            (30_000, 30_001, 1_000)
+        );
+        assert_eq!(t.intervals_not_sent, 61_000);
+        let snap = model.thread_snapshot(11, 1000 * MS, 2000 * MS).unwrap();
+        assert!((snap.cpu_pct - 30.0).abs() < 1e-9, "{snap:?}");
+        assert!((snap.off_cpu_pct - 5.0).abs() < 1e-9, "{snap:?}");
+        // 30,000 waits of 20 µs and one of 40 ms: the median is the short
+        // ones' mean, the 99th percentile too (the long one is 1 in 30,001).
+        assert_eq!(snap.run_queue_p50_us, Some(20.0));
+        assert_eq!(snap.run_queue_p99_us, Some(20.0));
+        // Half the window: half of what stayed in the kernel (linear between
+        // the readings).
+        let half = model.thread_snapshot(11, 1000 * MS, 1500 * MS).unwrap();
+        assert!((half.cpu_pct - 30.0).abs() < 1e-9, "{half:?}");
+        // Before the first reading and after the last: nothing is known to
+        // have stayed in the kernel then.
+        let before = model.thread_snapshot(11, 0, 1000 * MS).unwrap();
+        assert_eq!(before.cpu_pct, 0.0);
+        let p = model.process_snapshot(10, 1000 * MS, 2000 * MS);
+        assert!((p.cpu_pct - 30.0).abs() < 1e-9, "{p:?}");
+        assert_eq!(p.run_queue_p50_us, Some(20.0));
+        assert_eq!(p.totals.intervals_not_sent, 61_000);
+        // The process's run-queue time that stayed in the kernel, for the
+        // tuning feed, as of the last reading.
+        assert_eq!(
+            model.unsent_run_queue_ns(),
+            (2000 * MS, BTreeMap::from([(10, 600 * MS)]))
+        );
+        // The exit record brings the last of it.
+        model.record(&Event::ThreadExit(ebpf::ThreadExitEvent {
+            hdr: EventHeader {
+                ts_ns: 2500 * MS,
+                kind: 3,
+                cpu: 0,
+            },
+            tgid: 10,
+            tid: 11,
+            switched_out: 1,
+            switched_in: 1,
+            preempted: 0,
+            comm: [0; 16],
+            unsent: unsent(400 * MS, 600 * MS, 50 * MS, [40_000, 30_000, 1_000]),
+        }));
+        assert_eq!(model.thread_totals(11).unwrap().on_cpu_ns, 400 * MS);
+        let last = model.thread_snapshot(11, 2000 * MS, 2500 * MS).unwrap();
+        assert!((last.cpu_pct - 20.0).abs() < 1e-9, "{last:?}");
+    }
+
+    #[test]
+    fn a_run_queue_percentile_among_the_sent_waits_is_theirs() {
+        // 10 waits of 1 µs stayed in the kernel, 90 of 100..190 µs were sent.
+        let mut sent: Vec<u64> = (0..90).map(|i| (100 + i) * 1000).collect();
+        let held = UnsentShare {
+            run_queue: 10.0,
+            run_queue_ns: 10_000.0,
+            ..UnsentShare::default()
+        };
+        // Rank 50 of 100 is the 40th smallest sent wait, rank 99 the 89th.
+        assert_eq!(
+            percentiles_with_unsent(&mut sent, &held),
+            (Some(139.0), Some(188.0))
+        );
+        // Nothing held back: the plain percentiles.
+        let mut again: Vec<u64> = (0..90).map(|i| (100 + i) * 1000).collect();
+        let none = percentiles_with_unsent(&mut again, &UnsentShare::default());
+        let mut plain: Vec<u64> = (0..90).map(|i| (100 + i) * 1000).collect();
+        assert_eq!(none, percentiles(&mut plain));
+    }
+
+    #[test]
+    fn a_cumulative_counter_is_linear_between_readings() {
+        let readings = VecDeque::from([(10, 0u64), (20, 100), (40, 100)]);
+        let at = |t| cumulative_at(&readings, t, |&v| v as f64);
+        assert_eq!(at(5), 0.0);
+        assert_eq!(at(15), 50.0);
+        assert_eq!(at(20), 100.0);
+        assert_eq!(at(30), 100.0);
+        assert_eq!(at(50), 100.0);
+        assert_eq!(
+            cumulative_at(&VecDeque::<(u64, u64)>::new(), 5, |&v| v as f64),
+            0.0
+        );
+    }
+
     #[test]
     fn traffic_rates_and_connections() {
         let mut model = Model::new(10_000 * MS, 1000);
@@ -1321,6 +1632,7 @@ mod tests {
             switched_in: 0,
             preempted: 0,
             comm: [0; 16],
+            unsent: Unsent::default(),
         }));
         assert!(model.prune(500 * MS).is_empty());
         assert_eq!(model.prune(2000 * MS), vec![2]);

@@ -107,10 +107,14 @@ pub struct TargetArgs {
     )]
     pub job_timeline: JobTimeline,
 
-    /// Scheduling intervals shorter than this are counted (and, in `watch`,
-    /// kept in the kernel's histograms) but not sent as events (bounds the
-    /// event rate).
-    #[arg(long, default_value = "0s", value_parser = humantime::parse_duration, env = "RINGWATCH_MIN_INTERVAL")]
+    /// Scheduling intervals (on CPU, waiting for one, blocked) shorter than
+    /// this stay in the kernel: their time and number are added up per
+    /// thread (so CPU %, run-queue time and the totals still count them;
+    /// `watch` also keeps them in histograms), but they are not sent one
+    /// by one, so they are not on the timeline. A job that trades cores
+    /// every few µs makes one record per switch otherwise: `0s` sends every
+    /// interval, at about twice what watching costs the job.
+    #[arg(long, default_value = "50us", value_parser = humantime::parse_duration, env = "RINGWATCH_MIN_INTERVAL")]
     pub min_interval: Duration,
 
     /// At most this many intervals per thread per second leave the
@@ -401,15 +405,24 @@ impl Session {
         Ok(())
     }
 
+    /// Reads only the kernel's per-thread scheduling state into the model
+    /// (switch counts, where each thread is, the time of its intervals
+    /// that stayed in the kernel): cheaper than [`Session::poll_maps`], for
+    /// readers that need those figures more often than once a second.
+    pub fn poll_thread_states(&mut self) {
+        let now = monotonic_ns();
+        let mut states = self.probes.thread_states();
+        states.retain(|(_, state)| self.watched.contains(&state.tgid));
+        self.model.update_thread_states(now, &states);
+    }
+
     /// Reads the kernel's aggregate maps into the model: per-thread
     /// scheduling state and switch counts (of watched processes only: a
     /// process no longer watched keeps its last figures), TCP traffic,
     /// connections.
     pub fn poll_maps(&mut self) {
+        self.poll_thread_states();
         let now = monotonic_ns();
-        let mut states = self.probes.thread_states();
-        states.retain(|(_, state)| self.watched.contains(&state.tgid));
-        self.model.update_thread_states(now, &states);
         let net = self.probes.thread_net();
         self.model.update_thread_net(now, &net);
         let socks = self.probes.sockets();

@@ -609,6 +609,10 @@ struct FeedData {
     lossy: Vec<(u64, u64)>,
     /// Waits that ended before this are forgotten (monotonic ns; 0: none).
     kept_from_ns: u64,
+    /// Per watched process, readings (monotonic ns, cumulative ns) of the
+    /// run-queue time of its waits that stayed in the kernel
+    /// (`--min-interval`): not in `waits`, but part of every window.
+    unsent_run_queue: BTreeMap<u32, VecDeque<(u64, u64)>>,
 }
 
 /// The live eBPF pipeline's run-queue waits and TCP retransmits of the
@@ -690,6 +694,7 @@ impl LoadFeed {
                 model.intervals_ended_since(tid, since)
             });
         let retransmits = model.retransmits_between(from, now);
+        let (unsent_read_ns, unsent_run_queue) = model.unsent_run_queue_ns();
         let probes = session.probes();
         let records_lost = [
             ebpf::Counter::RingbufDrops,
@@ -738,6 +743,18 @@ impl LoadFeed {
             data.waits.pop_front();
         }
         data.retransmits = data.retransmits.split_off(&(keep_from, 0));
+        for (pid, ns) in unsent_run_queue {
+            let readings = data.unsent_run_queue.entry(pid).or_default();
+            if readings.back().is_none_or(|(ts, _)| *ts < unsent_read_ns) {
+                readings.push_back((unsent_read_ns, ns));
+            }
+        }
+        data.unsent_run_queue.retain(|_, readings| {
+            while readings.len() > 1 && readings.get(1).is_some_and(|(ts, _)| *ts < keep_from) {
+                readings.pop_front();
+            }
+            readings.back().is_some_and(|(ts, _)| *ts >= keep_from)
+        });
         data.lossy.retain(|&(_, end)| end >= keep_from);
         data.kept_from_ns = keep_from;
         data.covered_until_ns = now;
@@ -815,6 +832,12 @@ impl LoadFeed {
                 && let Some(load) = per_pid.get_mut(&wait.pid)
             {
                 load.run_queue_ns += overlap;
+            }
+        }
+        for (pid, load) in &mut per_pid {
+            if let Some(readings) = data.unsent_run_queue.get(pid) {
+                let at = |t| crate::model::cumulative_at(readings, t, |&ns| ns as f64);
+                load.run_queue_ns += (at(to_ns) - at(from_ns)).max(0.0).round() as u64;
             }
         }
         for (&(_, pid), &count) in data.retransmits.range((from_ns, 0)..(to_ns, 0)) {
@@ -1064,6 +1087,13 @@ impl Tunings {
     /// The session of `job_id` (running or the last one), if any.
     pub fn get(&self, job_id: &str) -> Option<SessionView> {
         self.sessions().get(job_id).map(|h| h.view().clone())
+    }
+
+    /// Whether any session is running.
+    pub fn any_running(&self) -> bool {
+        self.sessions()
+            .values()
+            .any(|h| h.view().state == SessionState::Running)
     }
 
     /// Every job's latest session.
@@ -2011,6 +2041,16 @@ mod tests {
             data.retransmits.insert((12 * s, 7), 2);
             data.retransmits.insert((13 * s, 99), 1);
             data.retransmits.insert((15 * s, 7), 1);
+            // pid 7's waits that stayed in the kernel: 0.2 s between the
+            // readings at 10 and 12 s, none after; 0.1 s of it in 11..12 s.
+            data.unsent_run_queue.insert(
+                7,
+                VecDeque::from([
+                    (10 * s, 5 * s),
+                    (12 * s, 5 * s + s / 5),
+                    (16 * s, 5 * s + s / 5),
+                ]),
+            );
         }
         let pids = BTreeSet::from([7, 8]);
         // Window: monotonic 10 s .. 15 s.
@@ -2021,7 +2061,7 @@ mod tests {
             [
                 PidLoad {
                     pid: 7,
-                    run_queue_ns: 1_500_000_000,
+                    run_queue_ns: 1_700_000_000,
                     retransmits: 2
                 },
                 PidLoad {
@@ -2031,7 +2071,10 @@ mod tests {
                 },
             ]
         );
-        assert_eq!(w.run_queue_ms_per_s(), 300.0);
+        assert_eq!(w.run_queue_ms_per_s(), 340.0);
+        let w = feed.window(&pids, 1_011_000_000, 1_012_000_000).unwrap();
+        // The 2 s wait's last 0 s, the 0.5 s wait, half the unsent 0.2 s.
+        assert_eq!(w.pids[0].run_queue_ns, 600_000_000);
         // Only what the feed has read counts: up to 20 s.
         assert!(feed.covers(1_020_000_000));
         assert!(!feed.covers(1_020_000_001));
