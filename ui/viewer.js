@@ -549,6 +549,14 @@ function jobTimelineNote(metadata) {
   return ' · the job\'s tensor events since ' + new Date(since).toLocaleTimeString();
 }
 
+// Scheduling intervals shorter than the agent's --min-interval stay in the
+// kernel: counted in the figures, not drawn as thread states.
+function threadStatesNote(metadata) {
+  const ts = metadata && metadata.thread_states;
+  if (!ts || typeof ts.min_interval_us !== 'number') return '';
+  return ' · thread states shorter than ' + fmtDur(ts.min_interval_us) + ' are not drawn (agent --min-interval)';
+}
+
 function fmtDur(us) {
   if (us === 0) return '0 µs';
   const u = unitFor(us);
@@ -757,7 +765,7 @@ class Viewer {
       (data.skipped ? ` (${data.skipped.toLocaleString()} skipped)` : '') + ` · ${span}` +
       (data.repaired ? ' · unterminated file, read up to its last complete event' : '') +
       (data.metadata && data.metadata.downsampled ? ' · downsampled by the agent' : '') +
-      jobTimelineNote(data.metadata));
+      jobTimelineNote(data.metadata) + threadStatesNote(data.metadata));
     this.invalidate();
   }
   fit() {

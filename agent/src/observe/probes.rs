@@ -98,6 +98,7 @@ pub struct Probes {
     sock_stats: BpfHashMap<MapData, u64, PodSockStats>,
     nccl_attached: BTreeSet<u32>,
     nccl_enabled: bool,
+    min_interval_ns: u64,
 }
 
 impl Probes {
@@ -196,7 +197,14 @@ impl Probes {
             sock_stats,
             nccl_attached: BTreeSet::new(),
             nccl_enabled: config.sets.contains(&ProbeSet::Nccl),
+            min_interval_ns: config.min_interval_ns,
         })
+    }
+
+    /// Scheduling intervals shorter than this stay in the kernel (added up
+    /// per thread, not sent one by one), ns.
+    pub fn min_interval_ns(&self) -> u64 {
+        self.min_interval_ns
     }
 
     /// Starts reporting the threads of process `tgid`.

@@ -52,6 +52,9 @@ pub struct LiveView {
     pub ringbuf_drops: u64,
     /// Jobs found through control sockets (with `--jobs`).
     pub jobs: Vec<JobSnapshot>,
+    /// Scheduling intervals shorter than this are not on the timeline
+    /// (`--min-interval`), ns.
+    pub min_interval_ns: u64,
 }
 
 /// A process snapshot with its name and container.
@@ -287,6 +290,17 @@ impl LiveView {
                     "note": "the job streams its tensor events while someone reads its timeline \
                              (agent --job-timeline); they start at streaming_since_unix_ms \
                              (null: not streaming yet)",
+                }),
+            );
+        }
+        if self.min_interval_ns > 0 {
+            selection.note(
+                "thread_states",
+                json!({
+                    "min_interval_us": self.min_interval_ns as f64 / 1e3,
+                    "note": "scheduling intervals shorter than min_interval_us are not on the \
+                             timeline (agent --min-interval); the CPU, off-CPU and run-queue \
+                             figures and the totals count them",
                 }),
             );
         }
@@ -657,6 +671,7 @@ pub fn build(
         job_activities,
         ringbuf_drops: session.probes().counter(ebpf::Counter::RingbufDrops)?,
         jobs,
+        min_interval_ns: session.probes().min_interval_ns(),
     })
 }
 
@@ -712,6 +727,7 @@ mod tests {
             }],
             ringbuf_drops: 0,
             jobs: Vec::new(),
+            min_interval_ns: 0,
         }
     }
 
@@ -746,6 +762,16 @@ mod tests {
         // Not asked about a job: no such note.
         let answer = ask(&view, &TimelineQuery::default(), usize::MAX).unwrap();
         assert!(answer["metadata"].get("job_timeline").is_none());
+    }
+
+    #[test]
+    fn an_answer_says_which_thread_states_are_too_short_to_be_on_it() {
+        let mut view = view();
+        let answer = ask(&view, &TimelineQuery::default(), usize::MAX).unwrap();
+        assert!(answer["metadata"].get("thread_states").is_none());
+        view.min_interval_ns = 50_000;
+        let answer = ask(&view, &TimelineQuery::default(), usize::MAX).unwrap();
+        assert_eq!(answer["metadata"]["thread_states"]["min_interval_us"], 50.0);
     }
 
     /// A query with no byte budget, parsed back.

@@ -585,6 +585,7 @@ mod tests {
             job_activities: Vec::new(),
             ringbuf_drops: 0,
             jobs: Vec::new(),
+            min_interval_ns: 0,
         }
     }
 
