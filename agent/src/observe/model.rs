@@ -996,22 +996,20 @@ impl Model {
 
     /// Figures of one process over `[from_ns, to_ns)`.
     pub fn process_snapshot(&self, pid: u32, from_ns: u64, to_ns: u64) -> ProcessSnapshot {
-        let threads: Vec<ThreadSnapshot> = self
-            .tids(pid)
-            .into_iter()
-            .filter_map(|tid| self.thread_snapshot(tid, from_ns, to_ns))
+        let tids = self.tids(pid);
+        let threads: Vec<ThreadSnapshot> = tids
+            .iter()
+            .filter_map(|&tid| self.thread_snapshot(tid, from_ns, to_ns))
             .collect();
-        let mut waits: Vec<u64> = self
-            .tids(pid)
-            .into_iter()
-            .flat_map(|tid| self.intervals(tid, from_ns, to_ns))
+        let mut waits: Vec<u64> = tids
+            .iter()
+            .flat_map(|&tid| self.intervals(tid, from_ns, to_ns))
             .filter(|i| i.kind == IntervalKind::RunQueue)
             .map(|i| i.duration_ns)
             .collect();
-        let unsent = self
-            .tids(pid)
-            .into_iter()
-            .filter_map(|tid| self.threads.get(&tid))
+        let unsent = tids
+            .iter()
+            .filter_map(|tid| self.threads.get(tid))
             .map(|t| t.unsent_between(from_ns, to_ns))
             .fold(UnsentShare::default(), |sum, u| UnsentShare {
                 run_queue_ns: sum.run_queue_ns + u.run_queue_ns,
