@@ -31,7 +31,7 @@ mod tune;
 use api::http;
 use cli::{serve, top, watch};
 use jobs::trust;
-use observe::{containers, discovery, events, lock, model, probes, session};
+use observe::{containers, discovery, events, lock, model, probes, session, thread_store};
 use publish::{gpu, live, lod, metrics, timeline, tracks};
 use tune::{reports, tuning};
 
@@ -123,9 +123,19 @@ fn print_gpus() -> Result<()> {
 }
 
 fn init_tracing(filter: &str) {
-    let filter = tracing_subscriber::EnvFilter::try_new(filter).unwrap_or_else(|e| {
+    // aya warns at every load that it has no type for our task-storage map
+    // (`task_state`, read by hand in thread_store), which is not news to a
+    // user; a filter that names aya decides for itself.
+    let quiet_aya = |filter: &str| {
+        if filter.contains("aya") {
+            filter.to_owned()
+        } else {
+            format!("{filter},aya::bpf=error")
+        }
+    };
+    let filter = tracing_subscriber::EnvFilter::try_new(quiet_aya(filter)).unwrap_or_else(|e| {
         eprintln!("ringwatch-agent: ignoring bad --log filter {filter:?} ({e}); using `info`");
-        tracing_subscriber::EnvFilter::new("info")
+        tracing_subscriber::EnvFilter::new(quiet_aya("info"))
     });
     tracing_subscriber::fmt()
         .with_env_filter(filter)

@@ -553,6 +553,20 @@ fn intervals_below_the_minimum_are_counted_with_their_time() {
     if skip_unless_privileged() {
         return;
     }
+    // Both places the kernel can keep thread state: `auto` takes task
+    // storage where thread pidfds exist (Linux >= 6.9), as here.
+    // SAFETY: pidfd_open only reads its arguments; the descriptor is closed.
+    let thread_pidfds = unsafe {
+        let fd = libc::syscall(libc::SYS_pidfd_open, libc::getpid(), libc::O_EXCL);
+        fd >= 0 && libc::close(fd as i32) == 0
+    };
+    let auto = if thread_pidfds { "task-storage" } else { "hash-map" };
+    for (store, expected) in [("auto", auto), ("hash-map", "hash-map")] {
+        held_back_intervals_add_up(store, expected);
+    }
+}
+
+fn held_back_intervals_add_up(store: &str, expected: &str) {
     // Two threads trade one byte over loopback, every few µs: nearly every
     // interval is below the default --min-interval and stays in the kernel.
     // It ends before the agent does, so that the final counts are read
@@ -560,7 +574,15 @@ fn intervals_below_the_minimum_are_counted_with_their_time() {
     // after the other).
     let mut load = Testload::start(&["ping-pong", "--rounds", "40000"]);
     let pid = load.pid();
-    let agent = Agent::start(&["--pid", &pid.to_string(), "--duration", "30s", "--json"]);
+    let agent = Agent::start(&[
+        "--pid",
+        &pid.to_string(),
+        "--duration",
+        "30s",
+        "--json",
+        "--thread-state",
+        store,
+    ]);
     load.go();
     load.wait();
     let summary = agent.finish(Duration::from_secs(60));
@@ -568,6 +590,7 @@ fn intervals_below_the_minimum_are_counted_with_their_time() {
         summary["ended_because"], "every watched process exited",
         "{summary:#}"
     );
+    assert_eq!(summary["thread_state"], expected, "--thread-state {store}");
     assert_eq!(summary["ringbuf_drops"], 0, "{summary:#}");
     let duration_ns = summary["duration_s"].as_f64().unwrap() * 1e9;
     let p = process(&summary, pid);

@@ -63,6 +63,10 @@ pub mod names {
     /// `HASH` of per-thread scheduling state and switch counts (tid →
     /// [`crate::ThreadState`]).
     pub const MAP_THREAD_STATE: &str = "thread_state";
+    /// `TASK_STORAGE` of the same [`crate::ThreadState`] per thread, used
+    /// instead of [`MAP_THREAD_STATE`] when [`GLOBAL_TASK_STORAGE`] is 1;
+    /// user space looks an entry up by a pidfd of the thread.
+    pub const MAP_TASK_STATE: &str = "task_state";
     /// `HASH` [`crate::ThreadKey`] → [`crate::ThreadNet`].
     pub const MAP_THREAD_NET: &str = "thread_net";
     /// `HASH` struct sock address (`u64`) → [`crate::SockStats`].
@@ -73,6 +77,9 @@ pub mod names {
     pub const GLOBAL_MAX_INTERVALS_PER_S: &str = "rw_max_intervals_per_s";
     /// `.rodata` global (`u8`): 1 fills [`MAP_SCHED_HIST`], 0 leaves it empty.
     pub const GLOBAL_HISTOGRAMS: &str = "rw_histograms";
+    /// `.rodata` global (`u8`): 1 keeps thread state in [`MAP_TASK_STATE`],
+    /// 0 in [`MAP_THREAD_STATE`].
+    pub const GLOBAL_TASK_STORAGE: &str = "rw_task_storage";
 }
 
 /// `enum rw_event_kind`: the first field after the timestamp in every record.

@@ -16,6 +16,7 @@ use serde::Serialize;
 use crate::model::{Connection, ModelStats, NcclCall, ThreadSwitches, ThreadTotals};
 use crate::probes::ThreadHistograms;
 use crate::session::{Session, Stop, TargetArgs};
+use crate::thread_store::ThreadStateStore;
 
 /// Which processes to watch, and for how long.
 #[derive(Debug, Clone, Args)]
@@ -44,6 +45,8 @@ struct Summary {
     undecodable_records: u64,
     ringbuf_drops: u64,
     kernel_counters: BTreeMap<String, u64>,
+    /// Where the kernel kept thread state (task storage or the hash map).
+    thread_state: ThreadStateStore,
     model: ModelStats,
 }
 
@@ -131,6 +134,7 @@ pub async fn run(args: WatchArgs) -> Result<()> {
         undecodable_records: session.undecodable,
         ringbuf_drops: session.probes().counter(ebpf::Counter::RingbufDrops)?,
         kernel_counters: session.probes().counters()?,
+        thread_state: session.probes().thread_state_store(),
         model: session.model.stats(),
     };
     session.detach()?;

@@ -10,3 +10,4 @@ pub mod lock;
 pub mod model;
 pub mod probes;
 pub mod session;
+pub mod thread_store;

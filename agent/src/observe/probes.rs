@@ -13,6 +13,8 @@ use aya::programs::{BtfTracePoint, UProbe};
 use aya::{Btf, Ebpf, EbpfLoader, Pod};
 use ebpf::{Counter, SockStats, ThreadHist, ThreadKey, ThreadNet, ThreadState, names};
 
+use super::thread_store::{StateMap, ThreadStateStore};
+
 /// Plain-old-data wrappers so aya can read the kernel's map keys/values.
 #[repr(transparent)]
 #[derive(Clone, Copy)]
@@ -26,9 +28,6 @@ struct PodThreadNet(ThreadNet);
 #[repr(transparent)]
 #[derive(Clone, Copy)]
 struct PodSockStats(SockStats);
-#[repr(transparent)]
-#[derive(Clone, Copy)]
-struct PodThreadState(ThreadState);
 // SAFETY: each wraps a #[repr(C)] struct of integers (ebpf crate, layout
 // checked against the C header), valid for every bit pattern.
 unsafe impl Pod for PodThreadHist {}
@@ -38,8 +37,6 @@ unsafe impl Pod for PodThreadKey {}
 unsafe impl Pod for PodThreadNet {}
 // SAFETY: as above.
 unsafe impl Pod for PodSockStats {}
-// SAFETY: as above.
-unsafe impl Pod for PodThreadState {}
 
 /// Groups of probes that can be switched on and off.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
@@ -68,6 +65,8 @@ pub struct ProbeConfig {
     /// every switch in of a runnable thread saves a hash lookup (about a
     /// fifth of `sched_switch`'s run time under a busy job).
     pub histograms: bool,
+    /// Where the kernel keeps each thread's scheduling state.
+    pub thread_state: ThreadStateStore,
 }
 
 /// A log2 histogram of one thread: `buckets[slot]` counts durations in
@@ -93,7 +92,8 @@ pub struct Probes {
     watched: Array<MapData, u64>,
     counters: PerCpuArray<MapData, u64>,
     hist: BpfHashMap<MapData, u32, PodThreadHist>,
-    thread_state: BpfHashMap<MapData, u32, PodThreadState>,
+    thread_state: StateMap,
+    thread_state_store: ThreadStateStore,
     thread_net: BpfHashMap<MapData, PodThreadKey, PodThreadNet>,
     sock_stats: BpfHashMap<MapData, u64, PodSockStats>,
     nccl_attached: BTreeSet<u32>,
@@ -110,6 +110,8 @@ impl Probes {
             "reading the kernel's BTF from /sys/kernel/btf/vmlinux (ringwatch needs a kernel built with CONFIG_DEBUG_INFO_BTF=y, Linux >= 5.15)",
         )?;
         let histograms = u8::from(config.histograms);
+        let thread_state_store = config.thread_state.resolve()?;
+        let task_storage = u8::from(thread_state_store == ThreadStateStore::TaskStorage);
         let mut loader = EbpfLoader::new();
         loader
             .btf(Some(&btf))
@@ -119,7 +121,14 @@ impl Probes {
                 &config.max_intervals_per_s,
                 true,
             )
-            .set_global(names::GLOBAL_HISTOGRAMS, &histograms, true);
+            .set_global(names::GLOBAL_HISTOGRAMS, &histograms, true)
+            .set_global(names::GLOBAL_TASK_STORAGE, &task_storage, true)
+            // task_state: aya has no type for task storage; we read it by hand.
+            .allow_unsupported_maps();
+        if task_storage == 1 {
+            // Never written then: not 10 MiB of preallocated entries.
+            loader.set_max_entries(names::MAP_THREAD_STATE, 1);
+        }
         if !config.histograms {
             // Never written then: not 16 MiB of preallocated entries on every node.
             loader.set_max_entries(names::MAP_SCHED_HIST, 1);
@@ -181,8 +190,17 @@ impl Probes {
             .context("map counters has an unexpected type")?;
         let hist = BpfHashMap::try_from(take_map(&mut ebpf, names::MAP_SCHED_HIST)?)
             .context("map sched_hist has an unexpected type")?;
-        let thread_state = BpfHashMap::try_from(take_map(&mut ebpf, names::MAP_THREAD_STATE)?)
-            .context("map thread_state has an unexpected type")?;
+        let thread_state = match thread_state_store {
+            ThreadStateStore::TaskStorage => match take_map(&mut ebpf, names::MAP_TASK_STATE)? {
+                aya::maps::Map::Unsupported(map) => StateMap::Task(map),
+                _ => bail!("map task_state is not task storage"),
+            },
+            _ => StateMap::Hash(
+                BpfHashMap::try_from(take_map(&mut ebpf, names::MAP_THREAD_STATE)?)
+                    .context("map thread_state has an unexpected type")?,
+            ),
+        };
+        tracing::debug!(store = ?thread_state_store, "thread state");
         let thread_net = BpfHashMap::try_from(take_map(&mut ebpf, names::MAP_THREAD_NET)?)
             .context("map thread_net has an unexpected type")?;
         let sock_stats = BpfHashMap::try_from(take_map(&mut ebpf, names::MAP_SOCK_STATS)?)
@@ -193,6 +211,7 @@ impl Probes {
             counters,
             hist,
             thread_state,
+            thread_state_store,
             thread_net,
             sock_stats,
             nccl_attached: BTreeSet::new(),
@@ -334,8 +353,8 @@ impl Probes {
         if tids.is_empty() {
             return;
         }
+        self.thread_state.forget(tids);
         for tid in tids {
-            let _ = self.thread_state.remove(tid);
             let _ = self.hist.remove(tid);
         }
         let doomed_net: Vec<PodThreadKey> = self
@@ -349,13 +368,15 @@ impl Probes {
         }
     }
 
-    /// Scheduling state and context-switch counts per thread (tid → state).
-    pub fn thread_states(&self) -> Vec<(u32, ThreadState)> {
-        self.thread_state
-            .iter()
-            .flatten()
-            .map(|(tid, state)| (tid, state.0))
-            .collect()
+    /// Scheduling state and context-switch counts of the threads of
+    /// `processes` (tid → state).
+    pub fn thread_states(&self, processes: &BTreeSet<u32>) -> Vec<(u32, ThreadState)> {
+        self.thread_state.read(processes)
+    }
+
+    /// Where thread state is kept (never `Auto`).
+    pub fn thread_state_store(&self) -> ThreadStateStore {
+        self.thread_state_store
     }
 
     /// TCP bytes and calls per thread (cumulative, exact).

@@ -23,6 +23,7 @@ use crate::jobs::{JobPids, JobTimeline, Jobs, JobsConfig};
 use crate::lock::{AgentLock, DEFAULT_LOCK_FILE};
 use crate::model::Model;
 use crate::probes::{ProbeConfig, ProbeSet, Probes};
+use crate::thread_store::ThreadStateStore;
 
 /// What to watch and how much to keep: shared by every command.
 #[derive(Debug, Clone, Args)]
@@ -122,6 +123,14 @@ pub struct TargetArgs {
     /// kernel's histograms).
     #[arg(long, default_value_t = 0, env = "RINGWATCH_MAX_INTERVAL_RATE")]
     pub max_interval_rate: u32,
+
+    /// Where the kernel keeps each watched thread's scheduling state, which
+    /// every context switch of the job reads and writes: `task-storage` on
+    /// the task itself (cheapest; the agent reads it back by a pidfd of the
+    /// thread, Linux 6.9 or later), `hash-map` keyed by thread id (any
+    /// kernel), `auto` task storage where the kernel allows it.
+    #[arg(long, value_enum, default_value = "auto", env = "RINGWATCH_THREAD_STATE")]
+    pub thread_state: ThreadStateStore,
 
     /// Which probe groups to attach (comma-separated).
     #[arg(
@@ -296,6 +305,7 @@ impl Session {
             min_interval_ns,
             max_intervals_per_s: args.max_interval_rate,
             histograms,
+            thread_state: args.thread_state,
         })?;
         let ring = probes.take_events()?;
         // SAFETY: the RingBuf owns its map's file descriptor, which stays
@@ -411,8 +421,7 @@ impl Session {
     /// readers that need those figures more often than once a second.
     pub fn poll_thread_states(&mut self) {
         let now = monotonic_ns();
-        let mut states = self.probes.thread_states();
-        states.retain(|(_, state)| self.watched.contains(&state.tgid));
+        let states = self.probes.thread_states(&self.watched);
         self.model.update_thread_states(now, &states);
     }
 

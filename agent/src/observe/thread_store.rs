@@ -1,0 +1,259 @@
+//! `thread_store`: where the kernel keeps each watched thread's scheduling
+//! state (`struct rw_thread_state`), and how the agent reads it back.
+//!
+//! `sched_switch` reads and writes that state on every switch of the job,
+//! so where it lives is on the job's hot path. Task storage hangs it off the
+//! `task_struct` the switch already has in its cache; a hash map keyed by
+//! tid costs a hash and a bucket walk per side (session 18 measured 60 ns
+//! more per watched switch and 50 per wakeup). But user space can look a
+//! task-storage entry up only by a pidfd of the thread, and Linux gives a
+//! pidfd of a thread that is not its process's leader from 6.9 on
+//! (`PIDFD_THREAD`); older kernels keep the hash map.
+//!
+//! aya 0.13 has no task-storage map type, so lookups and deletes are the
+//! two `bpf(2)` commands, here.
+
+use std::collections::BTreeSet;
+use std::io;
+use std::os::fd::{AsFd, AsRawFd, BorrowedFd, FromRawFd, OwnedFd};
+
+use anyhow::{Result, bail};
+use aya::maps::{HashMap as BpfHashMap, MapData};
+use ebpf::ThreadState;
+
+/// Which map holds thread state; chosen at load time.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, clap::ValueEnum, serde::Serialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum ThreadStateStore {
+    /// Task storage where this kernel lets the agent read it back (Linux
+    /// 6.9 or later), the hash map otherwise.
+    #[default]
+    Auto,
+    /// Task storage (`BPF_MAP_TYPE_TASK_STORAGE`): cheapest per switch;
+    /// needs pidfds of threads (Linux 6.9 or later).
+    TaskStorage,
+    /// A hash map keyed by thread id: any supported kernel.
+    HashMap,
+}
+
+impl ThreadStateStore {
+    /// `Auto` made definite for this kernel; an explicit `TaskStorage` the
+    /// kernel cannot serve is an error that says why.
+    pub fn resolve(self) -> Result<Self> {
+        match self {
+            Self::Auto if thread_pidfds_work() => Ok(Self::TaskStorage),
+            Self::Auto => Ok(Self::HashMap),
+            Self::TaskStorage if !thread_pidfds_work() => bail!(
+                "--thread-state task-storage needs pidfds of threads (PIDFD_THREAD, Linux 6.9 or later) to read the state back, and this kernel refuses them; use --thread-state hash-map (or auto)"
+            ),
+            definite => Ok(definite),
+        }
+    }
+}
+
+/// Whether this kernel opens pidfds with `PIDFD_THREAD` (Linux >= 6.9;
+/// older kernels refuse the flag with EINVAL). Tried on our own pid, which
+/// every kernel accepts without the flag.
+pub fn thread_pidfds_work() -> bool {
+    // SAFETY: getpid has no preconditions.
+    let pid = unsafe { libc::getpid() };
+    pidfd_of_thread(pid.unsigned_abs()).is_ok()
+}
+
+/// The kernel's per-thread state, in whichever map holds it.
+pub enum StateMap {
+    /// `thread_state`, key: tid.
+    Hash(BpfHashMap<MapData, u32, PodThreadState>),
+    /// `task_state`, key: a pidfd of the thread.
+    Task(MapData),
+}
+
+/// `ThreadState` as aya reads it.
+#[repr(transparent)]
+#[derive(Clone, Copy)]
+pub struct PodThreadState(pub ThreadState);
+// SAFETY: wraps a #[repr(C)] struct of integers (ebpf crate, layout checked
+// against the C header), valid for every bit pattern.
+unsafe impl aya::Pod for PodThreadState {}
+
+impl StateMap {
+    /// The state of every thread of `processes` that has one (tid → state).
+    pub fn read(&self, processes: &BTreeSet<u32>) -> Vec<(u32, ThreadState)> {
+        match self {
+            Self::Hash(map) => map
+                .iter()
+                .flatten()
+                .map(|(tid, state)| (tid, state.0))
+                .filter(|(_, state)| processes.contains(&state.tgid))
+                .collect(),
+            Self::Task(map) => {
+                let mut states = Vec::new();
+                for &pid in processes {
+                    // Gone since: its threads' last counts came with their
+                    // exit records.
+                    let Ok(tasks) = std::fs::read_dir(format!("/proc/{pid}/task")) else {
+                        continue;
+                    };
+                    for tid in tasks.flatten().filter_map(|e| e.file_name().to_str()?.parse().ok())
+                    {
+                        match lookup(map.fd().as_fd(), tid) {
+                            // A tid reused by another process keeps nothing
+                            // of ours; its storage says whose it is.
+                            Ok(Some(state)) if state.tgid == pid => states.push((tid, state)),
+                            Ok(_) => {}
+                            Err(error) => {
+                                tracing::debug!(%error, tid, "reading a thread's task storage");
+                            }
+                        }
+                    }
+                }
+                states
+            }
+        }
+    }
+
+    /// Drops the state of threads the model forgot (a hash entry would
+    /// otherwise stay; task storage goes with its task, but a process that
+    /// is watched again must not find a stale state).
+    pub fn forget(&mut self, tids: &[u32]) {
+        match self {
+            Self::Hash(map) => {
+                for tid in tids {
+                    let _ = map.remove(tid);
+                }
+            }
+            Self::Task(map) => {
+                for &tid in tids {
+                    if let Ok(pidfd) = pidfd_of_thread(tid) {
+                        let _ = map_elem(map.fd().as_fd(), BPF_MAP_DELETE_ELEM, &pidfd, None);
+                    }
+                }
+            }
+        }
+    }
+}
+
+/// `PIDFD_THREAD` (linux/pidfd.h): a pidfd of this very thread.
+const PIDFD_THREAD: libc::c_uint = libc::O_EXCL as libc::c_uint;
+/// `enum bpf_cmd` (linux/bpf.h).
+const BPF_MAP_LOOKUP_ELEM: libc::c_long = 1;
+const BPF_MAP_DELETE_ELEM: libc::c_long = 3;
+
+fn pidfd_of_thread(tid: u32) -> io::Result<OwnedFd> {
+    let pid = libc::pid_t::try_from(tid).map_err(|_| io::Error::from_raw_os_error(libc::ESRCH))?;
+    // SAFETY: pidfd_open takes a pid and flags and returns a new descriptor
+    // or -1; it touches no memory of ours.
+    let fd = unsafe { libc::syscall(libc::SYS_pidfd_open, pid, PIDFD_THREAD) };
+    if fd < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    let fd = i32::try_from(fd).map_err(|_| io::Error::from_raw_os_error(libc::EBADF))?;
+    // SAFETY: the kernel just gave us this descriptor; nothing else owns it.
+    Ok(unsafe { OwnedFd::from_raw_fd(fd) })
+}
+
+/// One thread's state: none when the thread has none (it never switched
+/// while watched) or is gone.
+fn lookup(map: BorrowedFd<'_>, tid: u32) -> io::Result<Option<ThreadState>> {
+    let pidfd = match pidfd_of_thread(tid) {
+        Ok(fd) => fd,
+        Err(e) if e.raw_os_error() == Some(libc::ESRCH) => return Ok(None),
+        Err(e) => return Err(e),
+    };
+    let mut state = ThreadState::default();
+    match map_elem(map, BPF_MAP_LOOKUP_ELEM, &pidfd, Some(&mut state)) {
+        Ok(()) => Ok(Some(state)),
+        Err(e) if matches!(e.raw_os_error(), Some(libc::ENOENT | libc::ESRCH)) => Ok(None),
+        Err(e) => Err(e),
+    }
+}
+
+/// The map-element part of `union bpf_attr`.
+#[repr(C)]
+struct MapElemAttr {
+    map_fd: u32,
+    _pad: u32,
+    key: u64,
+    value: u64,
+    flags: u64,
+}
+
+fn map_elem(
+    map: BorrowedFd<'_>,
+    cmd: libc::c_long,
+    pidfd: &OwnedFd,
+    value: Option<&mut ThreadState>,
+) -> io::Result<()> {
+    let key: libc::c_int = pidfd.as_raw_fd();
+    let attr = MapElemAttr {
+        map_fd: map.as_raw_fd().unsigned_abs(),
+        _pad: 0,
+        key: std::ptr::from_ref(&key) as u64,
+        value: value.map_or(0, |v| std::ptr::from_mut(v) as u64),
+        flags: 0,
+    };
+    // SAFETY: attr points at a key of the map's key size (int) and, for a
+    // lookup, a value of its value size (ThreadState, checked against the C
+    // struct); both outlive the call, and the kernel reads size_of attr.
+    let rc = unsafe {
+        libc::syscall(
+            libc::SYS_bpf,
+            cmd,
+            std::ptr::from_ref(&attr),
+            std::mem::size_of::<MapElemAttr>(),
+        )
+    };
+    if rc < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_attribute_block_is_laid_out_as_the_kernels() {
+        // union bpf_attr, BPF_MAP_*_ELEM: map_fd, key, value, flags, each
+        // 64-bit aligned but the first.
+        assert_eq!(std::mem::size_of::<MapElemAttr>(), 32);
+        assert_eq!(std::mem::offset_of!(MapElemAttr, key), 8);
+        assert_eq!(std::mem::offset_of!(MapElemAttr, value), 16);
+        assert_eq!(std::mem::offset_of!(MapElemAttr, flags), 24);
+    }
+
+    #[test]
+    fn a_pidfd_of_a_thread_that_is_not_the_leader_opens_where_the_kernel_allows_it() {
+        // This kernel's answer decides `auto`; a thread of ours must then
+        // get a pidfd too (the point of the flag), and a tid that does not
+        // exist must not.
+        if !thread_pidfds_work() {
+            assert_eq!(ThreadStateStore::Auto.resolve().unwrap(), ThreadStateStore::HashMap);
+            assert!(ThreadStateStore::TaskStorage.resolve().is_err());
+            return;
+        }
+        assert_eq!(ThreadStateStore::Auto.resolve().unwrap(), ThreadStateStore::TaskStorage);
+        // SAFETY: gettid has no preconditions.
+        let tid = std::thread::spawn(|| unsafe { libc::gettid() })
+            .join()
+            .unwrap();
+        let (tx, rx) = std::sync::mpsc::channel();
+        let (done_tx, done_rx) = std::sync::mpsc::channel::<()>();
+        let worker = std::thread::spawn(move || {
+            // SAFETY: as above.
+            tx.send(unsafe { libc::gettid() }).unwrap();
+            let _ = done_rx.recv();
+        });
+        let live = rx.recv().unwrap();
+        assert!(pidfd_of_thread(live.unsigned_abs()).is_ok());
+        done_tx.send(()).unwrap();
+        worker.join().unwrap();
+        // The first thread has exited (joined): its tid names no thread,
+        // unless the kernel reused it already.
+        if std::fs::metadata(format!("/proc/{tid}")).is_err() {
+            assert!(pidfd_of_thread(tid.unsigned_abs()).is_err());
+        }
+        assert_eq!(ThreadStateStore::HashMap.resolve().unwrap(), ThreadStateStore::HashMap);
+    }
+}
