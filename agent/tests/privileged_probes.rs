@@ -560,7 +560,11 @@ fn intervals_below_the_minimum_are_counted_with_their_time() {
         let fd = libc::syscall(libc::SYS_pidfd_open, libc::getpid(), libc::O_EXCL);
         fd >= 0 && libc::close(fd as i32) == 0
     };
-    let auto = if thread_pidfds { "task-storage" } else { "hash-map" };
+    let auto = if thread_pidfds {
+        "task-storage"
+    } else {
+        "hash-map"
+    };
     for (store, expected) in [("auto", auto), ("hash-map", "hash-map")] {
         held_back_intervals_add_up(store, expected);
     }
@@ -688,4 +692,47 @@ fn the_per_thread_rate_limit_bounds_records_but_not_histograms() {
         u(&summary["kernel_counters"]["IntervalsRateLimited"]) > 0,
         "{summary:#}"
     );
+}
+
+#[test]
+fn yields_between_two_threads_are_preemptions_as_the_kernel_counts_them() {
+    if skip_unless_privileged() {
+        return;
+    }
+    // Two threads on one CPU hand it to each other with sched_yield: every
+    // switch leaves a runnable thread, which the kernel counts in its
+    // nonvoluntary_ctxt_switches and the agent as preempted. Both places
+    // the kernel keeps thread state must count the same.
+    for store in ["auto", "hash-map"] {
+        let mut load = Testload::start(&["yield", "--switches", "100000"]);
+        let pid = load.pid();
+        let agent = Agent::start(&[
+            "--pid",
+            &pid.to_string(),
+            "--duration",
+            "30s",
+            "--json",
+            "--thread-state",
+            store,
+        ]);
+        load.go();
+        let output = load.wait_output();
+        let counted = u(&output.last().unwrap()["switches"]);
+        let summary = agent.finish(Duration::from_secs(60));
+        let p = process(&summary, pid);
+        let yielders: Vec<&Value> = p["threads"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .filter(|t| t["comm"].as_str().unwrap_or("").starts_with("rw-yield"))
+            .collect();
+        assert_eq!(yielders.len(), 2, "--thread-state {store}: {p:#}");
+        let preempted: u64 = yielders.iter().map(|t| u(&t["preempted"])).sum();
+        // The kernel counted from each thread's first yield to its last;
+        // the agent also sees the threads start (pinning, the barrier).
+        assert!(
+            counted >= 99_000 && preempted >= counted && preempted <= counted + 10 + counted / 1000,
+            "--thread-state {store}: agent {preempted} preempted, kernel {counted}: {p:#}"
+        );
+    }
 }

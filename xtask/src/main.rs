@@ -517,6 +517,10 @@ fn bench(
             // The worst case (every hop an event), then what the agent
             // watches in practice: a collective job.
             run(bench, &[])?;
+            // What watching adds to one context switch, seen from the
+            // switching threads, with the BPF statistics off and on: the
+            // statistics leave out the cost of calling a program.
+            run(bench, &["--workload", "yield", "--pairs", "5"])?;
             // Jobs of 60 steps (~5 s): with 20, the spread between runs was as large as
             // the overhead being measured. With the kernel's BPF statistics:
             // what the agent and each program cost, as shares of the job's

@@ -1,13 +1,15 @@
 //! `ringwatch-bench`: the probes' overhead and throughput, as a table.
 //!
 //! A/B in one run: a workload alone, then watched by `ringwatch-agent`,
-//! alternating, reporting the slowdown as a ratio of medians. Two
+//! alternating, reporting the slowdown as a ratio of medians. Three
 //! workloads: `ping-pong`, a loopback TCP ping-pong (a context switch and a
-//! send/receive per hop: the worst case, every hop is an event), and
+//! send/receive per hop: the worst case, every hop is an event),
 //! `collbench`, a real 4-rank `collbench resnet50` job on loopback (what
-//! the agent watches in practice; its steps/s is the figure). For the
-//! watched runs it reports the records the pipeline took per second, the
-//! ring-buffer drops, and the agent's CPU % and peak RSS (from wait4).
+//! the agent watches in practice; its steps/s is the figure), and `yield`,
+//! two threads trading one CPU with sched_yield (what watching adds to one
+//! context switch, BPF statistics off and on). For the watched runs it
+//! reports the records the pipeline took per second, the ring-buffer
+//! drops, and the agent's CPU % and peak RSS (from wait4).
 //! Needs root (the agent loads eBPF). Runs the sibling binaries of its own
 //! executable, so build them together (`cargo xtask bench probes`).
 
@@ -38,6 +40,9 @@ struct Cli {
     /// collbench: ranks of the job (all on this machine).
     #[arg(long, default_value_t = 4)]
     ranks: usize,
+    /// yield: context switches per run.
+    #[arg(long, default_value_t = 1_000_000)]
+    switches: u64,
     /// collbench: timed resnet50 steps per run.
     #[arg(long, default_value_t = 20)]
     steps: usize,
@@ -63,6 +68,12 @@ enum Workload {
     PingPong,
     /// A 4-rank `collbench resnet50` job on loopback (steps/s).
     Collbench,
+    /// Two threads pinned to one CPU hand it to each other with
+    /// sched_yield: nothing but watched context switches. Measures what
+    /// watching adds to one switch from the threads' side, with the
+    /// kernel's BPF statistics off (as deployed) and on (as `--bpf-stats`
+    /// measures), beside what those statistics say `sched_switch` took.
+    Yield,
 }
 
 struct Sibling {
@@ -167,15 +178,15 @@ fn one_run(sib: &Sibling, cli: &Cli, watched: Option<&str>) -> Result<(f64, Opti
 /// Starts the agent watching `target` (agent flags) and returns once it
 /// says it is watching.
 fn start_agent(sib: &Sibling, target: &[String], min_interval: &str) -> Result<Child> {
+    start_agent_with(sib, target, &["--min-interval", min_interval])
+}
+
+/// As [`start_agent`], with `flags` instead of a `--min-interval`.
+fn start_agent_with(sib: &Sibling, target: &[String], flags: &[&str]) -> Result<Child> {
     let mut child = Command::new(&sib.agent)
         .args(target)
-        .args([
-            "--duration",
-            "600s",
-            "--json",
-            "--min-interval",
-            min_interval,
-        ])
+        .args(["--duration", "600s", "--json"])
+        .args(flags)
         .env(
             "RINGWATCH_LOCK_FILE",
             std::env::temp_dir().join(format!("ringwatch-bench-{}.lock", std::process::id())),
@@ -460,22 +471,10 @@ impl CostReading {
                     .with_context(|| format!("{}: {text:?}", path.display()))?;
             }
         }
-        let mut programs = std::collections::BTreeMap::new();
-        for info in aya::programs::loaded_programs() {
-            let info = info.context("listing the kernel's BPF programs")?;
-            let Some(name) = info.name_as_str().filter(|n| n.starts_with("rw_")) else {
-                continue;
-            };
-            programs.insert(
-                info.id(),
-                (
-                    name.to_owned(),
-                    info.run_time().as_nanos() as u64,
-                    info.run_count(),
-                ),
-            );
-        }
-        Ok(Self { agent_ns, programs })
+        Ok(Self {
+            agent_ns,
+            programs: rw_programs()?,
+        })
     }
 
     /// From `before` to this reading, with the job's CPU time.
@@ -495,6 +494,27 @@ impl CostReading {
             programs,
         }
     }
+}
+
+/// Every loaded `rw_*` program: id → (name, run time ns, runs), as far as
+/// the kernel's BPF statistics have counted them.
+fn rw_programs() -> Result<std::collections::BTreeMap<u32, (String, u64, u64)>> {
+    let mut programs = std::collections::BTreeMap::new();
+    for info in aya::programs::loaded_programs() {
+        let info = info.context("listing the kernel's BPF programs")?;
+        let Some(name) = info.name_as_str().filter(|n| n.starts_with("rw_")) else {
+            continue;
+        };
+        programs.insert(
+            info.id(),
+            (
+                name.to_owned(),
+                info.run_time().as_nanos() as u64,
+                info.run_count(),
+            ),
+        );
+    }
+    Ok(programs)
 }
 
 /// Interrupts the agent (the load is over; an agent watching a name or only
@@ -585,9 +605,12 @@ fn main() -> Result<()> {
         }
         variants.retain(|v| cli.variants.iter().any(|c| c == v));
     }
+    if cli.workload == Workload::Yield {
+        return yield_bench(&sib, &cli);
+    }
     let run = |watched: Option<&str>| match cli.workload {
         Workload::PingPong => one_run(&sib, &cli, watched),
-        Workload::Collbench => one_collbench_run(&sib, &cli, watched),
+        Workload::Collbench | Workload::Yield => one_collbench_run(&sib, &cli, watched),
     };
     let mut base = Vec::new();
     let mut watched: Vec<Vec<f64>> = vec![Vec::new(); variants.len()];
@@ -616,7 +639,7 @@ fn main() -> Result<()> {
             );
             "round trips/s"
         }
-        Workload::Collbench => {
+        Workload::Collbench | Workload::Yield => {
             println!(
                 "ringwatch probes benchmark: collbench resnet50, {} local ranks x {} steps, {} A/B pairs per variant",
                 cli.ranks, cli.steps, cli.pairs
@@ -660,12 +683,154 @@ fn main() -> Result<()> {
     Ok(())
 }
 
+/// How a yield run is watched.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum YieldRun {
+    Alone,
+    /// The agent watching the threads at its defaults, BPF statistics off.
+    Watched,
+    /// The same with the kernel's BPF run-time statistics on.
+    WatchedStats,
+}
+
+/// `--workload yield`: ns per switch of the yielding threads alone and
+/// watched, statistics off and on, `--pairs` rounds in this order; each
+/// watched run is compared with the run alone of its round.
+fn yield_bench(sib: &Sibling, cli: &Cli) -> Result<()> {
+    let cpus = std::thread::available_parallelism().map_or(1, std::num::NonZero::get);
+    let load = std::fs::read_to_string("/proc/loadavg").unwrap_or_default();
+    let load = load.split_whitespace().next().unwrap_or("?").to_owned();
+    eprintln!(
+        "yield: {} rounds of 3 runs, {} switches each, on CPU {}",
+        cli.pairs,
+        cli.switches,
+        cpus - 1
+    );
+    one_yield_run(sib, cli, YieldRun::Alone)?; // warm-up
+    let (mut alone, mut off, mut on, mut reported, mut runs_per_switch) =
+        (Vec::new(), Vec::new(), Vec::new(), Vec::new(), Vec::new());
+    for round in 0..cli.pairs {
+        let base = one_yield_run(sib, cli, YieldRun::Alone)?.0;
+        let watched = one_yield_run(sib, cli, YieldRun::Watched)?.0;
+        let (stats, program) = one_yield_run(sib, cli, YieldRun::WatchedStats)?;
+        eprintln!(
+            "yield round {}/{}: alone {base:.0} ns, watched {watched:.0} ns, with statistics {stats:.0} ns a switch",
+            round + 1,
+            cli.pairs
+        );
+        alone.push(base);
+        off.push(watched - base);
+        on.push(stats - base);
+        if let Some((ns_per_run, per_switch)) = program {
+            reported.push(ns_per_run);
+            runs_per_switch.push(per_switch);
+        }
+    }
+    let load_after = std::fs::read_to_string("/proc/loadavg").unwrap_or_default();
+    let load_after = load_after.split_whitespace().next().unwrap_or("?");
+    println!(
+        "ringwatch probes benchmark: 2 threads pinned to CPU {} trade it with sched_yield, {} switches per run, {} rounds (load {load} before, {load_after} after)",
+        cpus - 1,
+        cli.switches,
+        cli.pairs
+    );
+    println!();
+    println!("| run | ns per switch, added by watching: median (min to max) |");
+    println!("|---|---:|");
+    let row = |label: &str, values: &mut Vec<f64>| {
+        let m = median(values);
+        println!(
+            "| {label} | {m:.0} ({:.0} to {:.0}) |",
+            values[0],
+            values[values.len() - 1]
+        );
+    };
+    row("not watched: ns per switch", &mut alone);
+    row("watched, BPF statistics off (as deployed)", &mut off);
+    row("watched, BPF statistics on (as `--bpf-stats`)", &mut on);
+    if !reported.is_empty() {
+        row(
+            "`sched_switch` run time by the BPF statistics, ns per run",
+            &mut reported,
+        );
+        println!();
+        println!(
+            "`sched_switch` ran {:.2} times per switch the threads counted (other tasks' switches on that CPU included).",
+            median(&mut runs_per_switch)
+        );
+    }
+    Ok(())
+}
+
+/// One yield run: (ns per switch, with statistics on: sched_switch's ns
+/// per run and runs per counted switch).
+fn one_yield_run(sib: &Sibling, cli: &Cli, how: YieldRun) -> Result<(f64, Option<(f64, f64)>)> {
+    let mut child = Command::new(&sib.testload)
+        .args(["--wait", "yield", "--switches", &cli.switches.to_string()])
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .spawn()
+        .context("starting ringwatch-testload yield")?;
+    let stdout = child.stdout.take().context("no stdout")?;
+    let mut lines = BufReader::new(stdout).lines();
+    let first = lines.next().context("testload printed nothing")??;
+    let info: serde_json::Value = serde_json::from_str(&first).context("testload's JSON")?;
+    let pid = info["pid"].as_u64().context("no pid")?;
+    let stats = match how {
+        YieldRun::WatchedStats => Some(
+            aya::sys::enable_stats(aya::sys::Stats::RunTime)
+                .context("turning on the kernel's BPF run-time statistics")?,
+        ),
+        _ => None,
+    };
+    let agent = match how {
+        YieldRun::Alone => None,
+        // Every setting at its default (RINGWATCH_* in the environment apply).
+        _ => Some(start_agent_with(
+            sib,
+            &["--pid".into(), pid.to_string()],
+            &[],
+        )?),
+    };
+    let before = rw_programs()?;
+    let started = Instant::now();
+    let mut stdin = child.stdin.take().context("no stdin")?;
+    stdin.write_all(b"go\n").context("starting the load")?;
+    let line = lines.next().context("testload printed no result")??;
+    let load_s = started.elapsed().as_secs_f64();
+    let after = rw_programs()?;
+    child.wait().context("waiting for testload")?;
+    drop(stats);
+    let result: serde_json::Value = serde_json::from_str(&line).context("testload's result")?;
+    let ns_per_switch = result["ns_per_switch"]
+        .as_f64()
+        .context("no ns_per_switch")?;
+    let switches = result["switches"].as_f64().context("no switches")?;
+    if let Some(agent) = agent {
+        reap_agent(agent, load_s)?;
+    }
+    let mut program = None;
+    if how == YieldRun::WatchedStats {
+        let (mut ns, mut runs) = (0, 0);
+        for (id, (name, ns1, runs1)) in &after {
+            if let Some((_, ns0, runs0)) = before.get(id).filter(|_| name == "rw_sched_switch") {
+                ns += ns1.saturating_sub(*ns0);
+                runs += runs1.saturating_sub(*runs0);
+            }
+        }
+        if runs > 0 {
+            program = Some((ns as f64 / runs as f64, runs as f64 / switches.max(1.0)));
+        }
+    }
+    Ok((ns_per_switch, program))
+}
+
 /// `--bpf-stats`: what watching cost, as shares of the job's own CPU time
 /// (medians over the runs), and where the kernel's part went.
 fn print_costs(variants: &[&str], runs: &[Vec<AgentRun>]) {
     println!();
     println!(
-        "What watching cost during the job, as a share of the job's own CPU time (medians over the runs; the job's CPU from wait4, the agent's from its threads' schedstat, the programs' from the kernel's BPF statistics, which were on for every run above and add two clock reads to each program run):"
+        "What watching cost during the job, as a share of the job's own CPU time (medians over the runs; the job's CPU from wait4, the agent's from its threads' schedstat, the programs' from the kernel's BPF statistics, which were on for every run above and add two clock reads to each program run, but leave out the cost of calling the program; `--workload yield` measures what a watched switch costs in all):"
     );
     println!();
     println!(

@@ -87,6 +87,19 @@ enum Workload {
         #[arg(long, default_value_t = 10_000)]
         rounds: u64,
     },
+    /// Two threads named `rw-yield-N`, pinned to one CPU, hand it to each
+    /// other with sched_yield until SWITCHES switches: nothing but context
+    /// switches, as between the ranks of a job that share a core. Prints
+    /// the switches the kernel counted (nonvoluntary_ctxt_switches) and
+    /// the time per switch.
+    Yield {
+        /// Switches in all (yields of both threads).
+        #[arg(long, default_value_t = 200_000)]
+        switches: u64,
+        /// The CPU both threads run on (default: the last one).
+        #[arg(long)]
+        cpu: Option<usize>,
+    },
 }
 
 fn main() -> Result<()> {
@@ -130,6 +143,7 @@ fn main() -> Result<()> {
         } => tcp_send(&to, bytes, writes, pause, cli.wait)?,
         Workload::Busy { threads, duration } => busy(threads, duration, cli.wait)?,
         Workload::PingPong { rounds } => ping_pong(rounds, cli.wait)?,
+        Workload::Yield { switches, cpu } => yield_switches(switches, cpu, cli.wait)?,
         Workload::ShortThreads { count, life } => short_threads(count, life, cli.wait)?,
     }
     Ok(())
@@ -300,6 +314,82 @@ fn ping_pong(rounds: u64, wait: bool) -> Result<()> {
         "rounds": rounds, "elapsed_s": elapsed.as_secs_f64(),
         "rounds_per_s": rounds as f64 / elapsed.as_secs_f64(),
     }))
+}
+
+fn yield_switches(switches: u64, cpu: Option<usize>, wait: bool) -> Result<()> {
+    use std::sync::atomic::{AtomicU64, Ordering};
+    use std::sync::{Arc, Barrier};
+    let cpus = std::thread::available_parallelism().map_or(1, std::num::NonZero::get);
+    let cpu = cpu.unwrap_or(cpus - 1);
+    if cpu >= cpus || cpu >= libc::CPU_SETSIZE as usize {
+        anyhow::bail!("--cpu {cpu}: this machine has CPUs 0 to {}", cpus - 1);
+    }
+    announce(&serde_json::json!({
+        "workload": "yield", "pid": std::process::id(), "switches": switches, "cpu": cpu,
+    }))?;
+    wait_for_go(wait)?;
+    let yields = Arc::new(AtomicU64::new(0));
+    let start = Arc::new(Barrier::new(3));
+    let threads = (0..2)
+        .map(|i| {
+            let yields = Arc::clone(&yields);
+            let start = Arc::clone(&start);
+            std::thread::Builder::new()
+                .name(format!("rw-yield-{i}"))
+                .spawn(move || -> Result<u64> {
+                    pin_to(cpu)?;
+                    let before = nonvoluntary_switches()?;
+                    start.wait();
+                    while yields.fetch_add(1, Ordering::Relaxed) < switches {
+                        // SAFETY: sched_yield has no preconditions.
+                        unsafe { libc::sched_yield() };
+                    }
+                    Ok(nonvoluntary_switches()? - before)
+                })
+                .context("spawning a yield thread")
+        })
+        .collect::<Result<Vec<_>>>()?;
+    start.wait();
+    let started = std::time::Instant::now();
+    let mut counted = 0;
+    for thread in threads {
+        counted += thread
+            .join()
+            .map_err(|_| anyhow::anyhow!("a yield thread panicked"))??;
+    }
+    let elapsed = started.elapsed();
+    announce(&serde_json::json!({
+        "switches": counted, "elapsed_s": elapsed.as_secs_f64(),
+        "ns_per_switch": elapsed.as_nanos() as f64 / counted.max(1) as f64,
+    }))
+}
+
+fn pin_to(cpu: usize) -> Result<()> {
+    // SAFETY: a zeroed cpu_set_t is an empty set; CPU_SET writes inside it
+    // (cpu < CPU_SETSIZE, checked by the caller), and sched_setaffinity reads
+    // it for this thread (pid 0).
+    let rc = unsafe {
+        let mut set: libc::cpu_set_t = std::mem::zeroed();
+        libc::CPU_SET(cpu, &mut set);
+        libc::sched_setaffinity(0, std::mem::size_of::<libc::cpu_set_t>(), &set)
+    };
+    if rc != 0 {
+        return Err(std::io::Error::last_os_error())
+            .with_context(|| format!("pinning to CPU {cpu}"));
+    }
+    Ok(())
+}
+
+/// This thread's involuntary context switches so far (a yield to another
+/// thread is one: the thread leaves the CPU still runnable).
+fn nonvoluntary_switches() -> Result<u64> {
+    let status = std::fs::read_to_string("/proc/thread-self/status")
+        .context("reading /proc/thread-self/status")?;
+    status
+        .lines()
+        .find_map(|l| l.strip_prefix("nonvoluntary_ctxt_switches:"))
+        .and_then(|v| v.trim().parse().ok())
+        .context("no nonvoluntary_ctxt_switches in /proc/thread-self/status")
 }
 
 fn announce(description: &serde_json::Value) -> Result<()> {

@@ -129,7 +129,12 @@ pub struct TargetArgs {
     /// the task itself (cheapest; the agent reads it back by a pidfd of the
     /// thread, Linux 6.9 or later), `hash-map` keyed by thread id (any
     /// kernel), `auto` task storage where the kernel allows it.
-    #[arg(long, value_enum, default_value = "auto", env = "RINGWATCH_THREAD_STATE")]
+    #[arg(
+        long,
+        value_enum,
+        default_value = "auto",
+        env = "RINGWATCH_THREAD_STATE"
+    )]
     pub thread_state: ThreadStateStore,
 
     /// Which probe groups to attach (comma-separated).

@@ -94,7 +94,9 @@ impl StateMap {
                     let Ok(tasks) = std::fs::read_dir(format!("/proc/{pid}/task")) else {
                         continue;
                     };
-                    for tid in tasks.flatten().filter_map(|e| e.file_name().to_str()?.parse().ok())
+                    for tid in tasks
+                        .flatten()
+                        .filter_map(|e| e.file_name().to_str()?.parse().ok())
                     {
                         match lookup(map.fd().as_fd(), tid) {
                             // A tid reused by another process keeps nothing
@@ -229,11 +231,17 @@ mod tests {
         // get a pidfd too (the point of the flag), and a tid that does not
         // exist must not.
         if !thread_pidfds_work() {
-            assert_eq!(ThreadStateStore::Auto.resolve().unwrap(), ThreadStateStore::HashMap);
+            assert_eq!(
+                ThreadStateStore::Auto.resolve().unwrap(),
+                ThreadStateStore::HashMap
+            );
             assert!(ThreadStateStore::TaskStorage.resolve().is_err());
             return;
         }
-        assert_eq!(ThreadStateStore::Auto.resolve().unwrap(), ThreadStateStore::TaskStorage);
+        assert_eq!(
+            ThreadStateStore::Auto.resolve().unwrap(),
+            ThreadStateStore::TaskStorage
+        );
         // SAFETY: gettid has no preconditions.
         let tid = std::thread::spawn(|| unsafe { libc::gettid() })
             .join()
@@ -254,6 +262,9 @@ mod tests {
         if std::fs::metadata(format!("/proc/{tid}")).is_err() {
             assert!(pidfd_of_thread(tid.unsigned_abs()).is_err());
         }
-        assert_eq!(ThreadStateStore::HashMap.resolve().unwrap(), ThreadStateStore::HashMap);
+        assert_eq!(
+            ThreadStateStore::HashMap.resolve().unwrap(),
+            ThreadStateStore::HashMap
+        );
     }
 }
