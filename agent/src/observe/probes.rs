@@ -254,6 +254,12 @@ impl Probes {
         Ok(())
     }
 
+    /// Whether [`Probes::attach_nccl`] would still do something for `pid`:
+    /// the NCCL probes are on and not attached to it yet.
+    pub fn nccl_wanted(&self, pid: u32) -> bool {
+        self.nccl_enabled && !self.nccl_attached.contains(&pid)
+    }
+
     /// Attaches the NCCL uprobes to `library` (a libnccl.so) for process
     /// `pid` only. Returns how many entry points were found; once per pid.
     pub fn attach_nccl(&mut self, pid: u32, library: &Path) -> Result<usize> {

@@ -372,7 +372,10 @@ impl Session {
     pub fn refresh(&mut self) -> Result<()> {
         self.rescan()?;
         for &pid in &self.watched {
-            if let Some(library) = discovery::nccl_library(pid)
+            // Reading /proc/PID/maps costs a few % of the agent per process
+            // each second: only while it could still lead to an attach.
+            if self.probes.nccl_wanted(pid)
+                && let Some(library) = discovery::nccl_library(pid)
                 && let Err(error) = self.probes.attach_nccl(pid, &library)
             {
                 tracing::warn!(
