@@ -344,7 +344,12 @@ impl Session {
     /// What is watched, for the "watching …" line.
     pub fn describe(&self) -> String {
         let pids: Vec<String> = self.watched.iter().map(u32::to_string).collect();
-        format!("pid {} ({})", pids.join(","), self.discovery.describe())
+        let what = if pids.is_empty() {
+            "no process yet".to_owned()
+        } else {
+            format!("pid {}", pids.join(","))
+        };
+        format!("{what} ({})", self.discovery.describe())
     }
 
     /// The jobs found through control sockets, when they are watched.

@@ -154,7 +154,7 @@ impl Agent {
             for line in BufReader::new(stderr).lines() {
                 let Ok(line) = line else { break };
                 eprintln!("[agent] {line}");
-                if !ready && line.contains("watching pid") {
+                if !ready && watching_line(&line) {
                     ready = true;
                     let _ = tx.send(());
                 }
@@ -184,6 +184,11 @@ impl Agent {
 }
 
 /// A lock-file path no other test agent uses.
+/// The agent's line that says its probes are loaded and what they watch.
+fn watching_line(line: &str) -> bool {
+    line.contains("watching pid") || line.contains("watching no process yet")
+}
+
 pub fn unique_lock_file() -> String {
     use std::sync::atomic::{AtomicU32, Ordering};
     static NEXT: AtomicU32 = AtomicU32::new(0);
@@ -260,7 +265,7 @@ impl ApiServer {
                 if let Some(rest) = line.split("http://").nth(1) {
                     let _ = tx.send(Some(rest.split('/').next().unwrap().to_owned()));
                 }
-                if line.contains("watching pid") {
+                if watching_line(&line) {
                     let _ = tx.send(None);
                 }
             }
