@@ -192,7 +192,10 @@ impl Probes {
             .context("map sched_hist has an unexpected type")?;
         let thread_state = match thread_state_store {
             ThreadStateStore::TaskStorage => match take_map(&mut ebpf, names::MAP_TASK_STATE)? {
-                aya::maps::Map::Unsupported(map) => StateMap::Task(map),
+                aya::maps::Map::Unsupported(map) => StateMap::Task {
+                    map,
+                    pidfds: std::collections::HashMap::new(),
+                },
                 _ => bail!("map task_state is not task storage"),
             },
             _ => StateMap::Hash(
@@ -376,7 +379,7 @@ impl Probes {
 
     /// Scheduling state and context-switch counts of the threads of
     /// `processes` (tid → state).
-    pub fn thread_states(&self, processes: &BTreeSet<u32>) -> Vec<(u32, ThreadState)> {
+    pub fn thread_states(&mut self, processes: &BTreeSet<u32>) -> Vec<(u32, ThreadState)> {
         self.thread_state.read(processes)
     }
 

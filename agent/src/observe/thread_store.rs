@@ -13,7 +13,8 @@
 //! aya 0.13 has no task-storage map type, so lookups and deletes are the
 //! two `bpf(2)` commands, here.
 
-use std::collections::BTreeSet;
+use std::collections::hash_map::Entry;
+use std::collections::{BTreeSet, HashMap};
 use std::io;
 use std::os::fd::{AsFd, AsRawFd, BorrowedFd, FromRawFd, OwnedFd};
 
@@ -65,7 +66,13 @@ pub enum StateMap {
     /// `thread_state`, key: tid.
     Hash(BpfHashMap<MapData, u32, PodThreadState>),
     /// `task_state`, key: a pidfd of the thread.
-    Task(MapData),
+    Task {
+        map: MapData,
+        /// A pidfd of each live watched thread, kept between readings: the
+        /// open and close would be two of the three system calls a reading
+        /// of a thread takes.
+        pidfds: HashMap<u32, OwnedFd>,
+    },
 }
 
 /// `ThreadState` as aya reads it.
@@ -78,7 +85,7 @@ unsafe impl aya::Pod for PodThreadState {}
 
 impl StateMap {
     /// The state of every thread of `processes` that has one (tid → state).
-    pub fn read(&self, processes: &BTreeSet<u32>) -> Vec<(u32, ThreadState)> {
+    pub fn read(&mut self, processes: &BTreeSet<u32>) -> Vec<(u32, ThreadState)> {
         match self {
             Self::Hash(map) => map
                 .iter()
@@ -86,8 +93,10 @@ impl StateMap {
                 .map(|(tid, state)| (tid, state.0))
                 .filter(|(_, state)| processes.contains(&state.tgid))
                 .collect(),
-            Self::Task(map) => {
+            Self::Task { map, pidfds } => {
+                drop_exited(pidfds);
                 let mut states = Vec::new();
+                let mut live = BTreeSet::new();
                 for &pid in processes {
                     // Gone since: its threads' last counts came with their
                     // exit records.
@@ -96,9 +105,10 @@ impl StateMap {
                     };
                     for tid in tasks
                         .flatten()
-                        .filter_map(|e| e.file_name().to_str()?.parse().ok())
+                        .filter_map(|e| e.file_name().to_str()?.parse::<u32>().ok())
                     {
-                        match lookup(map.fd().as_fd(), tid) {
+                        live.insert(tid);
+                        match lookup(map.fd().as_fd(), pidfds, tid) {
                             // A tid reused by another process keeps nothing
                             // of ours; its storage says whose it is.
                             Ok(Some(state)) if state.tgid == pid => states.push((tid, state)),
@@ -109,6 +119,7 @@ impl StateMap {
                         }
                     }
                 }
+                pidfds.retain(|tid, _| live.contains(tid));
                 states
             }
         }
@@ -124,8 +135,10 @@ impl StateMap {
                     let _ = map.remove(tid);
                 }
             }
-            Self::Task(map) => {
+            Self::Task { map, pidfds } => {
                 for &tid in tids {
+                    // A kept pidfd may name an earlier thread of that tid.
+                    pidfds.remove(&tid);
                     if let Ok(pidfd) = pidfd_of_thread(tid) {
                         let _ = map_elem(map.fd().as_fd(), BPF_MAP_DELETE_ELEM, &pidfd, None);
                     }
@@ -154,19 +167,66 @@ fn pidfd_of_thread(tid: u32) -> io::Result<OwnedFd> {
     Ok(unsafe { OwnedFd::from_raw_fd(fd) })
 }
 
-/// One thread's state: none when the thread has none (it never switched
-/// while watched) or is gone.
-fn lookup(map: BorrowedFd<'_>, tid: u32) -> io::Result<Option<ThreadState>> {
-    let pidfd = match pidfd_of_thread(tid) {
-        Ok(fd) => fd,
-        Err(e) if e.raw_os_error() == Some(libc::ESRCH) => return Ok(None),
-        Err(e) => return Err(e),
+/// One thread's state, through its kept pidfd (opened and kept if there is
+/// none): none when the thread has none (it never switched while watched)
+/// or is gone.
+fn lookup(
+    map: BorrowedFd<'_>,
+    pidfds: &mut HashMap<u32, OwnedFd>,
+    tid: u32,
+) -> io::Result<Option<ThreadState>> {
+    let pidfd = match pidfds.entry(tid) {
+        Entry::Occupied(kept) => kept.into_mut(),
+        Entry::Vacant(slot) => match pidfd_of_thread(tid) {
+            Ok(fd) => slot.insert(fd),
+            Err(e) if e.raw_os_error() == Some(libc::ESRCH) => return Ok(None),
+            Err(e) => return Err(e),
+        },
     };
     let mut state = ThreadState::default();
-    match map_elem(map, BPF_MAP_LOOKUP_ELEM, &pidfd, Some(&mut state)) {
+    match map_elem(map, BPF_MAP_LOOKUP_ELEM, pidfd, Some(&mut state)) {
         Ok(()) => Ok(Some(state)),
+        // No state yet (a thread that has not run since it was watched), or
+        // the thread exited since `drop_exited` looked: its pidfd goes at
+        // the next reading.
         Err(e) if matches!(e.raw_os_error(), Some(libc::ENOENT | libc::ESRCH)) => Ok(None),
         Err(e) => Err(e),
+    }
+}
+
+/// Drops the kept pidfds of threads that exited: a thread's pidfd polls
+/// readable once it has (Linux >= 6.9), and its tid may name a new thread
+/// by now. One system call for all of them.
+fn drop_exited(pidfds: &mut HashMap<u32, OwnedFd>) {
+    if pidfds.is_empty() {
+        return;
+    }
+    let tids: Vec<u32> = pidfds.keys().copied().collect();
+    let mut polled: Vec<libc::pollfd> = tids
+        .iter()
+        .filter_map(|tid| pidfds.get(tid))
+        .map(|fd| libc::pollfd {
+            fd: fd.as_raw_fd(),
+            events: libc::POLLIN,
+            revents: 0,
+        })
+        .collect();
+    let Ok(count) = libc::nfds_t::try_from(polled.len()) else {
+        pidfds.clear();
+        return;
+    };
+    // SAFETY: `polled` holds `count` initialized pollfds of descriptors we
+    // own, and poll writes only their revents; timeout 0 never blocks.
+    let ready = unsafe { libc::poll(polled.as_mut_ptr(), count, 0) };
+    if ready < 0 {
+        // Cannot tell which are gone: open them all afresh.
+        pidfds.clear();
+        return;
+    }
+    for (tid, p) in tids.iter().zip(&polled) {
+        if p.revents != 0 {
+            pidfds.remove(tid);
+        }
     }
 }
 
@@ -266,5 +326,39 @@ mod tests {
             ThreadStateStore::HashMap.resolve().unwrap(),
             ThreadStateStore::HashMap
         );
+    }
+
+    #[test]
+    fn kept_pidfds_of_threads_that_exited_are_dropped_and_the_others_kept() {
+        if !thread_pidfds_work() {
+            return; // no thread pidfds, no task storage: nothing is kept
+        }
+        let (tx, rx) = std::sync::mpsc::channel();
+        let spawn = |tx: std::sync::mpsc::Sender<i32>, done: std::sync::mpsc::Receiver<()>| {
+            std::thread::spawn(move || {
+                // SAFETY: gettid has no preconditions.
+                tx.send(unsafe { libc::gettid() }).unwrap();
+                let _ = done.recv();
+            })
+        };
+        let (end_tx, end_rx) = std::sync::mpsc::channel::<()>();
+        let ending = spawn(tx.clone(), end_rx);
+        let (stay_tx, stay_rx) = std::sync::mpsc::channel::<()>();
+        let staying = spawn(tx, stay_rx);
+        let ending_tid = rx.recv().unwrap().unsigned_abs();
+        let staying_tid = rx.recv().unwrap().unsigned_abs();
+        let mut pidfds = HashMap::new();
+        for tid in [ending_tid, staying_tid] {
+            pidfds.insert(tid, pidfd_of_thread(tid).unwrap());
+        }
+        drop_exited(&mut pidfds);
+        assert_eq!(pidfds.len(), 2, "both threads live");
+        end_tx.send(()).unwrap();
+        ending.join().unwrap();
+        drop_exited(&mut pidfds);
+        assert!(!pidfds.contains_key(&ending_tid), "its thread exited");
+        assert!(pidfds.contains_key(&staying_tid), "its thread still runs");
+        stay_tx.send(()).unwrap();
+        staying.join().unwrap();
     }
 }
