@@ -148,6 +148,11 @@ impl StateMap {
     }
 }
 
+/// At most this many pidfds are kept between readings (a process of many
+/// thousands of threads must not take as many of the agent's descriptors);
+/// the threads past it get one for each reading.
+const MAX_KEPT_PIDFDS: usize = 4096;
+
 /// `PIDFD_THREAD` (linux/pidfd.h): a pidfd of this very thread.
 const PIDFD_THREAD: libc::c_uint = libc::O_EXCL as libc::c_uint;
 /// `enum bpf_cmd` (linux/bpf.h).
@@ -175,10 +180,17 @@ fn lookup(
     pidfds: &mut HashMap<u32, OwnedFd>,
     tid: u32,
 ) -> io::Result<Option<ThreadState>> {
+    let full = pidfds.len() >= MAX_KEPT_PIDFDS;
+    let opened;
     let pidfd = match pidfds.entry(tid) {
-        Entry::Occupied(kept) => kept.into_mut(),
+        Entry::Occupied(kept) => &*kept.into_mut(),
         Entry::Vacant(slot) => match pidfd_of_thread(tid) {
-            Ok(fd) => slot.insert(fd),
+            Ok(fd) if !full => &*slot.insert(fd),
+            // Past the bound: used once and closed.
+            Ok(fd) => {
+                opened = fd;
+                &opened
+            }
             Err(e) if e.raw_os_error() == Some(libc::ESRCH) => return Ok(None),
             Err(e) => return Err(e),
         },
@@ -333,20 +345,19 @@ mod tests {
         if !thread_pidfds_work() {
             return; // no thread pidfds, no task storage: nothing is kept
         }
-        let (tx, rx) = std::sync::mpsc::channel();
-        let spawn = |tx: std::sync::mpsc::Sender<i32>, done: std::sync::mpsc::Receiver<()>| {
-            std::thread::spawn(move || {
+        // A thread that says its tid, then waits to be told to end.
+        let spawn = || {
+            let (tid_tx, tid_rx) = std::sync::mpsc::channel();
+            let (end_tx, end_rx) = std::sync::mpsc::channel::<()>();
+            let thread = std::thread::spawn(move || {
                 // SAFETY: gettid has no preconditions.
-                tx.send(unsafe { libc::gettid() }).unwrap();
-                let _ = done.recv();
-            })
+                tid_tx.send(unsafe { libc::gettid() }).unwrap();
+                let _ = end_rx.recv();
+            });
+            (tid_rx.recv().unwrap().unsigned_abs(), end_tx, thread)
         };
-        let (end_tx, end_rx) = std::sync::mpsc::channel::<()>();
-        let ending = spawn(tx.clone(), end_rx);
-        let (stay_tx, stay_rx) = std::sync::mpsc::channel::<()>();
-        let staying = spawn(tx, stay_rx);
-        let ending_tid = rx.recv().unwrap().unsigned_abs();
-        let staying_tid = rx.recv().unwrap().unsigned_abs();
+        let (ending_tid, end_tx, ending) = spawn();
+        let (staying_tid, stay_tx, staying) = spawn();
         let mut pidfds = HashMap::new();
         for tid in [ending_tid, staying_tid] {
             pidfds.insert(tid, pidfd_of_thread(tid).unwrap());
@@ -355,7 +366,15 @@ mod tests {
         assert_eq!(pidfds.len(), 2, "both threads live");
         end_tx.send(()).unwrap();
         ending.join().unwrap();
+        // join returns when the thread's tid word is cleared, a little
+        // before the kernel finishes its exit (and the pidfd polls
+        // readable): look again for a while.
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
         drop_exited(&mut pidfds);
+        while pidfds.contains_key(&ending_tid) && std::time::Instant::now() < deadline {
+            std::thread::sleep(std::time::Duration::from_millis(1));
+            drop_exited(&mut pidfds);
+        }
         assert!(!pidfds.contains_key(&ending_tid), "its thread exited");
         assert!(pidfds.contains_key(&staying_tid), "its thread still runs");
         stay_tx.send(()).unwrap();
