@@ -570,6 +570,20 @@ fn intervals_below_the_minimum_are_counted_with_their_time() {
     }
 }
 
+/// The agent watching `pid` for up to 30 s (JSON summary), its thread
+/// state kept in `store`.
+fn watch_with_store(pid: u32, store: &str) -> Agent {
+    Agent::start(&[
+        "--pid",
+        &pid.to_string(),
+        "--duration",
+        "30s",
+        "--json",
+        "--thread-state",
+        store,
+    ])
+}
+
 fn held_back_intervals_add_up(store: &str, expected: &str) {
     // Two threads trade one byte over loopback, every few µs: nearly every
     // interval is below the default --min-interval and stays in the kernel.
@@ -578,15 +592,7 @@ fn held_back_intervals_add_up(store: &str, expected: &str) {
     // after the other).
     let mut load = Testload::start(&["ping-pong", "--rounds", "40000"]);
     let pid = load.pid();
-    let agent = Agent::start(&[
-        "--pid",
-        &pid.to_string(),
-        "--duration",
-        "30s",
-        "--json",
-        "--thread-state",
-        store,
-    ]);
+    let agent = watch_with_store(pid, store);
     load.go();
     load.wait();
     let summary = agent.finish(Duration::from_secs(60));
@@ -706,15 +712,7 @@ fn yields_between_two_threads_are_preemptions_as_the_kernel_counts_them() {
     for store in ["auto", "hash-map"] {
         let mut load = Testload::start(&["yield", "--switches", "100000"]);
         let pid = load.pid();
-        let agent = Agent::start(&[
-            "--pid",
-            &pid.to_string(),
-            "--duration",
-            "30s",
-            "--json",
-            "--thread-state",
-            store,
-        ]);
+        let agent = watch_with_store(pid, store);
         load.go();
         let output = load.wait_output();
         let counted = u(&output.last().unwrap()["switches"]);

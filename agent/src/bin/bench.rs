@@ -114,8 +114,14 @@ struct Load {
 }
 
 fn start_load(sib: &Sibling, rounds: u64) -> Result<Load> {
+    start_testload(sib, &["ping-pong", "--rounds", &rounds.to_string()])
+}
+
+/// `ringwatch-testload --wait ARGS`, started and its pid read.
+fn start_testload(sib: &Sibling, args: &[&str]) -> Result<Load> {
     let mut child = Command::new(&sib.testload)
-        .args(["--wait", "ping-pong", "--rounds", &rounds.to_string()])
+        .arg("--wait")
+        .args(args)
         .stdin(Stdio::piped())
         .stdout(Stdio::piped())
         .spawn()
@@ -765,17 +771,11 @@ fn yield_bench(sib: &Sibling, cli: &Cli) -> Result<()> {
 /// One yield run: (ns per switch, with statistics on: sched_switch's ns
 /// per run and runs per counted switch).
 fn one_yield_run(sib: &Sibling, cli: &Cli, how: YieldRun) -> Result<(f64, Option<(f64, f64)>)> {
-    let mut child = Command::new(&sib.testload)
-        .args(["--wait", "yield", "--switches", &cli.switches.to_string()])
-        .stdin(Stdio::piped())
-        .stdout(Stdio::piped())
-        .spawn()
-        .context("starting ringwatch-testload yield")?;
-    let stdout = child.stdout.take().context("no stdout")?;
-    let mut lines = BufReader::new(stdout).lines();
-    let first = lines.next().context("testload printed nothing")??;
-    let info: serde_json::Value = serde_json::from_str(&first).context("testload's JSON")?;
-    let pid = info["pid"].as_u64().context("no pid")?;
+    let Load {
+        mut child,
+        pid,
+        mut lines,
+    } = start_testload(sib, &["yield", "--switches", &cli.switches.to_string()])?;
     let stats = match how {
         YieldRun::WatchedStats => Some(
             aya::sys::enable_stats(aya::sys::Stats::RunTime)
