@@ -553,38 +553,98 @@ fn intervals_below_the_minimum_are_counted_with_their_time() {
     if skip_unless_privileged() {
         return;
     }
-    // Both places the kernel can keep thread state: `auto` takes task
-    // storage where thread pidfds exist (Linux >= 6.9), as here.
+    for (store, expected) in stores() {
+        held_back_intervals_add_up(store, expected);
+    }
+}
+
+/// Every place the kernel can keep thread state, as `--thread-state` and
+/// friends, with the store `watch --json` must report. `auto` takes the
+/// slots; one slot for the whole machine puts all but one thread of a
+/// process in the hash map beside them; task storage only where thread
+/// pidfds exist (Linux >= 6.9), as here.
+fn stores() -> Vec<(&'static [&'static str], &'static str)> {
     // SAFETY: pidfd_open only reads its arguments; the descriptor is closed.
     let thread_pidfds = unsafe {
         let fd = libc::syscall(libc::SYS_pidfd_open, libc::getpid(), libc::O_EXCL);
         fd >= 0 && libc::close(fd as i32) == 0
     };
-    let auto = if thread_pidfds {
-        "task-storage"
-    } else {
-        "hash-map"
-    };
-    for (store, expected) in [("auto", auto), ("hash-map", "hash-map")] {
-        held_back_intervals_add_up(store, expected);
+    let mut stores: Vec<(&'static [&'static str], &'static str)> = vec![
+        (&["--thread-state", "auto"], "slots"),
+        (&["--thread-state", "slots", "--thread-slots", "1"], "slots"),
+        (&["--thread-state", "hash-map"], "hash-map"),
+    ];
+    if thread_pidfds {
+        stores.push((&["--thread-state", "task-storage"], "task-storage"));
     }
+    stores
 }
 
 /// The agent watching `pid` for up to 30 s (JSON summary), its thread
-/// state kept in `store`.
-fn watch_with_store(pid: u32, store: &str) -> Agent {
-    Agent::start(&[
-        "--pid",
-        &pid.to_string(),
-        "--duration",
-        "30s",
-        "--json",
-        "--thread-state",
-        store,
-    ])
+/// state kept as `store` (arguments) says.
+fn watch_with_store(pid: u32, store: &[&str]) -> Agent {
+    let pid = pid.to_string();
+    let mut args = vec!["--pid", &pid, "--duration", "30s", "--json"];
+    args.extend_from_slice(store);
+    Agent::start(&args)
 }
 
-fn held_back_intervals_add_up(store: &str, expected: &str) {
+#[test]
+fn a_dead_threads_slot_goes_to_the_next_thread_empty() {
+    if skip_unless_privileged() {
+        return;
+    }
+    // Threads one after the other, each blocking 5 times: with 2 slots, the
+    // threads whose tid has the other parity than the main thread's (which
+    // holds its slot) take the same slot in turn, each after the last one's
+    // final switch freed it. Each must count its own switches only, as the
+    // kernel counted them (a slot not emptied would hand one thread's
+    // counts to the next).
+    let mut load = Testload::start(&[
+        "short-threads",
+        "--count",
+        "12",
+        "--life",
+        "1ms",
+        "--sleeps",
+        "5",
+    ]);
+    let pid = load.pid();
+    let agent = watch_with_store(pid, &["--thread-state", "slots", "--thread-slots", "2"]);
+    load.go();
+    let output = load.wait_output();
+    let summary = agent.finish(Duration::from_secs(60));
+    assert_eq!(summary["thread_state"], "slots", "{summary:#}");
+    let last = output.last().unwrap();
+    let tids: Vec<u64> = last["tids"].as_array().unwrap().iter().map(u).collect();
+    let kernel: Vec<u64> = last["switches"].as_array().unwrap().iter().map(u).collect();
+    let sharing = tids
+        .iter()
+        .filter(|&&t| t % 2 != u64::from(pid) % 2)
+        .count();
+    assert!(
+        sharing >= 2,
+        "no two threads shared a slot: tids {tids:?}, pid {pid}"
+    );
+    let p = process(&summary, pid);
+    for (tid, counted) in tids.iter().zip(&kernel) {
+        let t = p["threads"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|t| u(&t["tid"]) == *tid)
+            .unwrap_or_else(|| panic!("thread {tid} not in the summary: {p:#}"));
+        // The kernel's count was read just before the thread ended; its
+        // last switch (and a preemption after the read) come on top.
+        let out = u(&t["switched_out"]);
+        assert!(
+            *counted >= 5 && out > *counted && out <= counted + 3,
+            "thread {tid}: agent {out} switches out, kernel {counted} before its end: {t:#}"
+        );
+    }
+}
+
+fn held_back_intervals_add_up(store: &[&str], expected: &str) {
     // Two threads trade one byte over loopback, every few µs: nearly every
     // interval is below the default --min-interval and stays in the kernel.
     // It ends before the agent does, so that the final counts are read
@@ -600,7 +660,7 @@ fn held_back_intervals_add_up(store: &str, expected: &str) {
         summary["ended_because"], "every watched process exited",
         "{summary:#}"
     );
-    assert_eq!(summary["thread_state"], expected, "--thread-state {store}");
+    assert_eq!(summary["thread_state"], expected, "{store:?}");
     assert_eq!(summary["ringbuf_drops"], 0, "{summary:#}");
     let duration_ns = summary["duration_s"].as_f64().unwrap() * 1e9;
     let p = process(&summary, pid);
@@ -707,9 +767,9 @@ fn yields_between_two_threads_are_preemptions_as_the_kernel_counts_them() {
     }
     // Two threads on one CPU hand it to each other with sched_yield: every
     // switch leaves a runnable thread, which the kernel counts in its
-    // nonvoluntary_ctxt_switches and the agent as preempted. Both places
+    // nonvoluntary_ctxt_switches and the agent as preempted. Every place
     // the kernel keeps thread state must count the same.
-    for store in ["auto", "hash-map"] {
+    for (store, _) in stores() {
         let mut load = Testload::start(&["yield", "--switches", "100000"]);
         let pid = load.pid();
         let agent = watch_with_store(pid, store);
@@ -724,13 +784,13 @@ fn yields_between_two_threads_are_preemptions_as_the_kernel_counts_them() {
             .iter()
             .filter(|t| t["comm"].as_str().unwrap_or("").starts_with("rw-yield"))
             .collect();
-        assert_eq!(yielders.len(), 2, "--thread-state {store}: {p:#}");
+        assert_eq!(yielders.len(), 2, "{store:?}: {p:#}");
         let preempted: u64 = yielders.iter().map(|t| u(&t["preempted"])).sum();
         // The kernel counted from each thread's first yield to its last;
         // the agent also sees the threads start (pinning, the barrier).
         assert!(
             counted >= 99_000 && preempted >= counted && preempted <= counted + 10 + counted / 1000,
-            "--thread-state {store}: agent {preempted} preempted, kernel {counted}: {p:#}"
+            "{store:?}: agent {preempted} preempted, kernel {counted}: {p:#}"
         );
     }
 }

@@ -136,6 +136,9 @@ struct rw_thread_state {
 	__u8 off_cpu_pending; /* woken: [off_ts, runq_ts) is accounted at its switch in */
 	__u8 _pad[5];
 	struct rw_unsent unsent; /* cumulative */
+	/* Whose slot this is in thread_slots (0: free; 64 bits for the
+	 * atomics of BPF's first instruction set); 0 in the other stores. */
+	__u64 tid;
 };
 
 /* Log2 buckets of a histogram of durations (ns): bucket `slot` counts

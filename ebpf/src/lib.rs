@@ -67,6 +67,11 @@ pub mod names {
     /// instead of [`MAP_THREAD_STATE`] when [`GLOBAL_TASK_STORAGE`] is 1;
     /// user space looks an entry up by a pidfd of the thread.
     pub const MAP_TASK_STATE: &str = "task_state";
+    /// `ARRAY` of the same [`crate::ThreadState`], a slot per thread id
+    /// (`tid & mask`, [`GLOBAL_THREAD_SLOT_MASK`]), used first when
+    /// [`GLOBAL_THREAD_SLOTS`] is 1; a thread whose slot another thread
+    /// holds uses [`MAP_THREAD_STATE`].
+    pub const MAP_THREAD_SLOTS: &str = "thread_slots";
     /// `HASH` [`crate::ThreadKey`] → [`crate::ThreadNet`].
     pub const MAP_THREAD_NET: &str = "thread_net";
     /// `HASH` struct sock address (`u64`) → [`crate::SockStats`].
@@ -80,6 +85,12 @@ pub mod names {
     /// `.rodata` global (`u8`): 1 keeps thread state in [`MAP_TASK_STATE`],
     /// 0 in [`MAP_THREAD_STATE`].
     pub const GLOBAL_TASK_STORAGE: &str = "rw_task_storage";
+    /// `.rodata` global (`u8`): 1 keeps thread state in [`MAP_THREAD_SLOTS`]
+    /// first.
+    pub const GLOBAL_THREAD_SLOTS: &str = "rw_thread_slots";
+    /// `.rodata` global (`u32`): slots in [`MAP_THREAD_SLOTS`] minus one (a
+    /// power of two minus one); a thread's slot is `tid & mask`.
+    pub const GLOBAL_THREAD_SLOT_MASK: &str = "rw_thread_slot_mask";
 }
 
 /// `enum rw_event_kind`: the first field after the timestamp in every record.
@@ -461,6 +472,9 @@ pub struct ThreadState {
     pub _pad: [u8; 5],
     /// Its intervals that stayed in the kernel so far.
     pub unsent: Unsent,
+    /// The thread whose slot this is, in [`names::MAP_THREAD_SLOTS`] (0: a
+    /// free slot); the hash map and task storage leave it 0.
+    pub tid: u64,
 }
 
 /// Buckets per histogram (`RW_HIST_SLOTS`): bucket `slot` counts durations
@@ -786,6 +800,7 @@ mod layout {
                 offset_of!(ThreadState, off_cpu_pending),
             ),
             ("rw_thread_state.unsent", offset_of!(ThreadState, unsent)),
+            ("rw_thread_state.tid", offset_of!(ThreadState, tid)),
             ("rw_unsent", size_of::<Unsent>()),
             ("rw_unsent.on_cpu_ns", offset_of!(Unsent, on_cpu_ns)),
             ("rw_unsent.run_queue_ns", offset_of!(Unsent, run_queue_ns)),

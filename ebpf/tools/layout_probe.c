@@ -58,6 +58,7 @@ int main(void)
 	FIELD(rw_thread_state, runq_cause);
 	FIELD(rw_thread_state, off_cpu_pending);
 	FIELD(rw_thread_state, unsent);
+	FIELD(rw_thread_state, tid);
 	SIZE(rw_unsent);
 	FIELD(rw_unsent, on_cpu_ns);
 	FIELD(rw_unsent, run_queue_ns);

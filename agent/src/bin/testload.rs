@@ -69,9 +69,11 @@ enum Workload {
         #[arg(long, default_value = "1s", value_parser = humantime::parse_duration)]
         duration: Duration,
     },
-    /// COUNT threads named `rw-short-N`, one after the other, each spinning
-    /// for LIFE and exiting: threads gone before anyone reads their names
-    /// from /proc. Prints `{"tids": [...]}` at the end.
+    /// COUNT threads named `rw-short-N`, one after the other, each sleeping
+    /// SLEEPS times for 200 µs, then spinning for LIFE and exiting: threads
+    /// gone before anyone reads their names from /proc. Prints `{"tids":
+    /// [...], "switches": [...]}` at the end: each thread's context switches
+    /// as the kernel counted them just before it ended (voluntary and not).
     ShortThreads {
         /// How many threads.
         #[arg(long, default_value_t = 20)]
@@ -79,6 +81,9 @@ enum Workload {
         /// How long each lives, e.g. `2ms`.
         #[arg(long, default_value = "2ms", value_parser = humantime::parse_duration)]
         life: Duration,
+        /// Sleeps of 200 µs each thread takes first.
+        #[arg(long, default_value_t = 0)]
+        sleeps: u32,
     },
     /// Two threads ping-pong one byte over loopback TCP ROUNDS times: a
     /// context switch and a send/receive per round (the benchmark's load).
@@ -144,7 +149,11 @@ fn main() -> Result<()> {
         Workload::Busy { threads, duration } => busy(threads, duration, cli.wait)?,
         Workload::PingPong { rounds } => ping_pong(rounds, cli.wait)?,
         Workload::Yield { switches, cpu } => yield_switches(switches, cpu, cli.wait)?,
-        Workload::ShortThreads { count, life } => short_threads(count, life, cli.wait)?,
+        Workload::ShortThreads {
+            count,
+            life,
+            sleeps,
+        } => short_threads(count, life, sleeps, cli.wait)?,
     }
     Ok(())
 }
@@ -248,33 +257,51 @@ fn busy(threads: u32, duration: Duration, wait: bool) -> Result<()> {
     Ok(())
 }
 
-fn short_threads(count: u32, life: Duration, wait: bool) -> Result<()> {
+fn short_threads(count: u32, life: Duration, sleeps: u32, wait: bool) -> Result<()> {
     announce(&serde_json::json!({
         "workload": "short-threads", "pid": std::process::id(), "count": count,
     }))?;
     wait_for_go(wait)?;
     let mut tids = Vec::new();
+    let mut switches = Vec::new();
     for i in 0..count {
         let handle = std::thread::Builder::new()
             .name(format!("rw-short-{i}"))
-            .spawn(move || {
+            .spawn(move || -> Result<(i32, u64)> {
                 let tid = gettid();
+                for _ in 0..sleeps {
+                    std::thread::sleep(Duration::from_micros(200));
+                }
                 let end = std::time::Instant::now() + life;
                 let mut x = 0u64;
                 while std::time::Instant::now() < end {
                     x = std::hint::black_box(x.wrapping_mul(31).wrapping_add(7));
                 }
-                tid
+                Ok((tid, context_switches()?))
             })
             .context("spawning a short-lived thread")?;
-        tids.push(
-            handle
-                .join()
-                .map_err(|_| anyhow::anyhow!("a short-lived thread panicked"))?,
-        );
+        let (tid, switched) = handle
+            .join()
+            .map_err(|_| anyhow::anyhow!("a short-lived thread panicked"))??;
+        tids.push(tid);
+        switches.push(switched);
     }
-    announce(&serde_json::json!({ "tids": tids }))?;
+    announce(&serde_json::json!({ "tids": tids, "switches": switches }))?;
     Ok(())
+}
+
+/// This thread's context switches so far, voluntary and not.
+fn context_switches() -> Result<u64> {
+    let status = std::fs::read_to_string("/proc/thread-self/status")
+        .context("reading /proc/thread-self/status")?;
+    let count = |key: &str| {
+        status
+            .lines()
+            .find_map(|l| l.strip_prefix(key))
+            .and_then(|v| v.trim().parse::<u64>().ok())
+            .with_context(|| format!("no {key} in /proc/thread-self/status"))
+    };
+    Ok(count("voluntary_ctxt_switches:")? + count("nonvoluntary_ctxt_switches:")?)
 }
 
 fn ping_pong(rounds: u64, wait: bool) -> Result<()> {

@@ -67,6 +67,8 @@ pub struct ProbeConfig {
     pub histograms: bool,
     /// Where the kernel keeps each thread's scheduling state.
     pub thread_state: ThreadStateStore,
+    /// Slots of the thread-state array (a power of two), when it is used.
+    pub thread_slots: u32,
 }
 
 /// A log2 histogram of one thread: `buckets[slot]` counts durations in
@@ -112,6 +114,12 @@ impl Probes {
         let histograms = u8::from(config.histograms);
         let thread_state_store = config.thread_state.resolve()?;
         let task_storage = u8::from(thread_state_store == ThreadStateStore::TaskStorage);
+        let slots = thread_state_store == ThreadStateStore::Slots;
+        if !config.thread_slots.is_power_of_two() {
+            bail!("{} thread slots: not a power of two", config.thread_slots);
+        }
+        let slot_mask = config.thread_slots - 1;
+        let thread_slots = u8::from(slots);
         let mut loader = EbpfLoader::new();
         loader
             .btf(Some(&btf))
@@ -123,11 +131,20 @@ impl Probes {
             )
             .set_global(names::GLOBAL_HISTOGRAMS, &histograms, true)
             .set_global(names::GLOBAL_TASK_STORAGE, &task_storage, true)
+            .set_global(names::GLOBAL_THREAD_SLOTS, &thread_slots, true)
+            .set_global(names::GLOBAL_THREAD_SLOT_MASK, &slot_mask, true)
             // task_state: aya has no type for task storage; we read it by hand.
             .allow_unsupported_maps();
         if task_storage == 1 {
             // Never written then: not 10 MiB of preallocated entries.
             loader.set_max_entries(names::MAP_THREAD_STATE, 1);
+        }
+        if slots {
+            loader.set_max_entries(names::MAP_THREAD_SLOTS, config.thread_slots);
+            // Only threads whose slot another holds: 2.8 MiB, not 10.
+            loader.set_max_entries(names::MAP_THREAD_STATE, 16384);
+        } else {
+            loader.set_max_entries(names::MAP_THREAD_SLOTS, 1);
         }
         if !config.histograms {
             // Never written then: not 16 MiB of preallocated entries on every node.
@@ -197,6 +214,13 @@ impl Probes {
                     pidfds: std::collections::HashMap::new(),
                 },
                 _ => bail!("map task_state is not task storage"),
+            },
+            ThreadStateStore::Slots => StateMap::Slots {
+                slots: Array::try_from(take_map(&mut ebpf, names::MAP_THREAD_SLOTS)?)
+                    .context("map thread_slots has an unexpected type")?,
+                mask: slot_mask,
+                hash: BpfHashMap::try_from(take_map(&mut ebpf, names::MAP_THREAD_STATE)?)
+                    .context("map thread_state has an unexpected type")?,
             },
             _ => StateMap::Hash(
                 BpfHashMap::try_from(take_map(&mut ebpf, names::MAP_THREAD_STATE)?)

@@ -125,10 +125,11 @@ pub struct TargetArgs {
     pub max_interval_rate: u32,
 
     /// Where the kernel keeps each watched thread's scheduling state, which
-    /// every context switch of the job reads and writes: `task-storage` on
-    /// the task itself (cheapest; the agent reads it back by a pidfd of the
-    /// thread, Linux 6.9 or later), `hash-map` keyed by thread id (any
-    /// kernel), `auto` task storage where the kernel allows it.
+    /// every context switch of the job reads and writes: `slots`, an array
+    /// with a slot per thread id (cheapest, any kernel; see
+    /// --thread-slots), `task-storage` on the task itself (the agent reads
+    /// it back by a pidfd of the thread, Linux 6.9 or later), `hash-map`
+    /// keyed by thread id (any kernel). `auto` is `slots`.
     #[arg(
         long,
         value_enum,
@@ -136,6 +137,19 @@ pub struct TargetArgs {
         env = "RINGWATCH_THREAD_STATE"
     )]
     pub thread_state: ThreadStateStore,
+
+    /// Slots of the thread-state array (`--thread-state slots`), a power of
+    /// two, 128 bytes each: a thread's slot is its id modulo this, and a
+    /// thread whose slot another live thread holds is kept in a hash map
+    /// instead (a little slower). The default, 65536 (8 MiB), gives every
+    /// thread its own slot where /proc/sys/kernel/pid_max is at most that.
+    #[arg(
+        long,
+        default_value_t = crate::thread_store::DEFAULT_THREAD_SLOTS,
+        value_parser = crate::thread_store::parse_thread_slots,
+        env = "RINGWATCH_THREAD_SLOTS"
+    )]
+    pub thread_slots: u32,
 
     /// Which probe groups to attach (comma-separated).
     #[arg(
@@ -311,6 +325,7 @@ impl Session {
             max_intervals_per_s: args.max_interval_rate,
             histograms,
             thread_state: args.thread_state,
+            thread_slots: args.thread_slots,
         })?;
         let ring = probes.take_events()?;
         // SAFETY: the RingBuf owns its map's file descriptor, which stays

@@ -2,16 +2,23 @@
 //! state (`struct rw_thread_state`), and how the agent reads it back.
 //!
 //! `sched_switch` reads and writes that state on every switch of the job,
-//! so where it lives is on the job's hot path. Task storage hangs it off the
-//! `task_struct` the switch already has in its cache; a hash map keyed by
-//! tid costs a hash and a bucket walk per side (session 18 measured 60 ns
-//! more per watched switch and 50 per wakeup). But user space can look a
-//! task-storage entry up only by a pidfd of the thread, and Linux gives a
-//! pidfd of a thread that is not its process's leader from 6.9 on
-//! (`PIDFD_THREAD`); older kernels keep the hash map.
+//! so where it lives is on the job's hot path. Three stores, measured
+//! against each other on the 2-core test VM (docs/BENCHMARKS.md):
 //!
-//! aya 0.13 has no task-storage map type, so lookups and deletes are the
-//! two `bpf(2)` commands, here.
+//! - **Slots** (`thread_slots`, the default): an array with a slot per
+//!   thread id (`tid & mask`). The verifier inlines an array lookup, so a
+//!   switch pays no helper call for it: ~50 ns less per watched switch and
+//!   ~100 less per wakeup than task storage. Any kernel; the agent reads a
+//!   slot by its index. A slot names its thread; one whose slot another live
+//!   thread holds (tids that agree modulo the slots, only where `pid_max`
+//!   is larger than the array) falls back to the hash map.
+//! - **Task storage** hangs the state off the `task_struct`; a switch pays a
+//!   helper call per side. User space can look an entry up only by a pidfd
+//!   of the thread, which Linux gives for a thread that is not its process's
+//!   leader from 6.9 on (`PIDFD_THREAD`). aya 0.13 has no task-storage map
+//!   type, so its lookups and deletes are the two `bpf(2)` commands, here.
+//! - **The hash map** keyed by tid: a hash and a bucket walk per side
+//!   (~60 ns more per switch than task storage, session 18).
 
 use std::collections::hash_map::Entry;
 use std::collections::{BTreeSet, HashMap};
@@ -19,19 +26,22 @@ use std::io;
 use std::os::fd::{AsFd, AsRawFd, BorrowedFd, FromRawFd, OwnedFd};
 
 use anyhow::{Result, bail};
-use aya::maps::{HashMap as BpfHashMap, MapData};
+use aya::maps::{Array, HashMap as BpfHashMap, MapData};
 use ebpf::ThreadState;
 
 /// Which map holds thread state; chosen at load time.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, clap::ValueEnum, serde::Serialize)]
 #[serde(rename_all = "kebab-case")]
 pub enum ThreadStateStore {
-    /// Task storage where this kernel lets the agent read it back (Linux
-    /// 6.9 or later), the hash map otherwise.
+    /// The slots (every kernel).
     #[default]
     Auto,
-    /// Task storage (`BPF_MAP_TYPE_TASK_STORAGE`): cheapest per switch;
-    /// needs pidfds of threads (Linux 6.9 or later).
+    /// An array with a slot per thread id (`--thread-slots`): cheapest per
+    /// switch, any kernel; a thread whose slot another holds uses the hash
+    /// map.
+    Slots,
+    /// Task storage (`BPF_MAP_TYPE_TASK_STORAGE`): needs pidfds of threads
+    /// (Linux 6.9 or later).
     TaskStorage,
     /// A hash map keyed by thread id: any supported kernel.
     HashMap,
@@ -42,8 +52,7 @@ impl ThreadStateStore {
     /// kernel cannot serve is an error that says why.
     pub fn resolve(self) -> Result<Self> {
         match self {
-            Self::Auto if thread_pidfds_work() => Ok(Self::TaskStorage),
-            Self::Auto => Ok(Self::HashMap),
+            Self::Auto => Ok(Self::Slots),
             Self::TaskStorage if !thread_pidfds_work() => bail!(
                 "--thread-state task-storage needs pidfds of threads (PIDFD_THREAD, Linux 6.9 or later) to read the state back, and this kernel refuses them; use --thread-state hash-map (or auto)"
             ),
@@ -61,10 +70,35 @@ pub fn thread_pidfds_work() -> bool {
     pidfd_of_thread(pid.unsigned_abs()).is_ok()
 }
 
+/// Slots in `thread_slots` unless `--thread-slots` says otherwise: 8 MiB,
+/// and a slot for every thread id where `pid_max` is at most 65,536.
+pub const DEFAULT_THREAD_SLOTS: u32 = 1 << 16;
+
+/// Checks a `--thread-slots` value: a power of two from 1 to 2^22
+/// (`PID_MAX_LIMIT`: beyond it no two thread ids share a slot anyway).
+pub fn parse_thread_slots(text: &str) -> Result<u32, String> {
+    let slots: u32 = text
+        .parse()
+        .map_err(|e| format!("{text:?} is not a number of slots: {e}"))?;
+    if !slots.is_power_of_two() || slots > 1 << 22 {
+        return Err(format!(
+            "{slots} slots: give a power of two from 1 to 4194304 (a thread's slot is its id modulo the slots)"
+        ));
+    }
+    Ok(slots)
+}
+
 /// The kernel's per-thread state, in whichever map holds it.
 pub enum StateMap {
     /// `thread_state`, key: tid.
     Hash(BpfHashMap<MapData, u32, PodThreadState>),
+    /// `thread_slots` (index: tid & mask), and `thread_state` for the
+    /// threads whose slot another thread held.
+    Slots {
+        slots: Array<MapData, PodThreadState>,
+        mask: u32,
+        hash: BpfHashMap<MapData, u32, PodThreadState>,
+    },
     /// `task_state`, key: a pidfd of the thread.
     Task {
         map: MapData,
@@ -93,6 +127,36 @@ impl StateMap {
                 .map(|(tid, state)| (tid, state.0))
                 .filter(|(_, state)| processes.contains(&state.tgid))
                 .collect(),
+            Self::Slots { slots, mask, hash } => {
+                let mut states = Vec::new();
+                for &pid in processes {
+                    // Gone since: its threads' last counts came with their
+                    // exit records.
+                    let Ok(tasks) = std::fs::read_dir(format!("/proc/{pid}/task")) else {
+                        continue;
+                    };
+                    for tid in tasks
+                        .flatten()
+                        .filter_map(|e| e.file_name().to_str()?.parse::<u32>().ok())
+                    {
+                        let state = match slots.get(&(tid & *mask), 0) {
+                            Ok(slot) if slot.0.tid == u64::from(tid) => Some(slot.0),
+                            // Another thread's slot (or none yet): the
+                            // hash map, where it went if it has run.
+                            Ok(_) => hash.get(&tid, 0).ok().map(|s| s.0),
+                            Err(error) => {
+                                tracing::debug!(%error, tid, "reading a thread's slot");
+                                None
+                            }
+                        };
+                        // A tid reused by another process keeps nothing of ours.
+                        if let Some(state) = state.filter(|s| s.tgid == pid) {
+                            states.push((tid, state));
+                        }
+                    }
+                }
+                states
+            }
             Self::Task { map, pidfds } => {
                 drop_exited(pidfds);
                 let mut states = Vec::new();
@@ -133,6 +197,22 @@ impl StateMap {
             Self::Hash(map) => {
                 for tid in tids {
                     let _ = map.remove(tid);
+                }
+            }
+            Self::Slots { slots, mask, hash } => {
+                for &tid in tids {
+                    let index = tid & *mask;
+                    // Only its own slot. A thread's last switch while
+                    // watched frees its slot; this frees those of threads
+                    // that died unwatched or live on in a process no longer
+                    // watched (no program touches those now).
+                    if slots
+                        .get(&index, 0)
+                        .is_ok_and(|slot| slot.0.tid == u64::from(tid))
+                    {
+                        let _ = slots.set(index, PodThreadState(ThreadState::default()), 0);
+                    }
+                    let _ = hash.remove(&tid);
                 }
             }
             Self::Task { map, pidfds } => {
@@ -298,20 +378,31 @@ mod tests {
     }
 
     #[test]
+    fn thread_slots_are_a_power_of_two_up_to_the_pid_limit() {
+        assert_eq!(parse_thread_slots("65536"), Ok(65536));
+        assert_eq!(parse_thread_slots("1"), Ok(1));
+        assert_eq!(parse_thread_slots("4194304"), Ok(1 << 22));
+        for bad in ["0", "3", "65535", "8388608", "-2", "lots"] {
+            assert!(parse_thread_slots(bad).is_err(), "{bad}");
+        }
+    }
+
+    #[test]
     fn a_pidfd_of_a_thread_that_is_not_the_leader_opens_where_the_kernel_allows_it() {
-        // This kernel's answer decides `auto`; a thread of ours must then
+        // `auto` is the slots on every kernel. This kernel's answer decides
+        // whether task storage can be asked for; a thread of ours must then
         // get a pidfd too (the point of the flag), and a tid that does not
         // exist must not.
+        assert_eq!(
+            ThreadStateStore::Auto.resolve().unwrap(),
+            ThreadStateStore::Slots
+        );
         if !thread_pidfds_work() {
-            assert_eq!(
-                ThreadStateStore::Auto.resolve().unwrap(),
-                ThreadStateStore::HashMap
-            );
             assert!(ThreadStateStore::TaskStorage.resolve().is_err());
             return;
         }
         assert_eq!(
-            ThreadStateStore::Auto.resolve().unwrap(),
+            ThreadStateStore::TaskStorage.resolve().unwrap(),
             ThreadStateStore::TaskStorage
         );
         // SAFETY: gettid has no preconditions.
