@@ -117,9 +117,18 @@ pub async fn run(args: WatchArgs) -> Result<()> {
             break "every watched process exited";
         }
     };
-    // Records already in the buffer belong to the window we report.
+    if ended_because == "every watched process exited" {
+        // A leader is a zombie before its threads have all made their last
+        // switch (a thread leaves /proc/PID/task a little before it): give
+        // them a moment, so that their exit records are in the summary.
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    // Records already in the buffer belong to the window we report; a
+    // thread that made its last switch while the maps were read has left
+    // its exit record since.
     session.drain_now();
     session.poll_maps();
+    session.drain_now();
     let duration = started.elapsed();
 
     let mut processes = Vec::new();

@@ -402,9 +402,13 @@ impl Probes {
     }
 
     /// Scheduling state and context-switch counts of the threads of
-    /// `processes` (tid → state).
-    pub fn thread_states(&mut self, processes: &BTreeSet<u32>) -> Vec<(u32, ThreadState)> {
-        self.thread_state.read(processes)
+    /// `processes` (tid → state); `known`: threads of each already seen.
+    pub fn thread_states(
+        &mut self,
+        processes: &BTreeSet<u32>,
+        known: &BTreeMap<u32, Vec<u32>>,
+    ) -> Vec<(u32, ThreadState)> {
+        self.thread_state.read(processes, known)
     }
 
     /// Where thread state is kept (never `Auto`).

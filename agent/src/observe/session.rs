@@ -449,7 +449,12 @@ impl Session {
     /// readers that need those figures more often than once a second.
     pub fn poll_thread_states(&mut self) {
         let now = monotonic_ns();
-        let states = self.probes.thread_states(&self.watched);
+        let known = self
+            .watched
+            .iter()
+            .map(|&pid| (pid, self.model.tids(pid)))
+            .collect();
+        let states = self.probes.thread_states(&self.watched, &known);
         self.model.update_thread_states(now, &states);
     }
 

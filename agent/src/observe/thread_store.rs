@@ -21,7 +21,7 @@
 //!   (~60 ns more per switch than task storage, session 18).
 
 use std::collections::hash_map::Entry;
-use std::collections::{BTreeSet, HashMap};
+use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::io;
 use std::os::fd::{AsFd, AsRawFd, BorrowedFd, FromRawFd, OwnedFd};
 
@@ -119,7 +119,15 @@ unsafe impl aya::Pod for PodThreadState {}
 
 impl StateMap {
     /// The state of every thread of `processes` that has one (tid → state).
-    pub fn read(&mut self, processes: &BTreeSet<u32>) -> Vec<(u32, ThreadState)> {
+    /// `known` names threads of each process that the caller has seen: a
+    /// thread that is ending has left `/proc/<pid>/task` a little before its
+    /// last switch (and its exit record), so the slots and task storage,
+    /// which are read thread by thread, ask for those too.
+    pub fn read(
+        &mut self,
+        processes: &BTreeSet<u32>,
+        known: &BTreeMap<u32, Vec<u32>>,
+    ) -> Vec<(u32, ThreadState)> {
         match self {
             Self::Hash(map) => map
                 .iter()
@@ -130,15 +138,7 @@ impl StateMap {
             Self::Slots { slots, mask, hash } => {
                 let mut states = Vec::new();
                 for &pid in processes {
-                    // Gone since: its threads' last counts came with their
-                    // exit records.
-                    let Ok(tasks) = std::fs::read_dir(format!("/proc/{pid}/task")) else {
-                        continue;
-                    };
-                    for tid in tasks
-                        .flatten()
-                        .filter_map(|e| e.file_name().to_str()?.parse::<u32>().ok())
-                    {
+                    for tid in threads_of(pid, known) {
                         let state = match slots.get(&(tid & *mask), 0) {
                             Ok(slot) if slot.0.tid == u64::from(tid) => Some(slot.0),
                             // Another thread's slot (or none yet): the
@@ -162,15 +162,7 @@ impl StateMap {
                 let mut states = Vec::new();
                 let mut live = BTreeSet::new();
                 for &pid in processes {
-                    // Gone since: its threads' last counts came with their
-                    // exit records.
-                    let Ok(tasks) = std::fs::read_dir(format!("/proc/{pid}/task")) else {
-                        continue;
-                    };
-                    for tid in tasks
-                        .flatten()
-                        .filter_map(|e| e.file_name().to_str()?.parse::<u32>().ok())
-                    {
+                    for tid in threads_of(pid, known) {
                         live.insert(tid);
                         match lookup(map.fd().as_fd(), pidfds, tid) {
                             // A tid reused by another process keeps nothing
@@ -226,6 +218,25 @@ impl StateMap {
             }
         }
     }
+}
+
+/// The threads of `pid` to read: those in `/proc/<pid>/task` and those in
+/// `known` (a thread that has left /proc may not have made its last switch
+/// yet; one that has, has no state left to find). A process that is gone
+/// has none to read: its threads' last counts came with their exit records.
+fn threads_of(pid: u32, known: &BTreeMap<u32, Vec<u32>>) -> BTreeSet<u32> {
+    let mut tids: BTreeSet<u32> = std::fs::read_dir(format!("/proc/{pid}/task"))
+        .map(|tasks| {
+            tasks
+                .flatten()
+                .filter_map(|e| e.file_name().to_str()?.parse::<u32>().ok())
+                .collect()
+        })
+        .unwrap_or_default();
+    if let Some(seen) = known.get(&pid) {
+        tids.extend(seen);
+    }
+    tids
 }
 
 /// At most this many pidfds are kept between readings (a process of many
@@ -375,6 +386,21 @@ mod tests {
         assert_eq!(std::mem::offset_of!(MapElemAttr, key), 8);
         assert_eq!(std::mem::offset_of!(MapElemAttr, value), 16);
         assert_eq!(std::mem::offset_of!(MapElemAttr, flags), 24);
+    }
+
+    #[test]
+    fn the_threads_read_are_those_in_proc_and_those_already_seen() {
+        // SAFETY: getpid and gettid have no preconditions.
+        let (pid, tid) = unsafe { (libc::getpid().unsigned_abs(), libc::gettid().unsigned_abs()) };
+        // One that has left /proc (no such tid can exist above pid_max).
+        let ending = (1 << 22) + 1;
+        let known = BTreeMap::from([(pid, vec![ending])]);
+        let tids = threads_of(pid, &known);
+        assert!(tids.contains(&pid) && tids.contains(&tid) && tids.contains(&ending));
+        // A process not in /proc: only what was seen of it.
+        let gone = BTreeMap::from([(ending, vec![7])]);
+        assert_eq!(threads_of(ending, &gone), BTreeSet::from([7]));
+        assert!(threads_of(ending, &BTreeMap::new()).is_empty());
     }
 
     #[test]
