@@ -41,8 +41,9 @@ const volatile __u8 rw_task_storage = 0;
 /* 1: a watched thread's state lives first in its slot of thread_slots, an
  * array indexed by tid & rw_thread_slot_mask. An array lookup is inlined by
  * the verifier (a bounds check and an add, no helper call), which took
- * ~50 ns off each watched switch and ~100 off each wakeup against task
- * storage on this project's 2-core test VM; it works on every kernel, and
+ * 50-70 ns off each watched switch in all (30-45 by the BPF statistics)
+ * and 60-75 off each wakeup against task storage on this project's 2-core
+ * test VM (docs/BENCHMARKS.md); it works on every kernel, and
  * user space reads a slot by its index. A slot names its thread (tid; 0 is
  * free, the idle task is never watched); a thread whose slot another live
  * thread holds (only where pid_max exceeds the slots) uses the hash map.
