@@ -9,12 +9,12 @@
 //!   thread id (`tid & mask`). The verifier inlines an array lookup, so a
 //!   switch pays no helper call for it: 50–70 ns less per watched switch in
 //!   all and 60–75 less per wakeup (by the BPF statistics) than task
-//!   storage. Any kernel; the agent reads a
-//!   slot by its index. A slot names its thread; one whose slot another live
-//!   thread holds (tids that agree modulo the slots, only where `pid_max`
-//!   is larger than the array) falls back to the hash map.
-//! - **Task storage** (the default where the agent can read it back) hangs the state off the `task_struct`; a switch pays a
-//!   helper call per side. User space can look an entry up only by a pidfd
+//!   storage. Any kernel; the agent reads a slot by its index. A slot names
+//!   its thread; one whose slot another live thread holds (tids that agree
+//!   modulo the slots, only where `pid_max` is larger than the array) falls
+//!   back to the hash map.
+//! - **Task storage** (the default where the agent can read it back) hangs
+//!   the state off the `task_struct`; a switch pays a helper call per side. User space can look an entry up only by a pidfd
 //!   of the thread, which Linux gives for a thread that is not its process's
 //!   leader from 6.9 on (`PIDFD_THREAD`). aya 0.13 has no task-storage map
 //!   type, so its lookups and deletes are the two `bpf(2)` commands, here.
@@ -227,8 +227,8 @@ impl StateMap {
 
 /// The threads of `pid` to read: those in `/proc/<pid>/task` and those in
 /// `known` (a thread that has left /proc may not have made its last switch
-/// yet; one that has, has no state left to find). A process that is gone
-/// has none to read: its threads' last counts came with their exit records.
+/// yet; one that has, has no state left to find, and its last counts came
+/// with its exit record).
 fn threads_of(pid: u32, known: &BTreeMap<u32, Vec<u32>>) -> BTreeSet<u32> {
     let mut tids: BTreeSet<u32> = std::fs::read_dir(format!("/proc/{pid}/task"))
         .map(|tasks| {
