@@ -202,6 +202,7 @@ fn threads_that_switch_every_few_microseconds_are_where_the_kernel_says() {
     let started = Instant::now();
     let (mut cpu, mut off) = (Vec::new(), Vec::new());
     let (mut sent, mut not_sent) = (0, 0);
+    let mut last = serde_json::Value::Null;
     for _ in 0..5 {
         std::thread::sleep(Duration::from_millis(1000));
         let (status, processes) = agent.get_json("/api/processes");
@@ -222,6 +223,7 @@ fn threads_that_switch_every_few_microseconds_are_where_the_kernel_says() {
             .map(|k| totals[k].as_u64().unwrap())
             .sum();
         sent = all - not_sent;
+        last = p;
     }
     let elapsed = started.elapsed().as_nanos() as f64;
     let after = process_schedstat(pid);
@@ -244,6 +246,24 @@ fn threads_that_switch_every_few_microseconds_are_where_the_kernel_says() {
     // exactly the stretch read from /proc: compare the means.
     let mean = |v: &[f64]| v.iter().sum::<f64>() / v.len() as f64;
     let (agent_cpu, agent_off) = (mean(&cpu), mean(&off));
+    // Shown when an assertion below fails (and with --nocapture): what the
+    // agent read per thread, beside the kernel's per-thread shares.
+    let kernel_threads: Vec<String> = after
+        .iter()
+        .zip(&before)
+        .map(|(a, b)| {
+            format!(
+                "{:.1}% on, {:.1}% waiting",
+                share(a.0 - b.0),
+                share(a.1 - b.1)
+            )
+        })
+        .collect();
+    eprintln!(
+        "off CPU: agent {agent_off:.1}% ({off:?}), kernel {kernel_off:.1}%; \
+         on CPU: agent {agent_cpu:.1}%, kernel {kernel_cpu:.1}%; {sent} sent, {not_sent} not; \
+         kernel per thread: {kernel_threads:?}; the agent's last reading: {last:#}"
+    );
     assert!(
         kernel_cpu > 1.0,
         "the ping-pong barely ran: {kernel_cpu:.1}% of a CPU"
