@@ -180,10 +180,13 @@ static __always_inline struct rw_thread_state *rw_slot(__u32 tid, bool claim)
 		return 0;
 	if (slot->tid == tid)
 		return slot;
-	/* A free slot is all zeros (rw_release); two CPUs may race for it. */
-	if (claim && slot->tid == 0 && __sync_val_compare_and_swap(&slot->tid, 0, tid) == 0)
-		return slot;
-	return 0;
+	if (!claim || slot->tid != 0)
+		return 0;
+	/* A free slot is all zeros (rw_release); two CPUs may race for it,
+	 * the thread itself among them (its switch out on one CPU, its
+	 * wakeup on another): the slot is its own then too. */
+	__u64 was = __sync_val_compare_and_swap(&slot->tid, 0, tid);
+	return was == 0 || was == tid ? slot : 0;
 }
 
 /* A watched thread's state, created if it has none (none: no memory, or

@@ -559,8 +559,8 @@ fn intervals_below_the_minimum_are_counted_with_their_time() {
 }
 
 /// Every place the kernel can keep thread state, as `--thread-state` and
-/// friends, with the store `watch --json` must report. `auto` takes task
-/// storage where it can be read back, else the hash map; one slot for the whole machine puts all but one thread of a
+/// friends, with the store `watch --json` must report. `auto` takes the
+/// slots; one slot for the whole machine puts all but one thread of a
 /// process in the hash map beside them; task storage only where thread
 /// pidfds exist (Linux >= 6.9), as here.
 fn stores() -> Vec<(&'static [&'static str], &'static str)> {
@@ -570,15 +570,7 @@ fn stores() -> Vec<(&'static [&'static str], &'static str)> {
         fd >= 0 && libc::close(fd as i32) == 0
     };
     let mut stores: Vec<(&'static [&'static str], &'static str)> = vec![
-        (
-            &["--thread-state", "auto"],
-            if thread_pidfds {
-                "task-storage"
-            } else {
-                "hash-map"
-            },
-        ),
-        (&["--thread-state", "slots"], "slots"),
+        (&["--thread-state", "auto"], "slots"),
         (&["--thread-state", "slots", "--thread-slots", "1"], "slots"),
         (&["--thread-state", "hash-map"], "hash-map"),
     ];

@@ -129,8 +129,7 @@ pub struct TargetArgs {
     /// with a slot per thread id (cheapest, any kernel; see
     /// --thread-slots), `task-storage` on the task itself (the agent reads
     /// it back by a pidfd of the thread, Linux 6.9 or later), `hash-map`
-    /// keyed by thread id (any kernel). `auto`: task storage where the
-    /// kernel allows it, else the hash map.
+    /// keyed by thread id (any kernel). `auto` is `slots`.
     #[arg(
         long,
         value_enum,

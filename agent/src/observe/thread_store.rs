@@ -5,7 +5,7 @@
 //! so where it lives is on the job's hot path. Three stores, measured
 //! against each other on the 2-core test VM (docs/BENCHMARKS.md):
 //!
-//! - **Slots** (`thread_slots`, `--thread-state slots`): an array with a slot per
+//! - **Slots** (`thread_slots`, the default): an array with a slot per
 //!   thread id (`tid & mask`). The verifier inlines an array lookup, so a
 //!   switch pays no helper call for it: 50–70 ns less per watched switch in
 //!   all and 60–75 less per wakeup (by the BPF statistics) than task
@@ -13,8 +13,8 @@
 //!   its thread; one whose slot another live thread holds (tids that agree
 //!   modulo the slots, only where `pid_max` is larger than the array) falls
 //!   back to the hash map.
-//! - **Task storage** (the default where the agent can read it back) hangs
-//!   the state off the `task_struct`; a switch pays a helper call per side. User space can look an entry up only by a pidfd
+//! - **Task storage** hangs the state off the `task_struct`; a switch pays a
+//!   helper call per side. User space can look an entry up only by a pidfd
 //!   of the thread, which Linux gives for a thread that is not its process's
 //!   leader from 6.9 on (`PIDFD_THREAD`). aya 0.13 has no task-storage map
 //!   type, so its lookups and deletes are the two `bpf(2)` commands, here.
@@ -34,10 +34,7 @@ use ebpf::ThreadState;
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, clap::ValueEnum, serde::Serialize)]
 #[serde(rename_all = "kebab-case")]
 pub enum ThreadStateStore {
-    /// Task storage where this kernel lets the agent read it back (Linux
-    /// 6.9 or later), the hash map otherwise. (The slots are faster, but one
-    /// CI run of the live-view test read 21% off CPU against the kernel's
-    /// 58% with them, not understood yet: they are not the default.)
+    /// The slots, on every kernel.
     #[default]
     Auto,
     /// An array with a slot per thread id (`--thread-slots`): cheapest per
@@ -56,8 +53,7 @@ impl ThreadStateStore {
     /// kernel cannot serve is an error that says why.
     pub fn resolve(self) -> Result<Self> {
         match self {
-            Self::Auto if thread_pidfds_work() => Ok(Self::TaskStorage),
-            Self::Auto => Ok(Self::HashMap),
+            Self::Auto => Ok(Self::Slots),
             Self::TaskStorage if !thread_pidfds_work() => bail!(
                 "--thread-state task-storage needs pidfds of threads (PIDFD_THREAD, Linux 6.9 or later) to read the state back, and this kernel refuses them; use --thread-state hash-map (or auto)"
             ),
@@ -420,23 +416,20 @@ mod tests {
 
     #[test]
     fn a_pidfd_of_a_thread_that_is_not_the_leader_opens_where_the_kernel_allows_it() {
-        // This kernel's answer decides `auto`; a thread of ours must then
+        // `auto` is the slots on every kernel. This kernel's answer decides
+        // whether task storage can be asked for; a thread of ours must then
         // get a pidfd too (the point of the flag), and a tid that does not
-        // exist must not. The slots are there on every kernel.
+        // exist must not.
         assert_eq!(
-            ThreadStateStore::Slots.resolve().unwrap(),
+            ThreadStateStore::Auto.resolve().unwrap(),
             ThreadStateStore::Slots
         );
         if !thread_pidfds_work() {
-            assert_eq!(
-                ThreadStateStore::Auto.resolve().unwrap(),
-                ThreadStateStore::HashMap
-            );
             assert!(ThreadStateStore::TaskStorage.resolve().is_err());
             return;
         }
         assert_eq!(
-            ThreadStateStore::Auto.resolve().unwrap(),
+            ThreadStateStore::TaskStorage.resolve().unwrap(),
             ThreadStateStore::TaskStorage
         );
         // SAFETY: gettid has no preconditions.
