@@ -11,8 +11,44 @@ use std::process::{Command, Stdio};
 use std::time::Duration;
 
 use common::procs::{collbench, wait_for_job_start};
-use common::{AGENT, skip_unless_privileged, unique_lock_file, wait_within};
+use common::{AGENT, ApiServer, skip_unless_privileged, unique_lock_file, wait_within};
 use serde_json::Value;
+
+/// A 2-rank collbench job that runs until killed, found through its socket
+/// in `dir`: (the launcher, the ranks' pids).
+fn start_job(dir: &std::path::Path, job_id: &str) -> (std::process::Child, BTreeSet<u64>) {
+    let socket = dir.join(format!("{job_id}.sock"));
+    let launcher = Command::new(collbench())
+        .args(["-n", "2", "sweep", "--min-bytes", "4096", "--max-bytes"])
+        .args(["4096", "--iters", "1000000000"])
+        .env("RINGWATCH_RUNTIME_DIR", dir)
+        .env("RINGWATCH_JOB_ID", job_id)
+        .env_remove("RANK")
+        .env_remove("OMPI_COMM_WORLD_RANK")
+        .stdout(Stdio::null())
+        .spawn()
+        .unwrap();
+    let ranks = wait_for_job_start(launcher.id(), &socket, 2)
+        .into_iter()
+        .map(u64::from)
+        .collect();
+    (launcher, ranks)
+}
+
+fn stop_job(mut launcher: std::process::Child, ranks: &BTreeSet<u64>) {
+    for pid in ranks {
+        // SAFETY: kill has no memory preconditions; the pid is our grandchild.
+        unsafe { libc::kill(*pid as i32, libc::SIGKILL) };
+    }
+    let _ = wait_within(&mut launcher, Duration::from_secs(30));
+}
+
+fn unix_us() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_micros() as u64
+}
 
 #[test]
 fn top_watches_a_job_found_through_its_control_socket_without_any_pid() {
@@ -23,21 +59,7 @@ fn top_watches_a_job_found_through_its_control_socket_without_any_pid() {
         std::env::temp_dir().join(format!("ringwatch-privileged-jobs-{}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();
     let job_id = format!("top-test-{}", std::process::id());
-    let socket = dir.join(format!("{job_id}.sock"));
-    let mut launcher = Command::new(collbench())
-        .args(["-n", "2", "sweep", "--min-bytes", "4096", "--max-bytes"])
-        .args(["4096", "--iters", "1000000000"])
-        .env("RINGWATCH_RUNTIME_DIR", &dir)
-        .env("RINGWATCH_JOB_ID", &job_id)
-        .env_remove("RANK")
-        .env_remove("OMPI_COMM_WORLD_RANK")
-        .stdout(Stdio::null())
-        .spawn()
-        .unwrap();
-    let ranks: BTreeSet<u64> = wait_for_job_start(launcher.id(), &socket, 2)
-        .into_iter()
-        .map(u64::from)
-        .collect();
+    let (launcher, ranks) = start_job(&dir, &job_id);
 
     let mut top = Command::new(AGENT)
         .args(["top", "--json", "--iterations", "4", "--interval", "500ms"])
@@ -55,11 +77,7 @@ fn top_watches_a_job_found_through_its_control_socket_without_any_pid() {
     });
     let status = wait_within(&mut top, Duration::from_secs(60));
     let text = reader.join().unwrap();
-    for pid in &ranks {
-        // SAFETY: kill has no memory preconditions; the pid is our grandchild.
-        unsafe { libc::kill(*pid as i32, libc::SIGKILL) };
-    }
-    let _ = wait_within(&mut launcher, Duration::from_secs(30));
+    stop_job(launcher, &ranks);
     let _ = std::fs::remove_dir_all(&dir);
     assert!(status.success(), "top failed ({status}): {text}");
 
@@ -102,4 +120,69 @@ fn top_watches_a_job_found_through_its_control_socket_without_any_pid() {
             );
         }
     }
+}
+
+#[test]
+fn the_tuning_feed_records_only_once_a_peer_asks_and_judges_no_window_from_before() {
+    if skip_unless_privileged() {
+        return;
+    }
+    let dir =
+        std::env::temp_dir().join(format!("ringwatch-privileged-feed-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let job_id = format!("feed-test-{}", std::process::id());
+    let (launcher, ranks) = start_job(&dir, &job_id);
+    let display = dir.display().to_string();
+    let agent = ApiServer::start(
+        &["--jobs", "--no-autotune", "--runtime-dir", &display],
+        false,
+    );
+    // The job is found and its ranks watched for a while: with no tuning
+    // session here and no peer asking, the feed copies nothing.
+    let deadline = std::time::Instant::now() + Duration::from_secs(60);
+    loop {
+        let (_, jobs) = agent.get_json("/api/jobs");
+        let connected = jobs["jobs"].as_array().is_some_and(|j| {
+            j.iter()
+                .any(|j| j["job_id"] == job_id.as_str() && j["state"] == "connected")
+        });
+        if connected {
+            break;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "job not found: {jobs:#}"
+        );
+        std::thread::sleep(Duration::from_millis(200));
+    }
+    std::thread::sleep(Duration::from_secs(3));
+    let load = |from: u64, to: u64| {
+        agent.get_json(&format!(
+            "/api/jobs/{job_id}/load?from_unix_us={from}&to_unix_us={to}"
+        ))
+    };
+    // The last two seconds: the ranks ran, the agent watched them, but the
+    // feed was paused, so the window is not judged (503), not judged empty.
+    let now = unix_us();
+    let (status, first) = load(now - 2_000_000, now);
+    assert_eq!(
+        status, 503,
+        "a window from before the feed started: {first:#}"
+    );
+    // The ask started it: a window after the ask is answered, for the
+    // job's ranks on this node.
+    let asked = unix_us();
+    std::thread::sleep(Duration::from_millis(1500));
+    let (status, answer) = load(asked, unix_us());
+    stop_job(launcher, &ranks);
+    let _ = std::fs::remove_dir_all(&dir);
+    assert_eq!(status, 200, "a window after the ask: {answer:#}");
+    let pids: BTreeSet<u64> = answer["pids"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|p| p["pid"].as_u64().unwrap())
+        .collect();
+    assert_eq!(pids, ranks, "{answer:#}");
+    assert!(answer["span_s"].as_f64().unwrap() > 1.0, "{answer:#}");
 }

@@ -1067,6 +1067,8 @@ async fn job_load(
         }))
         .into_response());
     }
+    // A peer judges its windows by ours: keep the feed recording.
+    feed.ask();
     let deadline = Instant::now() + std::time::Duration::from_millis(1_500);
     while !feed.covers(to) && Instant::now() < deadline {
         tokio::time::sleep(std::time::Duration::from_millis(50)).await;
@@ -1080,7 +1082,8 @@ async fn job_load(
     let load = feed.window(&pids, from, to).ok_or_else(|| {
         ApiError::new(
             StatusCode::SERVICE_UNAVAILABLE,
-            "no eBPF figures for this window",
+            "no eBPF figures for this window (it began before what this node's feed keeps, \
+             the last 30 s since it last started, or records were lost in it)",
         )
     })?;
     let mut answer = serde_json::to_value(&load).unwrap_or(Value::Null);
@@ -1545,7 +1548,7 @@ pub fn openapi_document() -> serde_json::Value {
                         } } } },
                         "400": bad_request,
                         "404": { "description": "no such job on this node", "content": { "application/json": { "schema": error } } },
-                        "503": { "description": "no eBPF figures here, or not yet up to the window's end (Retry-After)",
+                        "503": { "description": "no eBPF figures here, none for the window (it began before this node's feed started: the feed records only while a tuning session runs here or for two minutes after a peer's ask, which this is), or not yet up to the window's end (Retry-After)",
                             "headers": { "Retry-After": { "description": "seconds", "schema": { "type": "string", "pattern": "^[0-9]+$" } } },
                             "content": { "application/json": { "schema": error } } }
                     }

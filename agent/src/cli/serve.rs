@@ -286,7 +286,6 @@ pub async fn run(args: ServeArgs) -> Result<()> {
         // source" while the first second of events comes in.
         let now = monotonic_ns();
         let view = live::build(session, &mut states, &mut counters, &gpus, now, now, now)?;
-        feed.record(session);
         state.publish(view);
     }
     match http::raise_open_file_limit() {
@@ -345,13 +344,18 @@ pub async fn run(args: ServeArgs) -> Result<()> {
                 }
                 session.drain_now();
                 if let Some(tunings) = &state.tunings {
-                    // The run-queue time that stayed in the kernel
-                    // (--min-interval) is in its thread states, read once
-                    // a second otherwise.
-                    if tunings.any_running() {
-                        session.poll_thread_states();
+                    let here = tunings.any_running();
+                    if here || feed.asked(monotonic_ns()) {
+                        // The run-queue time that stayed in the kernel
+                        // (--min-interval) is in its thread states, read
+                        // once a second otherwise.
+                        if here {
+                            session.poll_thread_states();
+                        }
+                        feed.record(&session);
+                    } else {
+                        feed.pause();
                     }
-                    feed.record(&session);
                 }
                 if tokio::time::Instant::now() < next_publish {
                     continue;

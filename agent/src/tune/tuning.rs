@@ -607,8 +607,13 @@ struct FeedData {
     /// Ranges (monotonic ns) during which records were lost: windows that
     /// overlap one are not judged.
     lossy: Vec<(u64, u64)>,
-    /// Waits that ended before this are forgotten (monotonic ns; 0: none).
+    /// Waits that ended before this are forgotten, and windows that begin
+    /// before it are not judged (monotonic ns; 0: none): the last
+    /// [`FEED_KEEP_NS`], and nothing before the first recording since the
+    /// feed (re)started.
     kept_from_ns: u64,
+    /// The first recording since the feed (re)started (monotonic ns).
+    started_ns: u64,
     /// Per watched process, readings (monotonic ns, cumulative ns) of the
     /// run-queue time of its waits that stayed in the kernel
     /// (`--min-interval`): not in `waits`, but part of every window.
@@ -620,10 +625,23 @@ struct FeedData {
 /// `serve` (the model itself stays on serve's loop), so a tuning session
 /// can say exactly what happened to the job's threads during a window
 /// given in the job's Unix-time microseconds.
+///
+/// Only while someone judges windows by it: a tuning session on this agent,
+/// or a peer's (`/api/jobs/{id}/load`, [`LoadFeed::ask`]) in the last
+/// [`FEED_ASKED_NS`]. Otherwise `serve` pauses it ([`LoadFeed::pause`]):
+/// copying a busy job's waits four times a second was ~12% of the agent's
+/// CPU, and kept ~11 MB, for nobody. Windows that began before it started
+/// again are not judged.
 #[derive(Debug, Default)]
 pub struct LoadFeed {
     data: Mutex<FeedData>,
+    /// Until when a peer's asks keep the feed recording (monotonic ns).
+    asked_until_ns: std::sync::atomic::AtomicU64,
 }
+
+/// How long a peer's ask for a window keeps the feed recording: a session
+/// asks after every window, so this spans many of them.
+const FEED_ASKED_NS: u64 = 120_000_000_000;
 
 /// The run-queue waits among `intervals` (one thread's, newest first, as
 /// the model gives them), for `pid`.
@@ -678,6 +696,7 @@ impl LoadFeed {
         let (from, copied_until) = {
             let mut data = self.lock();
             let from = if data.covered_until_ns == 0 {
+                data.started_ns = now;
                 now.saturating_sub(FEED_REREAD_NS)
             } else {
                 data.covered_until_ns.saturating_sub(FEED_REREAD_NS)
@@ -736,7 +755,7 @@ impl LoadFeed {
         for (ts, pid) in retransmits {
             *data.retransmits.entry((ts, pid)).or_default() += 1;
         }
-        let keep_from = now.saturating_sub(FEED_KEEP_NS);
+        let keep_from = now.saturating_sub(FEED_KEEP_NS).max(data.started_ns);
         // Nearly in the order they ended: whatever ended before `keep_from`
         // and is still behind a newer one only goes at the next recording.
         while data.waits.front().is_some_and(|w| w.end_ns() < keep_from) {
@@ -765,6 +784,32 @@ impl LoadFeed {
         self.data
             .lock()
             .unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+
+    /// A peer judges a window by this feed: keep recording for
+    /// [`FEED_ASKED_NS`] from now.
+    pub fn ask(&self) {
+        let until = crate::session::monotonic_ns().saturating_add(FEED_ASKED_NS);
+        self.asked_until_ns
+            .fetch_max(until, std::sync::atomic::Ordering::Relaxed);
+    }
+
+    /// Whether a peer asked within the last [`FEED_ASKED_NS`] (at `now`,
+    /// monotonic ns).
+    pub fn asked(&self, now: u64) -> bool {
+        now < self
+            .asked_until_ns
+            .load(std::sync::atomic::Ordering::Relaxed)
+    }
+
+    /// Stops the feed: what it kept goes, and the next recording starts it
+    /// afresh (windows before that are not judged).
+    pub fn pause(&self) {
+        let mut data = self.lock();
+        if data.covered_until_ns != 0 {
+            *data = FeedData::default();
+            tracing::debug!("no tuning session reads the eBPF feed: paused");
+        }
     }
 
     /// Whether the feed has read the model past `unix_us` (µs since the
@@ -796,8 +841,8 @@ impl LoadFeed {
         if from_ns < data.kept_from_ns {
             tracing::info!(
                 window_s = (to_ns - from_ns) as f64 / 1e9,
-                "this window began before what the eBPF feed keeps (the last 30 s): it is \
-                 not judged"
+                "this window began before what the eBPF feed keeps (the last 30 s, since it \
+                 last started): it is not judged"
             );
             return None;
         }
