@@ -170,10 +170,17 @@ fn the_tuning_feed_records_only_once_a_peer_asks_and_judges_no_window_from_befor
         "a window from before the feed started: {first:#}"
     );
     // The ask started it: a window after the ask is answered, for the
-    // job's ranks on this node.
-    let asked = unix_us();
-    std::thread::sleep(Duration::from_millis(1500));
-    let (status, answer) = load(asked, unix_us());
+    // job's ranks on this node (a window that began before serve's loop
+    // got to the feed, on a slow machine, is still refused: the next one).
+    let deadline = std::time::Instant::now() + Duration::from_secs(20);
+    let (status, answer) = loop {
+        let from = unix_us();
+        std::thread::sleep(Duration::from_millis(1200));
+        let (status, answer) = load(from, unix_us());
+        if status == 200 || std::time::Instant::now() > deadline {
+            break (status, answer);
+        }
+    };
     stop_job(launcher, &ranks);
     let _ = std::fs::remove_dir_all(&dir);
     assert_eq!(status, 200, "a window after the ask: {answer:#}");
@@ -184,5 +191,5 @@ fn the_tuning_feed_records_only_once_a_peer_asks_and_judges_no_window_from_befor
         .map(|p| p["pid"].as_u64().unwrap())
         .collect();
     assert_eq!(pids, ranks, "{answer:#}");
-    assert!(answer["span_s"].as_f64().unwrap() > 1.0, "{answer:#}");
+    assert!(answer["span_s"].as_f64().unwrap() > 0.5, "{answer:#}");
 }
