@@ -1,7 +1,8 @@
 //! Privileged: `ringwatch-agent top`, given no `--pid`, finds a real 2-rank
 //! `collbench` job through its control socket in `--runtime-dir` and shows
 //! the ranks' processes (the pids the job's `hello` names, which are the
-//! launcher's children). Skips, saying why, when not root or without BTF.
+//! launcher's children); `serve`'s eBPF feed for tuning sessions records
+//! only once a peer asks. Skips, saying why, when not root or without BTF.
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
 mod common;
@@ -15,32 +16,63 @@ use common::{AGENT, ApiServer, skip_unless_privileged, unique_lock_file, wait_wi
 use serde_json::Value;
 
 /// A 2-rank collbench job that runs until killed, found through its socket
-/// in `dir`: (the launcher, the ranks' pids).
-fn start_job(dir: &std::path::Path, job_id: &str) -> (std::process::Child, BTreeSet<u64>) {
-    let socket = dir.join(format!("{job_id}.sock"));
-    let launcher = Command::new(collbench())
-        .args(["-n", "2", "sweep", "--min-bytes", "4096", "--max-bytes"])
-        .args(["4096", "--iters", "1000000000"])
-        .env("RINGWATCH_RUNTIME_DIR", dir)
-        .env("RINGWATCH_JOB_ID", job_id)
-        .env_remove("RANK")
-        .env_remove("OMPI_COMM_WORLD_RANK")
-        .stdout(Stdio::null())
-        .spawn()
-        .unwrap();
-    let ranks = wait_for_job_start(launcher.id(), &socket, 2)
-        .into_iter()
-        .map(u64::from)
-        .collect();
-    (launcher, ranks)
+/// in its own runtime directory; killed, and its directory removed, on drop
+/// (a failing test leaves no job behind).
+struct Job {
+    dir: std::path::PathBuf,
+    id: String,
+    launcher: std::process::Child,
+    /// The ranks' pids.
+    ranks: BTreeSet<u64>,
 }
 
-fn stop_job(mut launcher: std::process::Child, ranks: &BTreeSet<u64>) {
-    for pid in ranks {
-        // SAFETY: kill has no memory preconditions; the pid is our grandchild.
-        unsafe { libc::kill(*pid as i32, libc::SIGKILL) };
+impl Job {
+    fn start(name: &str) -> Self {
+        let dir = std::env::temp_dir().join(format!(
+            "ringwatch-privileged-{name}-{}",
+            std::process::id()
+        ));
+        std::fs::create_dir_all(&dir).unwrap();
+        let id = format!("{name}-test-{}", std::process::id());
+        let socket = dir.join(format!("{id}.sock"));
+        let launcher = Command::new(collbench())
+            .args(["-n", "2", "sweep", "--min-bytes", "4096", "--max-bytes"])
+            .args(["4096", "--iters", "1000000000"])
+            .env("RINGWATCH_RUNTIME_DIR", &dir)
+            .env("RINGWATCH_JOB_ID", &id)
+            .env_remove("RANK")
+            .env_remove("OMPI_COMM_WORLD_RANK")
+            .stdout(Stdio::null())
+            .spawn()
+            .unwrap();
+        let ranks = wait_for_job_start(launcher.id(), &socket, 2)
+            .into_iter()
+            .map(u64::from)
+            .collect();
+        Self {
+            dir,
+            id,
+            launcher,
+            ranks,
+        }
     }
-    let _ = wait_within(&mut launcher, Duration::from_secs(30));
+}
+
+impl Drop for Job {
+    fn drop(&mut self) {
+        for pid in &self.ranks {
+            // SAFETY: kill has no memory preconditions; the pid is our grandchild.
+            unsafe { libc::kill(*pid as i32, libc::SIGKILL) };
+        }
+        // Not wait_within: a panic while the test already panics aborts.
+        let deadline = std::time::Instant::now() + Duration::from_secs(30);
+        while matches!(self.launcher.try_wait(), Ok(None)) && std::time::Instant::now() < deadline {
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        let _ = self.launcher.kill();
+        let _ = self.launcher.wait();
+        let _ = std::fs::remove_dir_all(&self.dir);
+    }
 }
 
 fn unix_us() -> u64 {
@@ -55,16 +87,13 @@ fn top_watches_a_job_found_through_its_control_socket_without_any_pid() {
     if skip_unless_privileged() {
         return;
     }
-    let dir =
-        std::env::temp_dir().join(format!("ringwatch-privileged-jobs-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).unwrap();
-    let job_id = format!("top-test-{}", std::process::id());
-    let (launcher, ranks) = start_job(&dir, &job_id);
+    let job = Job::start("top");
+    let (job_id, ranks) = (job.id.clone(), job.ranks.clone());
 
     let mut top = Command::new(AGENT)
         .args(["top", "--json", "--iterations", "4", "--interval", "500ms"])
         .arg("--runtime-dir")
-        .arg(&dir)
+        .arg(&job.dir)
         .env("RINGWATCH_LOCK_FILE", unique_lock_file())
         .stdout(Stdio::piped())
         .spawn()
@@ -77,8 +106,7 @@ fn top_watches_a_job_found_through_its_control_socket_without_any_pid() {
     });
     let status = wait_within(&mut top, Duration::from_secs(60));
     let text = reader.join().unwrap();
-    stop_job(launcher, &ranks);
-    let _ = std::fs::remove_dir_all(&dir);
+    drop(job);
     assert!(status.success(), "top failed ({status}): {text}");
 
     let frames: Vec<Value> = text
@@ -127,12 +155,9 @@ fn the_tuning_feed_records_only_once_a_peer_asks_and_judges_no_window_from_befor
     if skip_unless_privileged() {
         return;
     }
-    let dir =
-        std::env::temp_dir().join(format!("ringwatch-privileged-feed-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).unwrap();
-    let job_id = format!("feed-test-{}", std::process::id());
-    let (launcher, ranks) = start_job(&dir, &job_id);
-    let display = dir.display().to_string();
+    let job = Job::start("feed");
+    let (job_id, ranks) = (job.id.clone(), job.ranks.clone());
+    let display = job.dir.display().to_string();
     let agent = ApiServer::start(
         &["--jobs", "--no-autotune", "--runtime-dir", &display],
         false,
@@ -181,8 +206,7 @@ fn the_tuning_feed_records_only_once_a_peer_asks_and_judges_no_window_from_befor
             break (status, answer);
         }
     };
-    stop_job(launcher, &ranks);
-    let _ = std::fs::remove_dir_all(&dir);
+    drop(job);
     assert_eq!(status, 200, "a window after the ask: {answer:#}");
     let pids: BTreeSet<u64> = answer["pids"]
         .as_array()
