@@ -87,6 +87,8 @@ enum Workload {
     },
     /// Two threads ping-pong one byte over loopback TCP ROUNDS times: a
     /// context switch and a send/receive per round (the benchmark's load).
+    /// Prints, per thread, what it waited on run queues during its rounds
+    /// by the kernel's schedstat (`threads`: tid, run_delay_ns).
     PingPong {
         /// Round trips.
         #[arg(long, default_value_t = 10_000)]
@@ -314,33 +316,50 @@ fn ping_pong(rounds: u64, wait: bool) -> Result<()> {
     wait_for_go(wait)?;
     let server = std::thread::Builder::new()
         .name("rw-pong".into())
-        .spawn(move || -> Result<()> {
+        .spawn(move || -> Result<serde_json::Value> {
             let (mut s, _) = listener.accept().context("accepting")?;
             s.set_nodelay(true).context("nodelay")?;
+            let before = own_run_delay()?;
             let mut b = [0u8; 1];
             for _ in 0..rounds {
                 s.read_exact(&mut b).context("pong read")?;
                 s.write_all(&b).context("pong write")?;
             }
-            Ok(())
+            Ok(serde_json::json!({"tid": gettid(), "run_delay_ns": own_run_delay()? - before}))
         })
         .context("spawning the pong thread")?;
     let mut c = std::net::TcpStream::connect(addr).context("connecting")?;
     c.set_nodelay(true).context("nodelay")?;
     let started = std::time::Instant::now();
+    let before = own_run_delay()?;
     let mut b = [1u8; 1];
     for _ in 0..rounds {
         c.write_all(&b).context("ping write")?;
         c.read_exact(&mut b).context("ping read")?;
     }
+    let ping = serde_json::json!({"tid": gettid(), "run_delay_ns": own_run_delay()? - before});
     let elapsed = started.elapsed();
-    server
+    let pong = server
         .join()
         .map_err(|_| anyhow::anyhow!("the pong thread panicked"))??;
     announce(&serde_json::json!({
         "rounds": rounds, "elapsed_s": elapsed.as_secs_f64(),
         "rounds_per_s": rounds as f64 / elapsed.as_secs_f64(),
+        "threads": [ping, pong],
     }))
+}
+
+/// What the calling thread has waited on run queues so far, by the kernel
+/// (the second field of its schedstat), ns. Read while it runs, so no wait
+/// is in progress: the difference of two readings is exactly the waits that
+/// ended between them.
+fn own_run_delay() -> Result<u64> {
+    let text = std::fs::read_to_string("/proc/thread-self/schedstat")
+        .context("reading /proc/thread-self/schedstat")?;
+    text.split_whitespace()
+        .nth(1)
+        .and_then(|field| field.parse().ok())
+        .with_context(|| format!("no run delay in schedstat {text:?}"))
 }
 
 fn yield_switches(switches: u64, cpu: Option<usize>, wait: bool) -> Result<()> {
