@@ -11,69 +11,9 @@ use std::collections::BTreeSet;
 use std::process::{Command, Stdio};
 use std::time::Duration;
 
-use common::procs::{collbench, wait_for_job_start};
+use common::procs::Job;
 use common::{AGENT, ApiServer, skip_unless_privileged, unique_lock_file, wait_within};
 use serde_json::Value;
-
-/// A 2-rank collbench job that runs until killed, found through its socket
-/// in its own runtime directory; killed, and its directory removed, on drop
-/// (a failing test leaves no job behind).
-struct Job {
-    dir: std::path::PathBuf,
-    id: String,
-    launcher: std::process::Child,
-    /// The ranks' pids.
-    ranks: BTreeSet<u64>,
-}
-
-impl Job {
-    fn start(name: &str) -> Self {
-        let dir = std::env::temp_dir().join(format!(
-            "ringwatch-privileged-{name}-{}",
-            std::process::id()
-        ));
-        std::fs::create_dir_all(&dir).unwrap();
-        let id = format!("{name}-test-{}", std::process::id());
-        let socket = dir.join(format!("{id}.sock"));
-        let launcher = Command::new(collbench())
-            .args(["-n", "2", "sweep", "--min-bytes", "4096", "--max-bytes"])
-            .args(["4096", "--iters", "1000000000"])
-            .env("RINGWATCH_RUNTIME_DIR", &dir)
-            .env("RINGWATCH_JOB_ID", &id)
-            .env_remove("RANK")
-            .env_remove("OMPI_COMM_WORLD_RANK")
-            .stdout(Stdio::null())
-            .spawn()
-            .unwrap();
-        let ranks = wait_for_job_start(launcher.id(), &socket, 2)
-            .into_iter()
-            .map(u64::from)
-            .collect();
-        Self {
-            dir,
-            id,
-            launcher,
-            ranks,
-        }
-    }
-}
-
-impl Drop for Job {
-    fn drop(&mut self) {
-        for pid in &self.ranks {
-            // SAFETY: kill has no memory preconditions; the pid is our grandchild.
-            unsafe { libc::kill(*pid as i32, libc::SIGKILL) };
-        }
-        // Not wait_within: a panic while the test already panics aborts.
-        let deadline = std::time::Instant::now() + Duration::from_secs(30);
-        while matches!(self.launcher.try_wait(), Ok(None)) && std::time::Instant::now() < deadline {
-            std::thread::sleep(Duration::from_millis(20));
-        }
-        let _ = self.launcher.kill();
-        let _ = self.launcher.wait();
-        let _ = std::fs::remove_dir_all(&self.dir);
-    }
-}
 
 fn unix_us() -> u64 {
     std::time::SystemTime::now()

@@ -373,25 +373,10 @@ fn a_real_collbench_job_shows_its_activities_on_its_ranks_with_their_threads() {
     if skip_unless_privileged() {
         return;
     }
-    use common::procs::{collbench, wait_for_job_start};
-    let dir = std::env::temp_dir().join(format!("ringwatch-live-collbench-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).unwrap();
-    let job_id = format!("live-{}", std::process::id());
-    let mut launcher = std::process::Command::new(collbench())
-        .args(["-n", "2", "sweep", "--min-bytes", "4096", "--max-bytes"])
-        .args(["4096", "--iters", "1000000000"])
-        .env("RINGWATCH_RUNTIME_DIR", &dir)
-        .env("RINGWATCH_JOB_ID", &job_id)
-        .env_remove("RANK")
-        .env_remove("OMPI_COMM_WORLD_RANK")
-        .stdout(std::process::Stdio::null())
-        .spawn()
-        .unwrap();
-    let socket = dir.join(format!("{job_id}.sock"));
-    let ranks: Vec<u64> = wait_for_job_start(launcher.id(), &socket, 2)
-        .into_iter()
-        .map(u64::from)
-        .collect();
+    // Killed, and its directory removed, when the test ends, failing or not.
+    let job = common::procs::Job::start("live");
+    let (dir, job_id) = (job.dir.clone(), job.id.clone());
+    let ranks: Vec<u64> = job.ranks.iter().copied().collect();
     let server = ApiServer::start(
         &[
             "--jobs",
@@ -415,12 +400,7 @@ fn a_real_collbench_job_shows_its_activities_on_its_ranks_with_their_threads() {
         }
         std::thread::sleep(Duration::from_millis(300));
     };
-    for &pid in &ranks {
-        // SAFETY: kill has no memory preconditions; the pid is our grandchild.
-        unsafe { libc::kill(pid as i32, libc::SIGKILL) };
-    }
-    let _ = common::wait_within(&mut launcher, Duration::from_secs(30));
-    let _ = std::fs::remove_dir_all(&dir);
+    drop(job);
     let (status, trace) = outcome;
     assert_eq!(status, 200, "{trace}");
     // The job's activities: the sweep's one tensor, on a rank's real pid,

@@ -1,6 +1,7 @@
 //! Process helpers shared by the agent's unit tests (`jobs.rs`, through a
 //! `#[path]` module) and its integration tests (`common::procs`): the
-//! `collbench` binary, and a process's children from /proc.
+//! `collbench` binary, a process's children from /proc, and a 2-rank job that
+//! runs until dropped.
 #![allow(dead_code, clippy::unwrap_used, clippy::expect_used)]
 
 use std::collections::BTreeSet;
@@ -69,5 +70,68 @@ pub fn wait_for_job_start(launcher: u32, socket: &Path, ranks: usize) -> BTreeSe
             children.len()
         );
         std::thread::sleep(std::time::Duration::from_millis(50));
+    }
+}
+
+/// A 2-rank collbench job that runs until killed, found through its socket
+/// in its own runtime directory; killed, and its directory removed, on drop
+/// (a failing test leaves no job behind).
+pub struct Job {
+    /// Its runtime directory (`RINGWATCH_RUNTIME_DIR`), with its socket.
+    pub dir: PathBuf,
+    /// Its job id.
+    pub id: String,
+    launcher: std::process::Child,
+    /// The ranks' pids.
+    pub ranks: BTreeSet<u64>,
+}
+
+impl Job {
+    /// Starts the job, named after `name`, and waits until its ranks run.
+    pub fn start(name: &str) -> Self {
+        let dir = std::env::temp_dir().join(format!(
+            "ringwatch-privileged-{name}-{}",
+            std::process::id()
+        ));
+        std::fs::create_dir_all(&dir).unwrap();
+        let id = format!("{name}-test-{}", std::process::id());
+        let socket = dir.join(format!("{id}.sock"));
+        let launcher = std::process::Command::new(collbench())
+            .args(["-n", "2", "sweep", "--min-bytes", "4096", "--max-bytes"])
+            .args(["4096", "--iters", "1000000000"])
+            .env("RINGWATCH_RUNTIME_DIR", &dir)
+            .env("RINGWATCH_JOB_ID", &id)
+            .env_remove("RANK")
+            .env_remove("OMPI_COMM_WORLD_RANK")
+            .stdout(std::process::Stdio::null())
+            .spawn()
+            .unwrap();
+        let ranks = wait_for_job_start(launcher.id(), &socket, 2)
+            .into_iter()
+            .map(u64::from)
+            .collect();
+        Self {
+            dir,
+            id,
+            launcher,
+            ranks,
+        }
+    }
+}
+
+impl Drop for Job {
+    fn drop(&mut self) {
+        for pid in &self.ranks {
+            // SAFETY: kill has no memory preconditions; the pid is our grandchild.
+            unsafe { libc::kill(*pid as i32, libc::SIGKILL) };
+        }
+        // Not wait_within: a panic while the test already panics aborts.
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
+        while matches!(self.launcher.try_wait(), Ok(None)) && std::time::Instant::now() < deadline {
+            std::thread::sleep(std::time::Duration::from_millis(20));
+        }
+        let _ = self.launcher.kill();
+        let _ = self.launcher.wait();
+        let _ = std::fs::remove_dir_all(&self.dir);
     }
 }
