@@ -12,6 +12,7 @@
 // exits 0, except under CI (CI=true), where a missing Chromium is a failure.
 import { existsSync, mkdirSync, readFileSync } from 'node:fs';
 import { join } from 'node:path';
+import { pathToFileURL } from 'node:url';
 import { CHROMIUM, REPO_DIR, TESTS_DIR, UI_DIR, launch, loadPlaywright, startServer } from './harness.mjs';
 
 const FIXTURES = join(TESTS_DIR, 'fixtures');
@@ -32,13 +33,11 @@ async function check(name, fn) {
 function assert(cond, msg) { if (!cond) throw new Error(msg); }
 function near(a, b, tol, msg) { if (!(Math.abs(a - b) <= tol)) throw new Error(`${msg}: ${a} is not within ${tol} of ${b}`); }
 
-// The parser runs in the page's Worker; it is one self-contained function, so
-// Node can run the very same code on edge cases first (no browser needed).
+// The parser runs in the page's Worker; it is a module of its own (js/parse.js)
+// that touches nothing of the page, so Node runs the very same code on edge
+// cases first (no browser needed).
 {
-  const src = readFileSync(join(UI_DIR, 'viewer.js'), 'utf8');
-  const cut = src.indexOf('// The parser, in a Worker');
-  assert(cut > 0, 'viewer.js layout changed: cannot find the parser');
-  const P = new Function(src.slice(0, cut) + '\nreturn traceParserModule;')()();
+  const P = await import(pathToFileURL(join(UI_DIR, 'js', 'parse.js')).href);
   const parse = (text, opts) => P.parse(text, opts || {}).result;
   const procs = (r) => r.groups.flatMap((g) => g.processes.map((p) => ({ g: g.name, kind: g.kind, ...p })));
   await check('parser: unterminated arrays and objects are read up to the last complete event', async () => {
@@ -737,17 +736,28 @@ try {
     console.log('note: RINGWATCH_AGENT_BIN is not set, so the check against the real agent did not run (cargo xtask test sets it)');
   }
 
-  await check('opened as a plain file: the picker works, ?trace= explains why it cannot', async () => {
-    const url = 'file://' + join(UI_DIR, 'index.html');
+  // The viewer is ES modules, which browsers do not run from a file: page; so
+  // the empty page and its picker are checked over HTTP, a file: trace URL
+  // stands in for ?trace= on a file: page, and the file: page itself must say
+  // how to open it.
+  await check('a page with no trace: the picker works; a file: trace, or the page opened as a file, says what to do', async () => {
+    const errorsBefore = pageErrors.length;
+    const url = `${site.base}/index.html`;
     await page.goto(url);
     assert(await ready() === 'empty', 'state of an empty page');
-    assert(await hook(() => window.ringwatchViewer.usesWorker()), 'no Worker on a file: page');
+    assert(await hook(() => window.ringwatchViewer.usesWorker()), 'no Worker on an empty page');
     await page.setInputFiles('#file', join(FIXTURES, 'ringwatch-2ranks.json'));
     await page.waitForFunction(() => /ringwatch-2ranks/.test(document.querySelector('#status').textContent));
     assert(await ready() === 'ready', 'state after the picker');
-    await page.goto(url + '?trace=tests/fixtures/ringwatch-2ranks.json');
-    assert(await ready() === 'error', 'state for ?trace= on a file: page');
+    await page.goto(url + '?trace=' + encodeURIComponent('file://' + join(FIXTURES, 'ringwatch-2ranks.json')));
+    assert(await ready() === 'error', 'state for a file: ?trace=');
     assert(/Open trace file/.test(await page.textContent('#status')), 'the message says what to do');
+    await page.goto('file://' + join(UI_DIR, 'index.html'));
+    const status = await page.textContent('#status');
+    assert(/served over HTTP/.test(status) && /ringwatch-agent serve/.test(status), 'a file: page says to serve it over HTTP: ' + status);
+    // The browser logs the intended 404 (no agent answers /api/jobs on a
+    // plain HTTP page) and the module script it refused to load from file:.
+    pageErrors.push(...pageErrors.splice(errorsBefore).filter((e) => !/status of 404|origin 'null' has been blocked by CORS|net::ERR_FAILED/.test(e)));
   });
 
   await check('no errors in the page console', async () => {
