@@ -6,9 +6,11 @@ so that their speed and their losses can be set side by side (`cargo xtask bench
 Run it as one process per rank with the variables torchrun sets (RANK, WORLD_SIZE,
 LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT), e.g.
 
-    torchrun --nproc-per-node 4 examples/pytorch/train.py --backend ringwatch
+    python -m ringwatch.run --nproc_per_node 4 examples/pytorch/train.py --backend ringwatch
 
-or `--backend single --world 4` for the single-process reference: one process training on
+(`ringwatch.run` is torchrun, with the fix PyTorch 1.13 needs on Python 3.11; on PyTorch 2.x
+`torchrun --nproc_per_node 4 …` works the same), or `--backend single --world 4` for the
+single-process reference: one process training on
 the batch that the 4 ranks share. Every step's batch is the same whatever the backend; rank
 r trains on its r-th slice. The model uses GroupNorm (torchvision's `norm_layer`): each
 sample is normalized on its own, so that the combined batch's loss is exactly the mean of
