@@ -30,6 +30,7 @@ use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 use tower_http::limit::RequestBodyLimitLayer;
 
 pub mod http;
+mod ui;
 
 use crate::cluster::Cluster;
 use crate::gpu::Gpus;
@@ -408,10 +409,7 @@ pub fn router_with(state: ApiState, limits: TimelineLimits) -> Router {
         .route("/api/reports/{id}", get(report_file))
         .route("/api/openapi.json", get(openapi))
         .route("/metrics", get(metrics))
-        .route("/", get(ui_index))
-        .route("/index.html", get(ui_index))
-        .route("/viewer.js", get(ui_script))
-        .route("/viewer.css", get(ui_style))
+        .merge(ui::routes())
         .fallback(not_found)
         .method_not_allowed_fallback(method_not_allowed)
         .layer(RequestBodyLimitLayer::new(MAX_BODY_BYTES))
@@ -1378,35 +1376,6 @@ async fn metrics(
 async fn openapi(ApiQuery(params): ApiQuery) -> Result<Response, ApiError> {
     reject_unknown(&params, &[])?;
     Ok(axum::Json(openapi_document()).into_response())
-}
-
-// The timeline viewer (ui/), embedded at build time: the agent serves it
-// with no files beside the binary and nothing fetched from elsewhere.
-const UI_INDEX: &str = include_str!("../../../ui/index.html");
-const UI_SCRIPT: &str = include_str!("../../../ui/viewer.js");
-const UI_STYLE: &str = include_str!("../../../ui/viewer.css");
-
-fn static_file(content_type: &'static str, body: &'static str) -> Response {
-    (
-        [
-            (header::CONTENT_TYPE, content_type),
-            (header::CACHE_CONTROL, "no-cache"),
-        ],
-        body,
-    )
-        .into_response()
-}
-
-async fn ui_index() -> Response {
-    static_file("text/html; charset=utf-8", UI_INDEX)
-}
-
-async fn ui_script() -> Response {
-    static_file("text/javascript; charset=utf-8", UI_SCRIPT)
-}
-
-async fn ui_style() -> Response {
-    static_file("text/css; charset=utf-8", UI_STYLE)
 }
 
 async fn not_found(uri: axum::http::Uri) -> ApiError {
