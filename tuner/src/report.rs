@@ -3,19 +3,29 @@
 //! self-contained HTML page (inline SVG convergence plot, the table, the
 //! chosen knobs and the measured speedup over the starting knobs).
 //!
-//! It must never open files, read a clock or talk to anything: it writes to
-//! and reads from the `Write`/`Read` the caller hands it, and wall times come
-//! from the caller. Everything the HTML shows comes from the frame alone, so
-//! a Parquet file is enough to re-render the page.
+//! It is the one module of the crate that does I/O, and only this: the
+//! frame functions write to and read from the `Write`/`Read` the caller
+//! hands it, and [`write_report`] creates a finished session's three files
+//! in the directory the caller names (so the agent and a self-tuning job
+//! write the same report). It must never read a clock, start threads or
+//! talk to anything; wall times come from the caller. Everything the HTML
+//! shows comes from the frame alone, so a Parquet file is enough to
+//! re-render the page. It reads a session only through the data the session
+//! hands it ([`ReportData`]); the session never calls back into it.
 
 use std::fmt::Write as _;
 use std::io::{Read, Write};
+use std::path::{Path, PathBuf};
 
 use polars::prelude::*;
 use thiserror::Error;
 
 use crate::optimizer::Optimizer;
-use crate::space::{DimKind, Point, Space, Value};
+use crate::session::{Candidate, Confirmation, ReportData};
+use crate::space::{
+    CYCLE_TIME_MS, CollectiveKnobs, Dim, DimKind, FUSION_THRESHOLD_BYTES, HIERARCHICAL_ALLREDUCE,
+    Point, Space, Value,
+};
 
 /// Column: sample index, from 0.
 pub const COL_SAMPLE: &str = "sample";
@@ -577,8 +587,7 @@ fn readable(name: &str, value: &str) -> String {
 /// The confirmation of a session's choice against its start, as an HTML
 /// section (`<h2>heading</h2>` and a table of its windows, in the order
 /// measured).
-pub fn confirmation_html(c: &crate::session::Confirmation, heading: &str) -> String {
-    use crate::session::Candidate;
+pub fn confirmation_html(c: &Confirmation, heading: &str) -> String {
     let mut html = format!("<h2>{}</h2>\n", escape(heading));
     let name = |k: Candidate| match k {
         Candidate::Choice => "the choice",
@@ -678,4 +687,187 @@ pub fn recheck_lost_html(start_score: f64, pinned_score: f64) -> String {
         format_number(pinned_score),
         format_number(start_score)
     )
+}
+
+/// The files [`write_report`] wrote.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ReportFiles {
+    /// The table of samples as CSV.
+    pub csv: PathBuf,
+    /// The same table as Parquet (re-render with `ringwatch-report`).
+    pub parquet: PathBuf,
+    /// The self-contained HTML page.
+    pub html: PathBuf,
+}
+
+/// The report shows every knob, searched or fixed, over ranges wide enough
+/// for any value a session can apply (fusion off is the 0 of the column).
+fn report_space() -> Space {
+    Space::new(vec![
+        Dim {
+            name: FUSION_THRESHOLD_BYTES.to_owned(),
+            kind: DimKind::Continuous {
+                low: 0.0,
+                high: f64::MAX,
+                log_scale: false,
+            },
+        },
+        Dim {
+            name: CYCLE_TIME_MS.to_owned(),
+            kind: DimKind::Continuous {
+                low: 0.0,
+                high: f64::MAX,
+                log_scale: false,
+            },
+        },
+        Dim {
+            name: HIERARCHICAL_ALLREDUCE.to_owned(),
+            kind: DimKind::Boolean,
+        },
+    ])
+    .expect("the report space is declared with valid, distinct dimensions")
+}
+
+fn report_point(knobs: &CollectiveKnobs) -> Point {
+    Point(vec![
+        Value::Real(knobs.fusion_threshold_bytes as f64),
+        Value::Real(knobs.cycle_time_ms),
+        Value::Bool(knobs.hierarchical_allreduce),
+    ])
+}
+
+/// A tuning session's table (see [`session_frame`]): one row per sample
+/// with all three knobs, whether searched or fixed.
+pub fn session_report_frame(data: &ReportData<'_>) -> Result<DataFrame, ReportError> {
+    let records: Vec<SampleRecord> = data
+        .samples
+        .iter()
+        .map(|s| SampleRecord {
+            knobs: report_point(&s.knobs),
+            score: s.score,
+            noise_hint: s.noise_hint,
+            disturbed: s.disturbed.clone(),
+            remeasured_because: s.remeasured_because.clone(),
+            wall_time_s: s.wall_time_s,
+        })
+        .collect();
+    session_frame(&report_space(), &records, data.best_sample)
+}
+
+/// Writes a tuning session's report as `<dir>/<stem>.csv`, `.parquet` and
+/// `.html` (the directory must exist). This is the one function of the
+/// crate that opens files: the agent and a self-tuning job both call it so
+/// that their reports are the same.
+pub fn write_report(
+    data: &ReportData<'_>,
+    dir: &Path,
+    stem: &str,
+    title: &str,
+) -> Result<ReportFiles, ReportError> {
+    let frame = session_report_frame(data)?;
+    let files = ReportFiles {
+        csv: dir.join(format!("{stem}.csv")),
+        parquet: dir.join(format!("{stem}.parquet")),
+        html: dir.join(format!("{stem}.html")),
+    };
+    let create = |path: &Path| std::fs::File::create(path).map(std::io::BufWriter::new);
+    write_csv(&frame, create(&files.csv)?)?;
+    write_parquet(&frame, create(&files.parquet)?)?;
+    let mut html = render_html(&frame, title)?;
+    let mut sections = String::new();
+    if let Some(c) = data.recheck_confirmation {
+        sections.push_str(&confirmation_html(
+            c,
+            "Re-check of the knobs pinned before (they lost: tuned again)",
+        ));
+    }
+    if let Some(c) = data.confirmation {
+        let heading = if data.rechecked && !data.recheck_lost {
+            "Re-check of the knobs pinned before"
+        } else {
+            "Confirmation before pinning"
+        };
+        sections.push_str(&confirmation_html(c, heading));
+    }
+    if data.rechecked
+        && data.recheck_lost
+        && data.recheck_confirmation.is_none()
+        && let (Some(start), Some(pinned)) = (data.samples.first(), data.samples.get(1))
+    {
+        sections.push_str(&recheck_lost_html(start.score, pinned.score));
+    }
+    let at = html.find("<h2>Samples</h2>").unwrap_or(html.len());
+    html.insert_str(at, &sections);
+    if let Some(context) = data.context {
+        let at = html.find("<h2>Convergence</h2>").unwrap_or(html.len());
+        html.insert_str(at, &context_html(&context.note, &context.timeline));
+    }
+    std::fs::write(&files.html, html)?;
+    Ok(files)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::session::testing::{FakeJob, config, drive};
+    use crate::session::{FixedKnobs, KnobBounds, SessionConfig, TuningSession};
+
+    #[test]
+    fn fixed_knobs_show_in_the_report_frame() {
+        let mut session = TuningSession::new(SessionConfig {
+            bounds: KnobBounds {
+                cycle_time_ms: Some((1.0, 4.0)),
+                fusion_threshold_bytes: None,
+            },
+            fixed: FixedKnobs {
+                fusion_threshold_bytes: Some(0),
+                ..FixedKnobs::default()
+            },
+            ..config()
+        })
+        .unwrap();
+        let mut job = FakeJob::new(0);
+        drive(&mut session, &mut job, |_, _| None);
+        let frame = session_report_frame(&session.report_data()).unwrap();
+        assert_eq!(frame.height(), session.samples().len());
+        let fusion = frame.column(FUSION_THRESHOLD_BYTES).unwrap().f64().unwrap();
+        assert!((0..fusion.len()).all(|i| fusion.get(i) == Some(0.0)));
+    }
+
+    #[test]
+    fn writes_csv_parquet_and_html_whose_rows_are_the_samples() {
+        let mut session = TuningSession::new(SessionConfig {
+            budget: 4,
+            ..config()
+        })
+        .unwrap();
+        let mut job = FakeJob::new(0);
+        drive(&mut session, &mut job, |_, _| None);
+        let dir = std::env::temp_dir().join(format!("tuner-session-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let files = write_report(&session.report_data(), &dir, "job-1", "job 1").unwrap();
+        let frame = read_parquet(std::fs::File::open(&files.parquet).unwrap()).unwrap();
+        let column = frame.column(COL_SCORE).unwrap().f64().unwrap();
+        let scores: Vec<f64> = (0..column.len()).filter_map(|i| column.get(i)).collect();
+        let expected: Vec<f64> = session.samples().iter().map(|s| s.score).collect();
+        assert_eq!(scores, expected);
+        let csv = std::fs::read_to_string(&files.csv).unwrap();
+        assert_eq!(csv.lines().count(), 1 + session.samples().len());
+        let html = std::fs::read_to_string(&files.html).unwrap();
+        assert!(html.contains("job 1"));
+        // The confirmation's windows are in the page, before the samples.
+        let c = session
+            .confirmation()
+            .expect("hierarchical beats the start");
+        let section = html
+            .find("Confirmation before pinning")
+            .expect("a confirmation section");
+        assert!(section < html.find("<h2>Samples</h2>").unwrap());
+        assert_eq!(
+            html.matches("<td>the choice</td>").count(),
+            c.windows.len() / 2
+        );
+        assert!(html.contains("Kept: <strong>the choice</strong>"));
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
 }

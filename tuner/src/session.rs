@@ -7,8 +7,8 @@
 //! job's control socket) and a job that tunes itself (in-process, on rank 0)
 //! — so both measure the same way. It never reads a clock, does I/O or
 //! starts threads: cycles and their timestamps come from the job, wall times
-//! from the caller. The one exception is [`write_report`], which writes the
-//! finished report's files where the caller says.
+//! from the caller; it never builds or writes its report either: it hands
+//! the report's data ([`TuningSession::report_data`]) to [`crate::report`].
 //!
 //! The protocol, per sample:
 //! 1. [`Step::Apply`]: the driver sets the knobs on the job and, once the job
@@ -42,13 +42,9 @@
 //! kept: a session never pins knobs that measured worse than the ones the
 //! job came with.
 
-use std::path::{Path, PathBuf};
-
-use polars::prelude::DataFrame;
 use thiserror::Error;
 
 use crate::optimizer::{Exploration, Optimizer, OptimizerConfig, OptimizerError, StopReason};
-use crate::report::{self, ReportError, SampleRecord};
 use crate::space::{
     CYCLE_TIME_MAX_MS, CYCLE_TIME_MIN_MS, CYCLE_TIME_MS, CollectiveKnobs, Dim, DimKind,
     FUSION_OFF_AT_OR_BELOW_BYTES, FUSION_THRESHOLD_BYTES, FUSION_THRESHOLD_CEILING_BYTES,
@@ -395,17 +391,6 @@ pub struct Best {
     pub sample: usize,
 }
 
-/// The files [`write_report`] wrote.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct ReportFiles {
-    /// The table of samples as CSV.
-    pub csv: PathBuf,
-    /// The same table as Parquet (re-render with `ringwatch-report`).
-    pub parquet: PathBuf,
-    /// The self-contained HTML page.
-    pub html: PathBuf,
-}
-
 /// What a window being measured is for.
 #[derive(Debug, Clone, Copy, PartialEq)]
 enum Purpose {
@@ -478,6 +463,27 @@ pub struct SessionContext {
     /// The job's throughput since the previous pin: `(seconds since the
     /// first window, bytes/s)` per watched window.
     pub timeline: Vec<(f64, f64)>,
+}
+
+/// What a session's report shows ([`TuningSession::report_data`]): plain
+/// data, so that building and writing the report ([`crate::report`]) stays
+/// out of the session.
+#[derive(Debug, Clone, Copy)]
+pub struct ReportData<'a> {
+    /// The recorded samples, in order.
+    pub samples: &'a [SessionSample],
+    /// The recommended sample ([`TuningSession::best`]), if any.
+    pub best_sample: Option<usize>,
+    /// The confirmation of the choice against the start (or the re-check).
+    pub confirmation: Option<&'a Confirmation>,
+    /// The re-check's confirmation when the re-checked knobs lost it.
+    pub recheck_confirmation: Option<&'a Confirmation>,
+    /// Whether the session re-checked knobs pinned before.
+    pub rechecked: bool,
+    /// Whether that re-check lost (so the session tuned again).
+    pub recheck_lost: bool,
+    /// Why the session started, if the driver said.
+    pub context: Option<&'a SessionContext>,
 }
 
 fn check_range(
@@ -935,22 +941,18 @@ impl TuningSession {
         self.optimizer.low_outliers()
     }
 
-    /// The report's table (see [`report::session_frame`]): one row per
-    /// sample with all three knobs, whether searched or fixed.
-    pub fn report_frame(&self) -> Result<DataFrame, ReportError> {
-        let records: Vec<SampleRecord> = self
-            .samples
-            .iter()
-            .map(|s| SampleRecord {
-                knobs: report_point(&s.knobs),
-                score: s.score,
-                noise_hint: s.noise_hint,
-                disturbed: s.disturbed.clone(),
-                remeasured_because: s.remeasured_because.clone(),
-                wall_time_s: s.wall_time_s,
-            })
-            .collect();
-        report::session_frame(&report_space(), &records, self.best().map(|b| b.sample))
+    /// What the session's report shows, borrowed from the session:
+    /// [`crate::report`] builds and writes the report from it.
+    pub fn report_data(&self) -> ReportData<'_> {
+        ReportData {
+            samples: &self.samples,
+            best_sample: self.best().map(|b| b.sample),
+            confirmation: self.confirmation.as_ref(),
+            recheck_confirmation: self.recheck_confirmation.as_ref(),
+            rechecked: self.config.recheck.is_some(),
+            recheck_lost: self.recheck_lost,
+            context: self.context.as_ref(),
+        }
     }
 
     fn next_apply(&mut self) -> State {
@@ -1109,94 +1111,6 @@ impl TuningSession {
     }
 }
 
-/// The report shows every knob, searched or fixed, over ranges wide enough
-/// for any value a session can apply (fusion off is the 0 of the column).
-fn report_space() -> Space {
-    Space::new(vec![
-        Dim {
-            name: FUSION_THRESHOLD_BYTES.to_owned(),
-            kind: DimKind::Continuous {
-                low: 0.0,
-                high: f64::MAX,
-                log_scale: false,
-            },
-        },
-        Dim {
-            name: CYCLE_TIME_MS.to_owned(),
-            kind: DimKind::Continuous {
-                low: 0.0,
-                high: f64::MAX,
-                log_scale: false,
-            },
-        },
-        Dim {
-            name: HIERARCHICAL_ALLREDUCE.to_owned(),
-            kind: DimKind::Boolean,
-        },
-    ])
-    .expect("the report space is declared with valid, distinct dimensions")
-}
-
-fn report_point(knobs: &CollectiveKnobs) -> Point {
-    Point(vec![
-        Value::Real(knobs.fusion_threshold_bytes as f64),
-        Value::Real(knobs.cycle_time_ms),
-        Value::Bool(knobs.hierarchical_allreduce),
-    ])
-}
-
-/// Writes the session's report as `<dir>/<stem>.csv`, `.parquet` and
-/// `.html` (the directory must exist). This is the one function of the
-/// crate that opens files: the agent and a self-tuning job both call it so
-/// that their reports are the same.
-pub fn write_report(
-    session: &TuningSession,
-    dir: &Path,
-    stem: &str,
-    title: &str,
-) -> Result<ReportFiles, ReportError> {
-    let frame = session.report_frame()?;
-    let files = ReportFiles {
-        csv: dir.join(format!("{stem}.csv")),
-        parquet: dir.join(format!("{stem}.parquet")),
-        html: dir.join(format!("{stem}.html")),
-    };
-    let create = |path: &Path| std::fs::File::create(path).map(std::io::BufWriter::new);
-    report::write_csv(&frame, create(&files.csv)?)?;
-    report::write_parquet(&frame, create(&files.parquet)?)?;
-    let mut html = report::render_html(&frame, title)?;
-    let mut sections = String::new();
-    if let Some(c) = session.recheck_confirmation() {
-        sections.push_str(&report::confirmation_html(
-            c,
-            "Re-check of the knobs pinned before (they lost: tuned again)",
-        ));
-    }
-    if let Some(c) = session.confirmation() {
-        let heading = if session.config().recheck.is_some() && !session.recheck_lost() {
-            "Re-check of the knobs pinned before"
-        } else {
-            "Confirmation before pinning"
-        };
-        sections.push_str(&report::confirmation_html(c, heading));
-    }
-    if session.config().recheck.is_some()
-        && session.recheck_lost()
-        && session.recheck_confirmation().is_none()
-        && let (Some(start), Some(pinned)) = (session.samples().first(), session.samples().get(1))
-    {
-        sections.push_str(&report::recheck_lost_html(start.score, pinned.score));
-    }
-    let at = html.find("<h2>Samples</h2>").unwrap_or(html.len());
-    html.insert_str(at, &sections);
-    if let Some(context) = session.context() {
-        let at = html.find("<h2>Convergence</h2>").unwrap_or(html.len());
-        html.insert_str(at, &report::context_html(&context.note, &context.timeline));
-    }
-    std::fs::write(&files.html, html)?;
-    Ok(files)
-}
-
 fn confirmation_index(confirmation: &Option<Confirmation>) -> usize {
     confirmation
         .as_ref()
@@ -1225,21 +1139,22 @@ fn sub_window_median(cycles: &[CycleObservation], k: usize) -> Option<f64> {
     median(&rates)
 }
 
+/// A pretend job and a driver for the session's tests and the report's.
 #[cfg(test)]
-mod tests {
+pub(crate) mod testing {
     use super::*;
 
     /// A pretend job: throughput is a known function of the knobs, the
     /// clock advances with each cycle.
-    struct FakeJob {
-        cycle: u64,
-        now_us: u64,
-        knobs: CollectiveKnobs,
+    pub(crate) struct FakeJob {
+        pub(crate) cycle: u64,
+        pub(crate) now_us: u64,
+        pub(crate) knobs: CollectiveKnobs,
     }
 
     impl FakeJob {
         /// A job at `cycle`, at time 0, on the default knobs.
-        fn new(cycle: u64) -> Self {
+        pub(crate) fn new(cycle: u64) -> Self {
             FakeJob {
                 cycle,
                 now_us: 0,
@@ -1249,7 +1164,7 @@ mod tests {
 
         /// Bytes per second of these knobs: best at 16 MiB, 2 ms,
         /// hierarchical.
-        fn rate(knobs: &CollectiveKnobs) -> f64 {
+        pub(crate) fn rate(knobs: &CollectiveKnobs) -> f64 {
             let f = (knobs.fusion_threshold_bytes.max(1024) as f64).log2() - 24.0;
             let c = knobs.cycle_time_ms.log2() - 1.0;
             let h = if knobs.hierarchical_allreduce {
@@ -1260,7 +1175,7 @@ mod tests {
             1e9 * h / (1.0 + 0.05 * f * f + 0.1 * c * c)
         }
 
-        fn next_cycle(&mut self) -> CycleObservation {
+        pub(crate) fn next_cycle(&mut self) -> CycleObservation {
             self.cycle += 1;
             let duration_us = 10_000;
             let bytes = (Self::rate(&self.knobs) * duration_us as f64 / 1e6) as u64;
@@ -1275,7 +1190,7 @@ mod tests {
         }
     }
 
-    fn config() -> SessionConfig {
+    pub(crate) fn config() -> SessionConfig {
         SessionConfig {
             budget: 12,
             warmup_cycles: 2,
@@ -1287,7 +1202,7 @@ mod tests {
 
     /// Drives a session against the fake job; `disturb(sample, window)` says
     /// which windows were disturbed.
-    fn drive(
+    pub(crate) fn drive(
         session: &mut TuningSession,
         job: &mut FakeJob,
         mut disturb: impl FnMut(usize, u64) -> Option<String>,
@@ -1312,6 +1227,12 @@ mod tests {
         }
         panic!("the session never ended");
     }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::testing::*;
+    use super::*;
 
     #[test]
     fn scores_windows_exactly_and_pins_a_near_optimal_point() {
@@ -1452,10 +1373,6 @@ mod tests {
                 s.knobs
             );
         }
-        let frame = session.report_frame().unwrap();
-        assert_eq!(frame.height(), session.samples().len());
-        let fusion = frame.column(FUSION_THRESHOLD_BYTES).unwrap().f64().unwrap();
-        assert!((0..fusion.len()).all(|i| fusion.get(i) == Some(0.0)));
     }
 
     #[test]
@@ -1499,43 +1416,6 @@ mod tests {
         assert_eq!(session.next_step(), Step::Done);
         assert!(session.was_stopped());
         assert_eq!(session.samples().len(), n);
-    }
-
-    #[test]
-    fn writes_csv_parquet_and_html_whose_rows_are_the_samples() {
-        let mut session = TuningSession::new(SessionConfig {
-            budget: 4,
-            ..config()
-        })
-        .unwrap();
-        let mut job = FakeJob::new(0);
-        drive(&mut session, &mut job, |_, _| None);
-        let dir = std::env::temp_dir().join(format!("tuner-session-{}", std::process::id()));
-        std::fs::create_dir_all(&dir).unwrap();
-        let files = write_report(&session, &dir, "job-1", "job 1").unwrap();
-        let frame = report::read_parquet(std::fs::File::open(&files.parquet).unwrap()).unwrap();
-        let column = frame.column(report::COL_SCORE).unwrap().f64().unwrap();
-        let scores: Vec<f64> = (0..column.len()).filter_map(|i| column.get(i)).collect();
-        let expected: Vec<f64> = session.samples().iter().map(|s| s.score).collect();
-        assert_eq!(scores, expected);
-        let csv = std::fs::read_to_string(&files.csv).unwrap();
-        assert_eq!(csv.lines().count(), 1 + session.samples().len());
-        let html = std::fs::read_to_string(&files.html).unwrap();
-        assert!(html.contains("job 1"));
-        // The confirmation's windows are in the page, before the samples.
-        let c = session
-            .confirmation()
-            .expect("hierarchical beats the start");
-        let section = html
-            .find("Confirmation before pinning")
-            .expect("a confirmation section");
-        assert!(section < html.find("<h2>Samples</h2>").unwrap());
-        assert_eq!(
-            html.matches("<td>the choice</td>").count(),
-            c.windows.len() / 2
-        );
-        assert!(html.contains("Kept: <strong>the choice</strong>"));
-        std::fs::remove_dir_all(&dir).unwrap();
     }
 
     #[test]

@@ -1619,7 +1619,8 @@ impl Tunings {
         let created_unix_ms = unix_ms();
         let id = report_id(&view.job_id, created_unix_ms);
         let title = format!("ringwatch tuning of job {}", view.job_id);
-        let files = tuner::session::write_report(session, self.reports.dir(), &id, &title)
+        let files =
+            tuner::report::write_report(&session.report_data(), self.reports.dir(), &id, &title)
             .with_context(|| {
                 format!("writing report {id} into {}", self.reports.dir().display())
             })?;

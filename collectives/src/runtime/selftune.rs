@@ -20,8 +20,9 @@ use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
 use std::time::Instant;
 
+use tuner::report::write_report;
 use tuner::session::{
-    CycleObservation, SessionConfig, SessionContext, Step, TuningSession, Verdict, write_report,
+    CycleObservation, SessionConfig, SessionContext, Step, TuningSession, Verdict,
 };
 use tuner::space::CollectiveKnobs;
 use tuner::watch::{Watch, WatchConfig, WatchEvent};
@@ -454,7 +455,7 @@ fn write(
     } else {
         format!("Self-tuning of job {job_id}: re-check {round}")
     };
-    let files = write_report(session, &dir, &stem, &title)
+    let files = write_report(&session.report_data(), &dir, &stem, &title)
         .map_err(|e| format!("writing the report {}/{stem}.*: {e}", dir.display()))?;
     Ok((files.csv, files.parquet, files.html))
 }
