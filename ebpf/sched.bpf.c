@@ -195,7 +195,18 @@ static __always_inline struct rw_thread_state *rw_thread(struct task_struct *tas
 							  __u32 tid, __u32 tgid)
 {
 	if (rw_thread_slots) {
-		struct rw_thread_state *state = rw_slot(tid, true);
+		struct rw_thread_state *state = rw_slot(tid, false);
+		if (state)
+			return state;
+		/* A thread that went to the hash map (its slot was held when it
+		 * was first seen) stays there for its life: claiming the slot
+		 * once it is free would start it over from zero counts. */
+		if (!rw_task_storage) {
+			state = bpf_map_lookup_elem(&thread_state, &tid);
+			if (state)
+				return state;
+		}
+		state = rw_slot(tid, true);
 		if (state) {
 			if (!state->tgid)
 				state->tgid = tgid;
