@@ -79,6 +79,7 @@
 
 pub mod algorithms;
 pub mod control;
+pub mod env_vars;
 pub mod error;
 #[cfg(feature = "cuda")]
 pub mod gpu;

@@ -1175,3 +1175,34 @@ mod tests {
         assert!(parse_bytes("lots").is_err());
     }
 }
+
+/// The reference pages this binary's crate renders: collbench's flags and the
+/// runtime's environment variables (`cargo xtask reference` writes them).
+#[cfg(test)]
+#[path = "../../../xtask/src/cli_reference.rs"]
+mod cli_reference;
+
+#[cfg(test)]
+mod reference {
+    use super::cli_reference;
+    use std::path::Path;
+
+    fn docs() -> &'static Path {
+        Path::new(concat!(env!("CARGO_MANIFEST_DIR"), "/../docs/reference"))
+    }
+
+    #[test]
+    fn reference_collbench_cli_is_current() {
+        let page = cli_reference::render_cli(
+            &<super::Cli as clap::CommandFactory>::command(),
+            "collbench",
+        );
+        cli_reference::check_page(&docs().join("cli/collbench.md"), &page);
+    }
+
+    #[test]
+    fn reference_env_is_current() {
+        let page = collectives::env_vars::render_markdown();
+        cli_reference::check_page(&docs().join("env.md"), &page);
+    }
+}

@@ -63,3 +63,25 @@ fn main() -> Result<()> {
     }
     Ok(())
 }
+
+/// `docs/reference/cli/ringwatch-report.md` (`cargo xtask reference` writes it).
+#[cfg(test)]
+#[path = "../../../xtask/src/cli_reference.rs"]
+mod cli_reference;
+
+#[cfg(test)]
+mod reference {
+    use super::cli_reference;
+    #[test]
+    fn reference_ringwatch_report_cli_is_current() {
+        let page = cli_reference::render_cli(
+            &<super::Args as clap::CommandFactory>::command(),
+            "ringwatch-report",
+        );
+        let path = concat!(
+            env!("CARGO_MANIFEST_DIR"),
+            "/../docs/reference/cli/ringwatch-report.md"
+        );
+        cli_reference::check_page(std::path::Path::new(path), &page);
+    }
+}
