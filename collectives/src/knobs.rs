@@ -12,6 +12,10 @@ use crate::error::{CollectiveError, Result};
 /// Default time a rank waits on a silent peer before failing: 30 s.
 pub const DEFAULT_TIMEOUT: Duration = Duration::from_secs(30);
 
+/// Horovod's default response-cache capacity (`HOROVOD_CACHE_CAPACITY`): enough for the
+/// gradients of the models people train (ResNet-50 has 161, BERT-large about 400).
+pub const DEFAULT_CACHE_CAPACITY: usize = 1024;
+
 fn first_set(get: &dyn Fn(&str) -> Option<String>, names: &[&str]) -> Option<(String, String)> {
     names.iter().find_map(|n| {
         get(n)
@@ -204,11 +208,11 @@ pub fn autotune_from(get: &dyn Fn(&str) -> Option<String>) -> Result<Option<Auto
 
 /// The response cache's capacity from `RINGWATCH_CACHE_CAPACITY` / Horovod's
 /// `HOROVOD_CACHE_CAPACITY` (tensors; 0 disables the cache), or
-/// [`crate::runtime::cache::DEFAULT_CACHE_CAPACITY`].
+/// [`DEFAULT_CACHE_CAPACITY`].
 pub fn cache_capacity_from(get: &dyn Fn(&str) -> Option<String>) -> Result<usize> {
     let names = ["RINGWATCH_CACHE_CAPACITY", "HOROVOD_CACHE_CAPACITY"];
     match first_set(get, &names) {
-        None => Ok(crate::runtime::cache::DEFAULT_CACHE_CAPACITY),
+        None => Ok(DEFAULT_CACHE_CAPACITY),
         Some((name, v)) => v
             .trim()
             .parse::<u32>()

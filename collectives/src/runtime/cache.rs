@@ -17,11 +17,10 @@
 
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 
-use super::coordinator::{BitRun, Item, Ready, Response, TensorRef, TensorRequest, WireResponse};
+use super::messages::{BitRun, Item, Ready, Response, TensorRef, TensorRequest, WireResponse};
 
-/// Horovod's default capacity (`HOROVOD_CACHE_CAPACITY`): enough for the gradients of the
-/// models people train (ResNet-50 has 161, BERT-large about 400).
-pub const DEFAULT_CACHE_CAPACITY: usize = 1024;
+/// Horovod's default capacity (defined with the other defaults read from the environment).
+pub use crate::knobs::DEFAULT_CACHE_CAPACITY;
 
 /// A table of up to `capacity` negotiated tensors, each under a bit in `0..capacity`, with
 /// what this side stores about it (`P`), evicting the least recently used when full.
@@ -393,7 +392,7 @@ impl RankCache {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::runtime::coordinator::OpKind;
+    use crate::runtime::messages::OpKind;
     use crate::tensor::{DType, ReduceOp};
 
     fn names<P>(c: &ResponseCache<P>) -> Vec<Option<String>> {

@@ -20,6 +20,7 @@ pub mod coordinator;
 #[cfg(feature = "cuda")]
 mod device;
 mod faults;
+pub mod messages;
 mod quick;
 #[cfg(feature = "autotune")]
 mod selftune;
