@@ -38,13 +38,8 @@ fn render_command(page: &mut String, command: &clap::Command, path: &str, root: 
     if let Some(about) = command.get_long_about().or(command.get_about()) {
         let _ = writeln!(page, "{}\n", about.to_string().trim());
     }
-    let usage = command
-        .clone()
-        .render_usage()
-        .to_string()
-        .trim_start_matches("Usage: ")
-        .to_owned();
-    let _ = writeln!(page, "Usage: `{}`\n", usage.trim());
+    let usage = command.clone().render_usage().to_string();
+    let _ = writeln!(page, "```text\n{}\n```\n", usage.trim());
     let args: Vec<&clap::Arg> = command
         .get_arguments()
         .filter(|a| !a.is_hide_set())

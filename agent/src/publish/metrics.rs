@@ -26,7 +26,7 @@ pub fn render_metrics(
 ) -> Result<String, std::fmt::Error> {
     let mut registry = Registry::default();
     registry.register_collector(Box::new(GpuCollector(gpus.clone())));
-    if !jobs.is_empty() || !sessions.is_empty() {
+    if !jobs.is_empty() || !sessions.is_empty() || describing() {
         registry.register_collector(Box::new(TuningCollector {
             jobs: jobs.to_vec(),
             sessions: sessions.to_vec(),
@@ -167,12 +167,32 @@ struct GpuCollector(GpuSnapshot);
 
 type Labels = Vec<(&'static str, String)>;
 
+/// The labels of every `ringwatch_gpu_*` series.
+const GPU_LABELS: [&str; 3] = ["gpu", "uuid", "name"];
+
 fn gpu_labels(gpu: &GpuReading) -> Labels {
+    let [index, uuid, name] = GPU_LABELS;
     vec![
-        ("gpu", gpu.index.to_string()),
-        ("uuid", gpu.uuid.clone().unwrap_or_default()),
-        ("name", gpu.name.clone().unwrap_or_default()),
+        (index, gpu.index.to_string()),
+        (uuid, gpu.uuid.clone().unwrap_or_default()),
+        (name, gpu.name.clone().unwrap_or_default()),
     ]
+}
+
+#[cfg(test)]
+thread_local! {
+    /// Set by the reference page's test: every family's descriptor is
+    /// encoded, with or without series.
+    static DESCRIBE_ALL: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
+}
+
+/// Whether every family is to be described even without series (only the
+/// reference page's test asks).
+fn describing() -> bool {
+    #[cfg(test)]
+    return DESCRIBE_ALL.with(std::cell::Cell::get);
+    #[cfg(not(test))]
+    false
 }
 
 /// Encodes one gauge family: a value per item that has the figure, labelled
@@ -189,7 +209,7 @@ fn gauge_family<T>(
         .iter()
         .filter_map(|item| value(item).map(|v| (labels(item), v)))
         .collect();
-    if values.is_empty() {
+    if values.is_empty() && !describing() {
         return Ok(());
     }
     let mut family = encoder.encode_descriptor(name, help, None, MetricType::Gauge)?;
@@ -319,15 +339,19 @@ struct ProcessCollector {
 /// pod: every series of a family has the same label names, and Prometheus
 /// reads an empty label as an absent one, so `{container_id=""}` selects
 /// the processes outside containers.
+/// The labels of every `ringwatch_process_*` series.
+const PROCESS_LABELS: [&str; 4] = ["pid", "comm", "container_id", "pod_uid"];
+
 fn process_labels(p: &NamedProcess) -> Labels {
+    let [pid, comm, container_id, pod_uid] = PROCESS_LABELS;
     vec![
-        ("pid", p.snapshot.pid.to_string()),
-        ("comm", p.name.clone()),
+        (pid, p.snapshot.pid.to_string()),
+        (comm, p.name.clone()),
         (
-            "container_id",
+            container_id,
             p.container.container_id.clone().unwrap_or_default(),
         ),
-        ("pod_uid", p.container.pod_uid.clone().unwrap_or_default()),
+        (pod_uid, p.container.pod_uid.clone().unwrap_or_default()),
     ]
 }
 
@@ -411,12 +435,15 @@ struct TuningCollector {
     sessions: Vec<SessionView>,
 }
 
+/// The labels of every `ringwatch_job_*` and `ringwatch_tuning_*` series.
+const JOB_LABELS: [&str; 1] = ["job"];
+
 fn job_labels(job: &JobSnapshot) -> Labels {
-    vec![("job", job.job_id.clone())]
+    vec![(JOB_LABELS[0], job.job_id.clone())]
 }
 
 fn session_labels(session: &SessionView) -> Labels {
-    vec![("job", session.job_id.clone())]
+    vec![(JOB_LABELS[0], session.job_id.clone())]
 }
 
 impl prometheus_client::collector::Collector for TuningCollector {
@@ -633,5 +660,73 @@ mod tests {
             ),
             "{text}"
         );
+    }
+
+    /// `docs/reference/metrics.md`: every family the agent can serve, as
+    /// the encoders describe it, with its labels (`cargo xtask reference`
+    /// writes it).
+    #[test]
+    fn reference_metrics_is_current() {
+        DESCRIBE_ALL.with(|d| d.set(true));
+        let text = render_metrics(
+            &GpuSnapshot {
+                gpus: Vec::new(),
+                unavailable_reason: None,
+            },
+            Some(&view(Vec::new())),
+            &[],
+            &[],
+        )
+        .unwrap();
+        DESCRIBE_ALL.with(|d| d.set(false));
+        let classic = to_classic(&text);
+        let mut families: Vec<(String, String, String)> = Vec::new();
+        for line in classic.lines() {
+            if let Some(rest) = line.strip_prefix("# HELP ") {
+                let (name, help) = rest.split_once(' ').unwrap_or((rest, ""));
+                families.push((name.to_owned(), String::new(), help.to_owned()));
+            } else if let Some(rest) = line.strip_prefix("# TYPE ") {
+                let (name, kind) = rest.split_once(' ').unwrap();
+                let family = families.last_mut().unwrap();
+                assert_eq!(family.0, name, "{classic}");
+                family.1 = kind.to_owned();
+            }
+        }
+        let groups: [(&str, &str, &[&str]); 5] = [
+            ("GPUs (NVML)", "ringwatch_gpu_", &GPU_LABELS),
+            (
+                "Watched processes (eBPF)",
+                "ringwatch_process_",
+                &PROCESS_LABELS,
+            ),
+            ("The agent's eBPF side", "ringwatch_ringbuf_", &[]),
+            ("Jobs found", "ringwatch_job_", &JOB_LABELS),
+            ("Tuning sessions", "ringwatch_tuning_", &JOB_LABELS),
+        ];
+        let mut page = String::from(
+            "# Metrics\n\n\
+             <!-- Rendered from agent/src/publish/metrics.rs by `cargo xtask reference`; do not edit. -->\n\n\
+             `GET /metrics` on the agent's port, in Prometheus' text format (OpenMetrics when \
+             the scraper asks for it). Every series is built from a snapshot at the scrape; a \
+             family appears only when something has the figure (no GPU, no GPU series).\n",
+        );
+        let mut shown = 0;
+        for (title, prefix, labels) in groups {
+            page.push_str(&format!("\n## {title}\n\n"));
+            if labels.is_empty() {
+                page.push_str("No labels.\n\n");
+            } else {
+                let labels: Vec<String> = labels.iter().map(|l| format!("`{l}`")).collect();
+                page.push_str(&format!("Labels: {}.\n\n", labels.join(", ")));
+            }
+            page.push_str("| metric | type | what it measures |\n|---|---|---|\n");
+            for (name, kind, help) in families.iter().filter(|f| f.0.starts_with(prefix)) {
+                page.push_str(&format!("| `{name}` | {kind} | {help} |\n"));
+                shown += 1;
+            }
+        }
+        assert_eq!(shown, families.len(), "a family in no group: {families:?}");
+        let path = concat!(env!("CARGO_MANIFEST_DIR"), "/../docs/reference/metrics.md");
+        crate::cli_reference::check_page(std::path::Path::new(path), &page);
     }
 }
