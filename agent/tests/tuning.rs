@@ -113,6 +113,20 @@ impl Job {
         let (knobs, _) = client.get_knobs(Duration::from_secs(10)).unwrap();
         (knobs, autotune)
     }
+
+    /// The job's knobs once its autotune state is `state`: the job learns
+    /// of a claim, or of its holder's end, on its own connection's thread,
+    /// a moment after the agent acted (60 s: a hang guard, not a timing).
+    fn knobs_once(&self, state: AutotuneState) -> (Knobs, AutotuneState) {
+        let deadline = Instant::now() + Duration::from_secs(60);
+        loop {
+            let (knobs, now) = self.knobs();
+            if now == state || Instant::now() > deadline {
+                return (knobs, now);
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    }
 }
 
 impl Job {
@@ -288,7 +302,7 @@ fn a_short_session_pins_the_reported_best_and_its_report_matches_the_samples() {
 
     // The job runs on the reported best knobs, and its claim was released
     // as completed; the registry lists the same knobs.
-    let (knobs, autotune) = job.knobs();
+    let (knobs, autotune) = job.knobs_once(AutotuneState::Done);
     assert_eq!(knobs, best_knobs);
     assert_eq!(knobs_of(&session["current_knobs"]), best_knobs);
     assert_eq!(autotune, AutotuneState::Done);
@@ -414,7 +428,7 @@ fn killing_the_agent_mid_session_leaves_the_job_running_to_a_clean_finish() {
     // (a change the agent sent just before it died may still take effect
     // at the next cycle boundary: the knobs of the cycles that start
     // after the one running now are the ones it keeps).
-    let (knobs_now, autotune) = job.knobs();
+    let (knobs_now, autotune) = job.knobs_once(AutotuneState::Interrupted);
     assert_eq!(autotune, AutotuneState::Interrupted);
     let knobs_at_kill = job.settled_knobs();
     eprintln!("knobs when the agent died: {knobs_now:?}, settled: {knobs_at_kill:?}");
@@ -527,8 +541,9 @@ fn the_tuning_api_refuses_what_it_cannot_do_and_checks_its_token() {
     });
     assert_eq!(session["state"], "stopped", "{session:#}");
     assert_eq!(knobs_of(&session["current_knobs"]), start_knobs);
-    assert_eq!(_job.knobs().0, start_knobs);
-    assert_eq!(_job.knobs().1, AutotuneState::Done);
+    let (knobs, autotune) = _job.knobs_once(AutotuneState::Done);
+    assert_eq!(knobs, start_knobs);
+    assert_eq!(autotune, AutotuneState::Done);
 
     // Reports: unknown id, bad format.
     assert_eq!(agent.request("GET", "/api/reports/no-such-report").0, 404);
@@ -581,14 +596,14 @@ fn a_job_that_asks_to_be_tuned_is_tuned_as_soon_as_it_is_found() {
     // Default settings.
     assert_eq!(session["config"]["budget"], 20, "{session:#}");
     assert_eq!(session["state"], "running", "{session:#}");
-    assert_eq!(job.knobs().1, AutotuneState::Agent);
+    assert_eq!(job.knobs_once(AutotuneState::Agent).1, AutotuneState::Agent);
     let (status, _, body) = agent.send("DELETE", &format!("/api/jobs/{job_id}/tuning"), &[], "");
     assert_eq!(status, 200, "{body}");
     let session = poll_session(&agent, &job_id, Duration::from_secs(60), |s| {
         s["state"] != "running"
     });
     assert_eq!(session["state"], "stopped", "{session:#}");
-    assert_eq!(job.knobs().1, AutotuneState::Done);
+    assert_eq!(job.knobs_once(AutotuneState::Done).1, AutotuneState::Done);
 }
 
 #[test]
@@ -637,7 +652,7 @@ fn sigterm_ends_a_running_session_on_its_best_knobs_with_a_report() {
     let status = common::wait_within(&mut agent.child, Duration::from_secs(60));
     assert!(status.success(), "the agent did not exit cleanly: {status}");
 
-    let (knobs, autotune) = job.knobs();
+    let (knobs, autotune) = job.knobs_once(AutotuneState::Done);
     assert_eq!(
         autotune,
         AutotuneState::Done,

@@ -61,7 +61,7 @@ fn run_rank(
     c.control_socket = !slow_after_pin;
     c.runtime_dir = Some(dir);
     c.autotune = Some(AutotuneConfig {
-        wait: Duration::from_millis(300),
+        wait: Duration::from_millis(300), // `wait` below
         budget: BUDGET,
         warmup_cycles: 1,
         measured_cycles: 3,
@@ -70,12 +70,21 @@ fn run_rank(
         log: Some(log),
         watch: slow_after_pin,
     });
+    let wait = Duration::from_millis(300);
+    let created = Instant::now();
     let rt = Runtime::new(c).unwrap();
     if rank == 0 && !slow_after_pin {
-        // Before the wait is over, an agent would be welcome.
+        // Before the wait is over, an agent would be welcome (a loaded
+        // machine may only get here after it: then it tunes itself).
         let path = rt.control_socket_path().unwrap();
         let client = ControlClient::connect(path, Duration::from_secs(5)).unwrap();
-        assert_eq!(client.hello().autotune, AutotuneState::Waiting);
+        let state = client.hello().autotune;
+        assert!(
+            state == AutotuneState::Waiting
+                || (state == AutotuneState::SelfTuning && created.elapsed() >= wait),
+            "{state:?} {:?} after the runtime was asked for",
+            created.elapsed()
+        );
     }
     let mut seen: Vec<Knobs> = Vec::new();
     let deadline = Instant::now() + Duration::from_secs(120);

@@ -188,7 +188,7 @@ fn keep_busy(rt: &Runtime, for_how_long: Duration) {
 #[test]
 fn an_agent_claim_during_the_wait_means_the_job_never_tunes_itself() {
     let autotune = AutotuneConfig {
-        wait: Duration::from_millis(200),
+        wait: Duration::from_secs(2),
         min_window: Duration::from_millis(10),
         measured_cycles: 1,
         warmup_cycles: 0,
@@ -197,8 +197,10 @@ fn an_agent_claim_during_the_wait_means_the_job_never_tunes_itself() {
     let (rt, path, dir) = one_rank_job("agent-first", Some(autotune));
     let start_knobs = rt.knobs().0;
     let mut agent = ControlClient::connect(&path, T).unwrap();
+    // Claimed well inside the wait (a connect and a message; 2 s leaves a
+    // loaded machine room), then held until the wait is over.
     assert_eq!(agent.claim_tuning(T).unwrap(), AutotuneState::Agent);
-    keep_busy(&rt, Duration::from_millis(800));
+    keep_busy(&rt, Duration::from_millis(2500));
     assert_eq!(rt.autotune_state(), AutotuneState::Agent);
     drop(agent);
     await_hello_state(&path, AutotuneState::Interrupted);
