@@ -13,9 +13,6 @@
 //! and advises: it is never on a job's data path, and a job keeps running
 //! if the agent dies.
 
-// The OpenAPI document is one `json!` literal, deeper than the default limit.
-#![recursion_limit = "256"]
-
 // The folders follow the flow: observe (kernel -> model), jobs (control
 // sockets -> registry), cluster (node -> cluster), publish (model ->
 // answers), api (answers -> HTTP), tune (the advisor), cli (the commands).
