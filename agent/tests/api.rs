@@ -345,3 +345,31 @@ fn the_trace_format_check_refuses_malformed_traces() {
         assert!(refused.is_err(), "accepted {bad}");
     }
 }
+
+/// The OpenAPI document is derived from the handlers; its snapshot at
+/// `docs/reference/openapi.json` is what clients and the docs read. A
+/// change to a handler's types or attributes changes the served document,
+/// and this test says so until the snapshot is regenerated.
+#[test]
+fn the_served_openapi_document_matches_its_snapshot() {
+    const SNAPSHOT: &str = concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/../docs/reference/openapi.json"
+    );
+    let server = Server::start(&[], false);
+    let (status, served) = server.get_json("/api/openapi.json");
+    assert_eq!(status, 200, "{served}");
+    let rendered = serde_json::to_string_pretty(&served).unwrap() + "\n";
+    if std::env::var_os("RINGWATCH_UPDATE_SNAPSHOTS").is_some() {
+        std::fs::write(SNAPSHOT, &rendered).unwrap();
+        return;
+    }
+    let snapshot = std::fs::read_to_string(SNAPSHOT).unwrap_or_default();
+    let committed: serde_json::Value = serde_json::from_str(&snapshot).unwrap_or_default();
+    assert!(
+        committed == served,
+        "{SNAPSHOT} differs from the document the agent serves (derived from the handlers \
+         in agent/src/api); regenerate it with \
+         `RINGWATCH_UPDATE_SNAPSHOTS=1 cargo test -p agent --test api openapi` and commit it"
+    );
+}
