@@ -139,3 +139,26 @@ fn init_tracing(filter: &str) {
         .with_writer(std::io::stderr)
         .init();
 }
+
+/// `docs/reference/cli/ringwatch-agent.md`, rendered from the clap
+/// definitions above (`cargo xtask reference` writes it).
+#[cfg(test)]
+#[path = "../../xtask/src/cli_reference.rs"]
+mod cli_reference;
+
+#[cfg(test)]
+mod reference {
+    use super::cli_reference;
+    #[test]
+    fn reference_ringwatch_agent_cli_is_current() {
+        let page = cli_reference::render_cli(
+            &<super::Cli as clap::CommandFactory>::command(),
+            "ringwatch-agent",
+        );
+        let path = concat!(
+            env!("CARGO_MANIFEST_DIR"),
+            "/../docs/reference/cli/ringwatch-agent.md"
+        );
+        cli_reference::check_page(std::path::Path::new(path), &page);
+    }
+}
