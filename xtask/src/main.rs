@@ -11,6 +11,7 @@ mod build_support;
 mod compare;
 mod demo;
 mod deploy;
+mod doc_commands;
 mod hostile;
 mod image;
 mod multinode;
@@ -68,6 +69,18 @@ enum Task {
     /// (kubernetes-validate, pinned from PyPI into target/kubernetes-validate;
     /// offline), its invariants, and the check's self-test.
     CheckDeploy,
+    /// Only the test suite's run of the docs' commands: every ```sh block of
+    /// README.md and docs/guide/*.md marked `<!-- doc-test: run -->` runs as
+    /// written (with target/debug and target/python-venv/bin on PATH); those
+    /// marked `skip: why` are listed with their reason; an unmarked block
+    /// fails. Builds the workspace and the Python venv first.
+    DocCommands,
+    /// Rewrite the reference pages that are rendered from the code
+    /// (docs/reference: every command's flags from its clap definition, the
+    /// runtime's environment variables, the HTTP API's OpenAPI document):
+    /// runs their tests with RINGWATCH_UPDATE_REFERENCE=1. The suite runs the
+    /// same tests without it, so a page that is not current fails CI.
+    Reference,
     /// ringwatch's main job on this machine (root): the agent, a 2 x 2-rank
     /// collbench job on two pretend nodes with rate-limited links, tuned live
     /// by the agent, the UI's URL while it runs, then the chosen knobs,
@@ -173,6 +186,12 @@ fn main() -> std::process::ExitCode {
         Task::Test => test(),
         Task::ApiFuzz => api_fuzz(),
         Task::CheckDeploy => deploy::run(&root(), &cargo_target_dir(&root())),
+        Task::DocCommands => doc_commands(),
+        Task::Reference => {
+            // SAFETY: set before any thread of this process starts.
+            unsafe { std::env::set_var("RINGWATCH_UPDATE_REFERENCE", "1") };
+            run("cargo", &["test", "--workspace", "--all-targets", "reference_"])
+        }
         Task::Demo(args) => demo::run(&root(), &args),
         Task::Image(args) => image::run(&root(), &cargo_target_dir(&root()), &args),
         Task::Python(args) => python::run(&root(), &cargo_target_dir(&root()), &args),
@@ -460,6 +479,8 @@ fn test() -> Result<()> {
         &target_dir.join("debug/ringwatch-agent"),
     )?;
     deploy::run(&root(), &target_dir)?;
+    // The README's and the guides' commands, as a user would paste them.
+    doc_commands::run(&root(), &target_dir, Some(&venv))?;
     // The timeline viewer in headless Chromium (installs playwright-core from
     // the committed lock file into ui/tests/node_modules on first use).
     // It also loads the page from the real agent (`serve --replay`), built
@@ -480,6 +501,17 @@ fn test() -> Result<()> {
     }
     eprintln!("xtask: all checks passed");
     Ok(())
+}
+
+/// `cargo xtask doc-commands`: the workspace's dev build (the docs' commands
+/// run its binaries) and the Python venv, then the docs' commands.
+fn doc_commands() -> Result<()> {
+    // Unmarked blocks fail before anything is built.
+    doc_commands::collect(&root())?;
+    run("cargo", &["build", "--workspace"])?;
+    let target_dir = cargo_target_dir(&root());
+    let venv = python::install(&root(), &target_dir, false)?;
+    doc_commands::run(&root(), &target_dir, Some(&venv))
 }
 
 /// `cargo xtask api-fuzz`: the agent's dev build, then Schemathesis.

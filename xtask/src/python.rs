@@ -28,6 +28,10 @@ pub const APT_PACKAGES: &[(&str, &str)] = &[
         "python3-venv",
         "the virtual environment the Python package is installed into",
     ),
+    (
+        "python3-torchvision",
+        "the model of examples/pytorch/train.py, which the README runs",
+    ),
 ];
 
 /// Whether one of [`APT_PACKAGES`] is there.
