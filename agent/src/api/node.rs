@@ -65,7 +65,7 @@ pub(super) async fn health(
     })
 }
 
-/// `GET /api/gpus`'s answer (a [`crate::gpu::GpuSnapshot`]).
+/// `GET /api/gpus`'s answer: one reading per GPU, or why there are none.
 #[derive(ToSchema)]
 #[allow(dead_code)] // the answer's shape, for the document only
 pub struct GpusAnswer {
@@ -295,7 +295,7 @@ pub(super) async fn clock(
     })
 }
 
-/// `GET /api/cluster/jobs`'s answer (built by [`crate::cluster::merge_jobs`]).
+/// `GET /api/cluster/jobs`'s answer: every job, per host and node.
 #[derive(ToSchema)]
 #[allow(dead_code)] // the answer's shape, for the document only
 pub struct ClusterJobsAnswer {

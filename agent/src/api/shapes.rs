@@ -1,6 +1,6 @@
 //! `api::shapes`: the document's shapes of answers and bodies whose types
 //! live outside the API (the tuning session, its knobs, a report's entry,
-//! the tuning request), written as types so the document is derived from
+//! the tuning request, the Chrome trace a timeline answer is), written as types so the document is derived from
 //! them.
 //!
 //! Nothing here is built at run time: these types exist for
@@ -240,4 +240,66 @@ pub struct Fixed {
     cycle_time_ms: Option<f64>,
     /// hierarchical allreduce on or off
     hierarchical_allreduce: Option<bool>,
+}
+
+/// A timeline in the Chrome trace event format (Perfetto and
+/// chrome://tracing open it).
+#[derive(ToSchema)]
+#[allow(non_snake_case)] // the Chrome trace event format's name
+pub struct ChromeTrace {
+    /// The events, in the Chrome trace event format.
+    #[schema(value_type = Vec<Object>)]
+    traceEvents: Vec<Value>,
+    /// What the answer holds and leaves out.
+    metadata: TraceMetadata,
+}
+
+/// A timeline answer's `metadata`.
+#[derive(ToSchema)]
+pub struct TraceMetadata {
+    /// the present on the trace's clock (µs)
+    now: f64,
+    /// where the events come from
+    source: String,
+    /// why a window holds nothing (after now, or from after to)
+    #[schema(nullable = false)]
+    empty_window: Option<String>,
+    /// thread-state slices dropped to fit max_events (downsample=true)
+    #[schema(value_type = Option<Object>, nullable = false)]
+    downsampled: Option<Value>,
+    /// with job=: since when (streaming_since_unix_ms, null: not yet) the job streams its tensor events to this agent, which asks for them while someone reads its timeline (--job-timeline)
+    #[schema(value_type = Option<Object>, nullable = false)]
+    job_timeline: Option<Value>,
+    /// with width or resolution: the pixel's length and what was merged
+    #[schema(nullable = false)]
+    detail: Option<DetailNote>,
+    /// events left out at the answer's byte budget: narrow the window
+    #[schema(nullable = false)]
+    truncated: Option<TruncatedNote>,
+}
+
+/// `metadata.detail`.
+#[derive(ToSchema)]
+pub struct DetailNote {
+    /// µs one pixel stands for
+    pixel_us: f64,
+    /// thread-state slices in the window
+    slices_in_range: u64,
+    /// summary slices written for them
+    summary_slices: u64,
+    /// slices kept as they were
+    slices_kept: u64,
+}
+
+/// `metadata.truncated`.
+#[derive(ToSchema)]
+pub struct TruncatedNote {
+    /// why the answer stopped
+    reason: String,
+    /// the answer's byte budget
+    max_bytes: u64,
+    /// events in the answer
+    events_written: u64,
+    /// events left out
+    events_left_out: u64,
 }

@@ -25,6 +25,7 @@ use utoipa::{IntoParams, ToSchema};
 
 use super::ApiState;
 use super::extract::{ApiError, ApiQuery, ErrorBody};
+use super::shapes::ChromeTrace;
 use crate::live::LiveView;
 use crate::lod::Detail;
 use crate::timeline::{
@@ -124,71 +125,6 @@ pub enum TimelineView {
     Full,
     /// Per process, counters.
     Overview,
-}
-
-/// A Chrome trace (the answer is built as bytes by [`crate::timeline`];
-/// this is its shape).
-#[derive(ToSchema)]
-#[allow(dead_code, non_snake_case)] // the answer's shape, for the document only
-pub struct ChromeTrace {
-    /// The events, in the Chrome trace event format.
-    #[schema(value_type = Vec<Object>)]
-    traceEvents: Vec<Value>,
-    /// What the answer holds and leaves out.
-    metadata: TraceMetadata,
-}
-
-/// A timeline answer's `metadata`.
-#[derive(ToSchema)]
-#[allow(dead_code)] // the answer's shape, for the document only
-pub struct TraceMetadata {
-    /// the present on the trace's clock (µs)
-    now: f64,
-    /// where the events come from
-    source: String,
-    /// why a window holds nothing (after now, or from after to)
-    #[schema(nullable = false)]
-    empty_window: Option<String>,
-    /// thread-state slices dropped to fit max_events (downsample=true)
-    #[schema(value_type = Option<Object>, nullable = false)]
-    downsampled: Option<Value>,
-    /// with job=: since when (streaming_since_unix_ms, null: not yet) the job streams its tensor events to this agent, which asks for them while someone reads its timeline (--job-timeline)
-    #[schema(value_type = Option<Object>, nullable = false)]
-    job_timeline: Option<Value>,
-    /// with width or resolution: the pixel's length and what was merged
-    #[schema(nullable = false)]
-    detail: Option<DetailNote>,
-    /// events left out at the answer's byte budget: narrow the window
-    #[schema(nullable = false)]
-    truncated: Option<TruncatedNote>,
-}
-
-/// `metadata.detail`.
-#[derive(ToSchema)]
-#[allow(dead_code)] // the answer's shape, for the document only
-pub struct DetailNote {
-    /// µs one pixel stands for
-    pixel_us: f64,
-    /// thread-state slices in the window
-    slices_in_range: u64,
-    /// summary slices written for them
-    summary_slices: u64,
-    /// slices kept as they were
-    slices_kept: u64,
-}
-
-/// `metadata.truncated`.
-#[derive(ToSchema)]
-#[allow(dead_code)] // the answer's shape, for the document only
-pub struct TruncatedNote {
-    /// why the answer stopped
-    reason: String,
-    /// the answer's byte budget
-    max_bytes: u64,
-    /// events in the answer
-    events_written: u64,
-    /// events left out
-    events_left_out: u64,
 }
 
 /// Bounds on `/api/timeline`: how many answers are built (and sent) at

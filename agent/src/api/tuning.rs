@@ -20,7 +20,7 @@ use super::auth::Authorized;
 use super::extract::{ApiBody, ApiError, ApiPath, ApiQuery, ErrorBody, NoQuery};
 use super::shapes::{ReportEntry, TuningRequestBody, TuningSession};
 use crate::reports::ReportFormat;
-use crate::tuning::{Keep, PidLoad, StartError, TuningRequest, Tunings};
+use crate::tuning::{Keep, StartError, TuningRequest, Tunings};
 
 /// `/api/jobs/{id}/load`'s query.
 #[derive(Debug, Deserialize, IntoParams)]
@@ -40,7 +40,6 @@ pub struct LoadAnswer {
     /// Seconds the figures cover (about the window).
     span_s: f64,
     /// Per process.
-    #[schema(value_type = Vec<PidLoadShape>)]
     pids: Vec<PidLoad>,
     /// This node's name.
     node: String,
@@ -55,10 +54,10 @@ pub struct LoadAnswer {
     clamped_to_last_s: Option<u64>,
 }
 
-/// One process's load in a window.
-#[derive(ToSchema)]
-#[allow(dead_code)] // the answer's shape, for the document only
-pub struct PidLoadShape {
+/// One process's load in a window (what peers read back as the tuner's
+/// own per-process figures).
+#[derive(Debug, Serialize, ToSchema)]
+pub struct PidLoad {
     /// The process.
     pid: u32,
     /// Time its threads waited on the run queue, ns.
@@ -220,7 +219,15 @@ pub(super) async fn job_load(
     })?;
     Ok(axum::Json(LoadAnswer {
         span_s: load.span_s,
-        pids: load.pids,
+        pids: load
+            .pids
+            .into_iter()
+            .map(|p| PidLoad {
+                pid: p.pid,
+                run_queue_ns: p.run_queue_ns,
+                retransmits: p.retransmits,
+            })
+            .collect(),
         node: state.cluster.node_name().to_owned(),
         job_id: id,
         host: job.host,
