@@ -2,8 +2,12 @@
 //! host stand-in and the device memory beside it; negotiated like them (their requests
 //! say they are on a GPU); run by [`crate::gpu::GpuEngine`] when their item comes.
 
+use super::Runtime;
 use super::coordinator::{OpKind, TensorRequest};
-use super::{CycleThread, Entry, Events, Handle, Runtime, Work, copy_activity};
+use super::cycle::{CycleThread, Events, Work};
+use super::execute::copy_activity;
+use super::handle::Handle;
+use super::shared::Entry;
 use crate::algorithms::{SLICE_BYTES, Schedule, allreduce_tensors};
 use std::sync::atomic::Ordering;
 

@@ -20,9 +20,13 @@ use std::sync::Arc;
 use std::sync::atomic::Ordering;
 use std::time::Instant;
 
+use super::Runtime;
 use super::completion::Completion;
 use super::coordinator::{self, BitRun, OpKind, Ready, Request, TensorRequest};
-use super::{CycleThread, Engine, Entry, Events, Handle, Runtime, Work, push_run, settled_post};
+use super::cycle::{CycleThread, Engine, Events, Work};
+use super::handle::Handle;
+use super::negotiate::{push_run, settled_post};
+use super::shared::Entry;
 use crate::algorithms::{SLICE_BYTES, Schedule, allreduce_tensors};
 use crate::error::Result;
 use crate::tensor::{ReduceOp, Tensor};
