@@ -14,6 +14,8 @@ mod deploy;
 mod doc_commands;
 mod hostile;
 mod image;
+#[cfg(test)]
+mod module_cycles;
 mod multinode;
 mod python;
 mod retune;
