@@ -17,7 +17,7 @@ pub const MIN_RING_BYTES: usize = 256 << 10;
 /// Most memory one host's segment reserves for its rings (there are `m(m-1)` of them).
 pub const SEGMENT_BUDGET_BYTES: usize = 256 << 20;
 
-/// The ring size for `members` ranks when `free_bytes` are free in [`SHM_DIR`]: the
+/// The ring size for `members` ranks when `free_bytes` are free in [`SHM_DIR`](super::SHM_DIR): the
 /// largest power of two up to [`MAX_RING_BYTES`] whose rings fit in the budget and in half
 /// of the free space (containers often get a small `/dev/shm`), or `None` below
 /// [`MIN_RING_BYTES`].
@@ -62,7 +62,7 @@ pub(super) const WRITE_GRANULE: usize = 128 * 1024;
 /// Longest single sleep on a doorbell: how often a waiting rank checks its peers' health.
 pub(super) const WAIT_SLICE: Duration = Duration::from_millis(10);
 
-/// Largest allreduce done in one shot ([`ShmGroup::one_shot_allreduce`]): one barrier
+/// Largest allreduce done in one shot ([`ShmGroup::one_shot_allreduce`](super::ShmGroup::one_shot_allreduce)): one barrier
 /// instead of three, every member folding the whole buffer.
 pub(super) const ONE_SHOT_MAX_BYTES: usize = 64 << 10;
 
@@ -81,19 +81,19 @@ pub(super) const HEADER: usize = ALIGN;
 pub(super) const LINE: usize = 128;
 pub(super) const PAGE: usize = 4096;
 
-/// Bytes of one member's post (of two, alternating) in [`ShmGroup::same_posts`]: the
+/// Bytes of one member's post (of two, alternating) in [`ShmGroup::same_posts`](super::ShmGroup::same_posts): the
 /// round it is for and its length, then the bytes posted.
 pub(super) const POST_BYTES: usize = 1024;
 pub(super) const POST_HEADER: usize = 16;
-/// Most bytes one [`ShmGroup::same_posts`] can post.
+/// Most bytes one [`ShmGroup::same_posts`](super::ShmGroup::same_posts) can post.
 pub const MAX_POST_BYTES: usize = POST_BYTES - POST_HEADER;
 
-/// What an early post adds to its bytes ([`ShmGroup::same_posts_early`]): whether the
+/// What an early post adds to its bytes ([`ShmGroup::same_posts_early`](super::ShmGroup::same_posts_early)): whether the
 /// inputs went into the slot (1 byte) and their length (8).
 pub const EARLY_TRAILER_BYTES: usize = 9;
 
 /// Most address space each member's arena of shared tensors takes in the segment
-/// ([`ShmGroup::alloc_shared`]; see [`arena_bytes_for`]). Sparse: memory is taken only by
+/// ([`ShmGroup::alloc_shared`](super::ShmGroup::alloc_shared); see [`arena_bytes_for`]). Sparse: memory is taken only by
 /// what is allocated, and given back when it is freed.
 pub const ARENA_BYTES: usize = 16 << 30;
 
@@ -121,7 +121,7 @@ pub fn staging_bytes(members: usize, ring_bytes: usize) -> u64 {
 /// without touching a neighbour).
 pub(super) const ARENA_GRANULE: usize = PAGE;
 
-/// A folded block of a shared-tensor allreduce ([`ShmGroup::fold_allreduce`]): all the
+/// A folded block of a shared-tensor allreduce ([`ShmGroup::fold_allreduce`](super::ShmGroup::fold_allreduce)): all the
 /// peers' bytes are folded into it and its result sent back while it is in the cache.
 pub(super) const ARENA_BLOCK: usize = 64 << 10;
 
@@ -168,7 +168,7 @@ impl Layout {
     pub(super) fn ring_control(&self, src: usize, dst: usize) -> usize {
         LINE * (1 + 2 * self.members) + 2 * LINE * (src * self.members + dst)
     }
-    /// Member `i`'s post `parity` (of two) for [`ShmGroup::same_posts`].
+    /// Member `i`'s post `parity` (of two) for [`ShmGroup::same_posts`](super::ShmGroup::same_posts).
     pub(super) fn post(&self, i: usize, parity: usize) -> usize {
         LINE * (1 + 2 * self.members)
             + 2 * LINE * self.members * self.members

@@ -14,9 +14,9 @@
 //! process is gone; with no progress for the op timeout, the error names the peer.
 
 //!
-//! The module map: [`layout`] (sizes and offsets), [`segment`] (creating and mapping the
-//! file), [`rings`] (pairwise byte rings), [`fold`] (the shared-memory allreduce),
-//! [`posts`] (agreeing through the segment), [`arena`] (shared tensors), [`waiting`]
+//! The module map: `layout` (sizes and offsets), `segment` (creating and mapping the
+//! file), `rings` (pairwise byte rings), `fold` (the shared-memory allreduce),
+//! `posts` (agreeing through the segment), `arena` (shared tensors), `waiting`
 //! (doorbells, patience, timeouts). This file holds the group and its accessors.
 
 mod arena;

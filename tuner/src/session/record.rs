@@ -51,14 +51,14 @@ pub struct SessionContext {
     pub timeline: Vec<(f64, f64)>,
 }
 
-/// What a session's report shows ([`TuningSession::report_data`]): plain
+/// What a session's report shows ([`TuningSession::report_data`](super::TuningSession::report_data)): plain
 /// data, so that building and writing the report ([`crate::report`]) stays
 /// out of the session.
 #[derive(Debug, Clone, Copy)]
 pub struct ReportData<'a> {
     /// The recorded samples, in order.
     pub samples: &'a [SessionSample],
-    /// The recommended sample ([`TuningSession::best`]), if any.
+    /// The recommended sample ([`TuningSession::best`](super::TuningSession::best)), if any.
     pub best_sample: Option<usize>,
     /// The confirmation of the choice against the start (or the re-check).
     pub confirmation: Option<&'a Confirmation>,

@@ -47,7 +47,7 @@ impl Window {
     }
 }
 
-/// What [`TuningSession::judge`] made of a window.
+/// What [`TuningSession::judge`](super::TuningSession::judge) made of a window.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Verdict {
     /// The window was disturbed and is measured again with the same knobs.
@@ -56,10 +56,10 @@ pub enum Verdict {
     /// faster of the two kept (a disturbance only slows a job, and the
     /// start is what every later sample is weighed against).
     Repeat,
-    /// A sample was recorded (its index in [`TuningSession::samples`]).
+    /// A sample was recorded (its index in [`TuningSession::samples`](super::TuningSession::samples)).
     Sample(usize),
     /// A confirmation window was recorded (its index in the confirmation's
-    /// windows, see [`TuningSession::confirmation`]).
+    /// windows, see [`TuningSession::confirmation`](super::TuningSession::confirmation)).
     Confirmation(usize),
 }
 
