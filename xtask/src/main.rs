@@ -192,7 +192,10 @@ fn main() -> std::process::ExitCode {
         Task::Reference => {
             // SAFETY: set before any thread of this process starts.
             unsafe { std::env::set_var("RINGWATCH_UPDATE_REFERENCE", "1") };
-            run("cargo", &["test", "--workspace", "--all-targets", "reference_"])
+            run(
+                "cargo",
+                &["test", "--workspace", "--all-targets", "reference_"],
+            )
         }
         Task::Demo(args) => demo::run(&root(), &args),
         Task::Image(args) => image::run(&root(), &cargo_target_dir(&root()), &args),
