@@ -351,7 +351,7 @@ fn the_trace_format_check_refuses_malformed_traces() {
 /// change to a handler's types or attributes changes the served document,
 /// and this test says so until the snapshot is regenerated.
 #[test]
-fn the_served_openapi_document_matches_its_snapshot() {
+fn reference_openapi_json_is_the_served_document() {
     const SNAPSHOT: &str = concat!(
         env!("CARGO_MANIFEST_DIR"),
         "/../docs/reference/openapi.json"
@@ -360,7 +360,9 @@ fn the_served_openapi_document_matches_its_snapshot() {
     let (status, served) = server.get_json("/api/openapi.json");
     assert_eq!(status, 200, "{served}");
     let rendered = serde_json::to_string_pretty(&served).unwrap() + "\n";
-    if std::env::var_os("RINGWATCH_UPDATE_SNAPSHOTS").is_some() {
+    if std::env::var_os("RINGWATCH_UPDATE_SNAPSHOTS").is_some()
+        || std::env::var("RINGWATCH_UPDATE_REFERENCE").as_deref() == Ok("1")
+    {
         std::fs::write(SNAPSHOT, &rendered).unwrap();
         return;
     }
@@ -372,4 +374,88 @@ fn the_served_openapi_document_matches_its_snapshot() {
          in agent/src/api); regenerate it with \
          `RINGWATCH_UPDATE_SNAPSHOTS=1 cargo test -p agent --test api openapi` and commit it"
     );
+}
+
+#[path = "../../xtask/src/cli_reference.rs"]
+mod cli_reference;
+
+/// `docs/reference/api.md`: every operation of the document the agent
+/// serves, with its parameters and answers (`cargo xtask reference` writes
+/// it; the JSON is `docs/reference/openapi.json`).
+#[test]
+fn reference_api_is_current() {
+    let server = Server::start(&[], false);
+    let (status, doc) = server.get_json("/api/openapi.json");
+    assert_eq!(status, 200, "{doc}");
+    let schemas = &doc["components"]["schemas"];
+    // A parameter's type: its own schema, or the component it names.
+    let kind = |schema: &serde_json::Value| -> String {
+        let resolved = schema["$ref"]
+            .as_str()
+            .and_then(|r| r.rsplit('/').next())
+            .map_or(schema, |name| &schemas[name]);
+        let mut text = match resolved["enum"].as_array() {
+            Some(values) => values
+                .iter()
+                .map(|v| format!("`{}`", v.as_str().unwrap_or_default()))
+                .collect::<Vec<_>>()
+                .join(" \\| "),
+            None => resolved["type"].as_str().unwrap_or("object").to_owned(),
+        };
+        if let Some(default) = schema["default"].as_str() {
+            text.push_str(&format!(" (default `{default}`)"));
+        }
+        text
+    };
+    let mut page = format!(
+        "# HTTP API\n\n\
+         <!-- Rendered from the agent's derived OpenAPI document by `cargo xtask reference`; do not edit. -->\n\n\
+         {} The agent serves the whole document at `/api/openapi.json`; its snapshot is \
+         [openapi.json](openapi.json). Errors are JSON: `{{\"error\": \"…\"}}`.\n",
+        doc["info"]["description"].as_str().unwrap_or_default()
+    );
+    for (path, operations) in doc["paths"].as_object().unwrap() {
+        for (method, op) in operations.as_object().unwrap() {
+            page.push_str(&format!("\n## `{} {path}`\n\n", method.to_uppercase()));
+            let summary = op["summary"].as_str().unwrap_or_default();
+            let description = op["description"].as_str().unwrap_or_default();
+            for text in [summary, description] {
+                if !text.is_empty() {
+                    page.push_str(&format!("{}\n\n", cli_reference::cell(text)));
+                }
+            }
+            if op["security"].is_array() {
+                page.push_str(
+                    "Needs the API token (`Authorization: Bearer …`) where the agent has one.\n\n",
+                );
+            }
+            if let Some(params) = op["parameters"].as_array().filter(|p| !p.is_empty()) {
+                page.push_str("| parameter | in | type | what it does |\n|---|---|---|---|\n");
+                for p in params {
+                    let required = if p["required"] == true {
+                        " (required)"
+                    } else {
+                        ""
+                    };
+                    page.push_str(&format!(
+                        "| `{}`{required} | {} | {} | {} |\n",
+                        p["name"].as_str().unwrap_or_default(),
+                        p["in"].as_str().unwrap_or_default(),
+                        kind(&p["schema"]),
+                        cli_reference::cell(p["description"].as_str().unwrap_or_default()),
+                    ));
+                }
+                page.push('\n');
+            }
+            page.push_str("| answer | what it means |\n|---|---|\n");
+            for (code, answer) in op["responses"].as_object().unwrap() {
+                page.push_str(&format!(
+                    "| {code} | {} |\n",
+                    cli_reference::cell(answer["description"].as_str().unwrap_or_default())
+                ));
+            }
+        }
+    }
+    let path = concat!(env!("CARGO_MANIFEST_DIR"), "/../docs/reference/api.md");
+    cli_reference::check_page(std::path::Path::new(path), &page);
 }
