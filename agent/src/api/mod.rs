@@ -44,7 +44,7 @@ use crate::gpu::Gpus;
 use crate::jobs::Jobs;
 use crate::live::LiveView;
 use crate::timeline::RecordedTrace;
-use crate::tuning::Tunings;
+use crate::tuning::TuningSessions;
 
 /// What the handlers read. Cheap to clone (everything behind `Arc`).
 #[derive(Clone)]
@@ -69,7 +69,7 @@ pub struct ApiState {
     /// without eBPF.
     pub jobs: Option<Jobs>,
     /// Tuning sessions and their reports (`serve --jobs`).
-    pub tunings: Option<Arc<Tunings>>,
+    pub tunings: Option<Arc<TuningSessions>>,
     /// Who may call the mutating endpoints.
     pub auth: Arc<Auth>,
 }

@@ -20,7 +20,7 @@ use super::auth::Authorized;
 use super::extract::{ApiBody, ApiError, ApiPath, ApiQuery, ErrorBody, NoQuery};
 use super::shapes::{ReportEntry, TuningRequestBody, TuningSession};
 use crate::reports::ReportFormat;
-use crate::tuning::{Keep, StartError, TuningRequest, Tunings};
+use crate::tuning::{KnobsOnStop, StartError, TuningRequest, TuningSessions};
 
 /// `/api/jobs/{id}/load`'s query.
 #[derive(Debug, Deserialize, IntoParams)]
@@ -235,7 +235,7 @@ pub(super) async fn job_load(
     }))
 }
 
-fn tunings(state: &ApiState) -> Result<&Arc<Tunings>, ApiError> {
+fn tunings(state: &ApiState) -> Result<&Arc<TuningSessions>, ApiError> {
     state.tunings.as_ref().ok_or_else(|| {
         ApiError::new(
             StatusCode::SERVICE_UNAVAILABLE,
@@ -414,8 +414,8 @@ pub(super) async fn tuning_delete(
     ApiQuery(params): ApiQuery<StopParams>,
 ) -> Result<Response, ApiError> {
     let keep = match params.keep.as_deref() {
-        None | Some("best") => Keep::Best,
-        Some("start") => Keep::Start,
+        None | Some("best") => KnobsOnStop::Best,
+        Some("start") => KnobsOnStop::Start,
         Some(other) => {
             return Err(ApiError::bad_request(format!(
                 "bad keep={other:?}: use keep=best (default) or keep=start"

@@ -24,7 +24,7 @@ use crate::reports::{DEFAULT_REPORTS_DIR, Reports};
 use crate::session::{Session, TargetArgs, monotonic_ns, start_jobs};
 use crate::timeline::RecordedTrace;
 use crate::tracks::CounterHistory;
-use crate::tuning::{Disturbance, LoadFeed, TuningLimits, Tunings};
+use crate::tuning::{DisturbanceCheck, LoadFeed, TuningLimits, TuningSessions};
 
 /// How often the eBPF figures tuning sessions judge windows by are copied
 /// out of the model.
@@ -216,13 +216,13 @@ pub async fn run(args: ServeArgs) -> Result<()> {
             let reports = Reports::open(&args.reports_dir)?;
             tracing::info!(dir = %reports.dir().display(), "tuning reports go here");
             let disturbance = match &ebpf_off {
-                None => Disturbance::Ebpf(feed.clone()),
+                None => DisturbanceCheck::Ebpf(feed.clone()),
                 Some(reason) => {
                     tracing::info!(reason, "tuning sessions will not detect disturbed windows");
-                    Disturbance::Off(reason.clone())
+                    DisturbanceCheck::Off(reason.clone())
                 }
             };
-            let tunings = Arc::new(Tunings::new(
+            let tunings = Arc::new(TuningSessions::new(
                 jobs.clone(),
                 reports,
                 disturbance,

@@ -516,16 +516,17 @@ impl LoadFeed {
     }
 }
 
-/// Whether windows are judged with eBPF.
+/// How a session checks its windows for disturbance: with eBPF, or not at
+/// all (and why not).
 #[derive(Debug, Clone)]
-pub enum Disturbance {
+pub enum DisturbanceCheck {
     /// Judged from this feed.
     Ebpf(Arc<LoadFeed>),
     /// Not judged, for this reason (`off: …`).
     Off(String),
 }
 
-impl Disturbance {
+impl DisturbanceCheck {
     /// For the session JSON.
     pub fn describe(&self) -> String {
         match self {

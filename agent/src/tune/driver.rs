@@ -13,14 +13,14 @@ use collectives::control::{ControlClient, ControlError, ServerMessage};
 use tuner::session::{CycleObservation, Step, TuningSession, Verdict, Window};
 
 use super::disturbance::{
-    Disturbance, UNOBSERVED_SUB_WINDOWS, WindowLoad, WindowRates, disturbance_reason,
+    DisturbanceCheck, UNOBSERVED_SUB_WINDOWS, WindowLoad, WindowRates, disturbance_reason,
 };
 use super::knobs::{full_update, to_wire_knobs};
 use super::request::{
     BestView, ConfirmationView, ConfirmationWindowView, ResolvedConfig, SampleView, SessionState,
     SessionView, WindowView, unix_ms,
 };
-use super::tuning::{Handle, Keep, StartError, Tunings, fail};
+use super::tuning::{Handle, KnobsOnStop, StartError, TuningSessions, fail};
 use crate::jobs::JobSnapshot;
 use crate::reports::{ReportMeta, report_id};
 
@@ -31,7 +31,7 @@ pub(super) struct PeerNode {
     pub(super) usual: Vec<WindowRates>,
 }
 
-impl Tunings {
+impl TuningSessions {
     /// The agents of `job`'s other hosts (those that list it), when it has
     /// other hosts and this agent has peers.
     pub(super) fn peer_nodes(&self, job: &JobSnapshot) -> Vec<PeerNode> {
@@ -124,7 +124,7 @@ impl Tunings {
     }
 }
 
-impl Tunings {
+impl TuningSessions {
     /// The session's thread: runs it to the end and records how it ended.
     pub(super) fn drive(
         &self,
@@ -216,7 +216,7 @@ impl Tunings {
             .subscribe(true, false)
             .map_err(|e| broken("subscribing to its statistics", e))?;
         let mut session_config = config.session_config(&start_knobs);
-        if !matches!(self.disturbance, Disturbance::Ebpf(_)) {
+        if !matches!(self.disturbance, DisturbanceCheck::Ebpf(_)) {
             // Nothing tells this session which windows were disturbed:
             // score each by the median of three runs of its cycles.
             session_config.sub_windows = UNOBSERVED_SUB_WINDOWS;
@@ -253,13 +253,13 @@ impl Tunings {
             .collect();
         let mut usual: Vec<WindowRates> = Vec::new();
         // The job's other nodes (a multi-node job, with peers), judged there.
-        let mut peers = if matches!(self.disturbance, Disturbance::Ebpf(_)) {
+        let mut peers = if matches!(self.disturbance, DisturbanceCheck::Ebpf(_)) {
             self.peer_nodes(job)
         } else {
             Vec::new()
         };
         let mut last_work = Instant::now();
-        let mut stopped: Option<Keep> = None;
+        let mut stopped: Option<KnobsOnStop> = None;
         loop {
             if let Some(keep) = handle.stop_request() {
                 session.stop();
@@ -358,10 +358,10 @@ impl Tunings {
         }
 
         // The end: pin the chosen knobs, release the claim, write the report.
-        let keep = stopped.unwrap_or(Keep::Best);
+        let keep = stopped.unwrap_or(KnobsOnStop::Best);
         let pinned = match keep {
-            Keep::Start => Some(start_knobs),
-            Keep::Best => session.best().map(|best| to_wire_knobs(&best.knobs)),
+            KnobsOnStop::Start => Some(start_knobs),
+            KnobsOnStop::Best => session.best().map(|best| to_wire_knobs(&best.knobs)),
         };
         if let Some(knobs) = pinned {
             let (applied, _) = client
@@ -424,7 +424,7 @@ impl Tunings {
         pids: &BTreeSet<u32>,
         usual: &mut Vec<WindowRates>,
     ) -> Option<String> {
-        let Disturbance::Ebpf(feed) = &self.disturbance else {
+        let DisturbanceCheck::Ebpf(feed) = &self.disturbance else {
             return None;
         };
         // The feed copies the model a few times a second: wait (a little)

@@ -1,5 +1,5 @@
 //! `tuning`: the agent's tuning sessions, as the rest of the agent sees
-//! them: the registry ([`Tunings`]) that starts one session per job (found
+//! them: the registry ([`TuningSessions`]) that starts one session per job (found
 //! by the `jobs` registry), lists them, stops them and starts the default
 //! sessions of new jobs, with the limits on talking to a job. A session
 //! runs on its own std thread (`driver`); the API's JSON is in `request`,
@@ -11,7 +11,7 @@
 //! whose agent dies or whose socket breaks keeps the knobs it has (that is
 //! the job's side of the protocol).
 
-pub use super::disturbance::{Disturbance, LoadFeed};
+pub use super::disturbance::{DisturbanceCheck, LoadFeed};
 pub use super::request::{SessionState, SessionView, TuningRequest};
 
 use std::collections::BTreeMap;
@@ -64,9 +64,10 @@ pub enum StartError {
     Unavailable(String),
 }
 
-/// How a stop request leaves the job.
+/// Which knobs a stopped session leaves the job on (the API's `keep=best`
+/// or `keep=start`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Keep {
+pub enum KnobsOnStop {
     /// On the best knobs found.
     Best,
     /// On the knobs it had when the session started.
@@ -75,7 +76,7 @@ pub enum Keep {
 
 pub(super) struct Handle {
     pub(super) view: Mutex<SessionView>,
-    pub(super) stop: Mutex<Option<Keep>>,
+    pub(super) stop: Mutex<Option<KnobsOnStop>>,
 }
 
 impl Handle {
@@ -85,7 +86,7 @@ impl Handle {
             .unwrap_or_else(std::sync::PoisonError::into_inner)
     }
 
-    pub(super) fn stop_request(&self) -> Option<Keep> {
+    pub(super) fn stop_request(&self) -> Option<KnobsOnStop> {
         *self
             .stop
             .lock()
@@ -95,10 +96,10 @@ impl Handle {
 
 /// Every tuning session of this agent (one per job at a time; the last one
 /// of each job is kept for `GET`).
-pub struct Tunings {
+pub struct TuningSessions {
     pub(super) jobs: Jobs,
     pub(super) reports: Reports,
-    pub(super) disturbance: Disturbance,
+    pub(super) disturbance: DisturbanceCheck,
     pub(super) limits: TuningLimits,
     pub(super) sessions: Mutex<BTreeMap<String, Arc<Handle>>>,
     /// The agent's peers, and the runtime their calls run on: a multi-node
@@ -106,12 +107,12 @@ pub struct Tunings {
     pub(super) cluster: Mutex<Option<(Arc<Cluster>, tokio::runtime::Handle)>>,
 }
 
-impl Tunings {
+impl TuningSessions {
     /// Sessions over `jobs`' jobs, reports into `reports`.
     pub fn new(
         jobs: Jobs,
         reports: Reports,
-        disturbance: Disturbance,
+        disturbance: DisturbanceCheck,
         limits: TuningLimits,
     ) -> Self {
         Self {
@@ -133,7 +134,7 @@ impl Tunings {
     }
 }
 
-impl Tunings {
+impl TuningSessions {
     /// The reports directory.
     pub fn reports(&self) -> &Reports {
         &self.reports
@@ -164,7 +165,7 @@ impl Tunings {
 
     /// Asks the running session of `job_id` to stop (the job left as `keep`
     /// says); returns its view, `None` when the job never had a session.
-    pub fn stop(&self, job_id: &str, keep: Keep) -> Option<SessionView> {
+    pub fn stop(&self, job_id: &str, keep: KnobsOnStop) -> Option<SessionView> {
         let handle = self.sessions().get(job_id).cloned()?;
         if handle.view().state == SessionState::Running {
             let mut stop = handle
@@ -194,7 +195,7 @@ impl Tunings {
             "stopping the running tuning sessions (best knobs kept)"
         );
         for job_id in &running {
-            self.stop(job_id, Keep::Best);
+            self.stop(job_id, KnobsOnStop::Best);
         }
         let deadline = Instant::now() + limit;
         while self.all().iter().any(|v| v.state == SessionState::Running) {
@@ -290,7 +291,7 @@ impl Tunings {
     }
 }
 
-impl Tunings {
+impl TuningSessions {
     /// Starts, once per appearance of a job, a default session for every
     /// job that asks to be tuned (`autotune: waiting|interrupted`). Runs on
     /// its own thread until the last other handle to `self` is gone.
