@@ -44,7 +44,7 @@ async function main() {
     canvasRect: () => { const r = viewer.canvas.getBoundingClientRect(); return { x: r.x, y: r.y, width: r.width, height: r.height }; },
     setFilter: (v) => { viewer.setFilter(v); return viewer.nextFrame(); },
     stats: () => Object.assign({}, viewer.stats),
-    live: () => ({ available: viewer.live.available, enabled: viewer.live.enabled, paused: viewer.live.paused, polls: viewer.live.polls, lastUrl: viewer.live.lastUrl, details: viewer.live.details || 0 }),
+    live: () => ({ available: viewer.live.available, enabled: viewer.live.enabled, paused: viewer.live.paused, polls: viewer.live.polls, inflight: viewer.live.inflight, lastUrl: viewer.live.lastUrl, details: viewer.live.details || 0 }),
     loadUrl: (url) => viewer.loadUrl(url),
     axisLabels: () => viewer.ticks().filter((t) => t.x >= LABEL_W).map((t) => t.label),
     pixel: (x, y) => {

@@ -494,7 +494,8 @@ try {
     const c = await canvasPoint(1200, 200);
     await page.mouse.move(c.x, c.y);
     await page.mouse.wheel(0, -200);
-    await page.waitForFunction(() => window.ringwatchViewer.live().paused);
+    // a poll already on its way when the zoom paused may still land: count from when none is
+    await page.waitForFunction(() => window.ringwatchViewer.live().paused && !window.ringwatchViewer.live().inflight);
     const polls = (await hook(() => window.ringwatchViewer.live())).polls;
     const r2 = await range();
     await page.waitForTimeout(2200);
