@@ -9,7 +9,10 @@
 //! read and this list lacks fails it. It never reads the environment itself.
 
 use crate::control::Knobs;
-use crate::knobs::{AutotuneConfig, DEFAULT_CACHE_CAPACITY, DEFAULT_TIMEOUT};
+use crate::knobs::{
+    AutotuneConfig, COLLECTIVE_TIMEOUT_VAR, DEFAULT_CACHE_CAPACITY, DEFAULT_TIMEOUT,
+    DEPRECATED_TIMEOUT_VAR,
+};
 use crate::rendezvous::{DEFAULT_CONNECT_TIMEOUT, DEFAULT_MASTER_PORT};
 
 /// One variable of the runtime's.
@@ -19,6 +22,9 @@ pub struct EnvVariable {
     pub name: &'static str,
     /// Horovod's name for the same setting, read when `name` is not set.
     pub horovod: Option<&'static str>,
+    /// The variable's old ringwatch name, still read when `name` is not set,
+    /// with a deprecation warning.
+    pub deprecated: Option<&'static str>,
     /// What its value is: a unit, or the values it takes.
     pub unit: &'static str,
     /// What applies when it is not set.
@@ -35,6 +41,7 @@ pub fn runtime_variables() -> Vec<(&'static str, Vec<EnvVariable>)> {
     let v = |name, horovod, unit, default: String, what| EnvVariable {
         name,
         horovod,
+        deprecated: None,
         unit,
         default,
         what,
@@ -97,14 +104,17 @@ pub fn runtime_variables() -> Vec<(&'static str, Vec<EnvVariable>)> {
                     DEFAULT_CONNECT_TIMEOUT.as_secs().to_string(),
                     "How long a rank waits for the others to join.",
                 ),
-                v(
-                    "RINGWATCH_TIMEOUT_SECS",
-                    None,
-                    "seconds (fractions allowed)",
-                    DEFAULT_TIMEOUT.as_secs().to_string(),
-                    "How long a rank waits on a silent peer during a collective before \
-                     failing with the peer's rank.",
-                ),
+                EnvVariable {
+                    deprecated: Some(DEPRECATED_TIMEOUT_VAR),
+                    ..v(
+                        COLLECTIVE_TIMEOUT_VAR,
+                        None,
+                        "seconds (fractions allowed)",
+                        DEFAULT_TIMEOUT.as_secs().to_string(),
+                        "How long a rank waits on a silent peer during a collective before \
+                         failing with the peer's rank.",
+                    )
+                },
                 v(
                     "RINGWATCH_JOB_ID",
                     None,
@@ -269,7 +279,8 @@ pub fn render_markdown() -> String {
          <!-- Rendered from collectives/src/env_vars.rs by `cargo xtask reference`; do not edit. -->\n\n\
          The collective runtime (every rank of a job on ringwatch: `ringwatch.torch`, \
          `collbench`) reads these when it starts. A Horovod name is read when the \
-         ringwatch name is not set. A value that does not parse stops the job at \
+         ringwatch name is not set, and so is a deprecated old name (with a \
+         warning). A value that does not parse stops the job at \
          `init()` with the variable's name; nothing is guessed.\n\n\
          The agent's and the other commands' variables stand beside their flags in \
          [the CLI reference](cli/ringwatch-agent.md): every flag with an environment \
@@ -280,10 +291,13 @@ pub fn render_markdown() -> String {
             "\n## {group}\n\n| variable | unit | default | what it sets |\n|---|---|---|---|\n"
         ));
         for var in variables {
-            let name = match var.horovod {
-                Some(h) => format!("`{}` (Horovod: `{h}`)", var.name),
-                None => format!("`{}`", var.name),
-            };
+            let mut name = format!("`{}`", var.name);
+            if let Some(h) = var.horovod {
+                name.push_str(&format!(" (Horovod: `{h}`)"));
+            }
+            if let Some(old) = var.deprecated {
+                name.push_str(&format!(" (deprecated: `{old}`)"));
+            }
             page.push_str(&format!(
                 "| {name} | {} | {} | {} |\n",
                 var.unit,
@@ -347,7 +361,7 @@ mod tests {
         let listed: BTreeSet<&str> = runtime_variables()
             .into_iter()
             .flat_map(|(_, vars)| vars)
-            .flat_map(|v| [Some(v.name), v.horovod])
+            .flat_map(|v| [Some(v.name), v.horovod, v.deprecated])
             .flatten()
             .collect();
         let mut missing = Vec::new();
@@ -387,6 +401,9 @@ mod tests {
             "| `RINGWATCH_FUSION_THRESHOLD` (Horovod: `HOROVOD_FUSION_THRESHOLD`) | bytes | `{}` |",
             Knobs::default().fusion_threshold_bytes
         )));
-        assert!(page.contains("| `RINGWATCH_TIMEOUT_SECS` | seconds (fractions allowed) | `30` |"));
+        assert!(page.contains(
+            "| `RINGWATCH_COLLECTIVE_TIMEOUT_SECS` (deprecated: `RINGWATCH_TIMEOUT_SECS`) \
+             | seconds (fractions allowed) | `30` |"
+        ));
     }
 }

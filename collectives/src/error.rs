@@ -53,7 +53,7 @@ pub enum CollectiveError {
     /// A peer did not answer within the operation timeout.
     #[error(
         "rank {rank}: rank {peer} did not answer within {timeout:?} \
-         (is it dead or stopped? RINGWATCH_TIMEOUT_SECS sets this limit)"
+         (is it dead or stopped? RINGWATCH_COLLECTIVE_TIMEOUT_SECS sets this limit)"
     )]
     PeerTimeout {
         /// The rank reporting the error.

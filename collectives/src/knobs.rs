@@ -221,12 +221,25 @@ pub fn cache_capacity_from(get: &dyn Fn(&str) -> Option<String>) -> Result<usize
     }
 }
 
-/// The peer timeout from `RINGWATCH_TIMEOUT_SECS` (seconds, fractions allowed), or
-/// [`DEFAULT_TIMEOUT`].
+/// The collective's silent-peer timeout: how long a rank waits on a peer
+/// during a collective before failing with the peer's rank.
+pub const COLLECTIVE_TIMEOUT_VAR: &str = "RINGWATCH_COLLECTIVE_TIMEOUT_SECS";
+
+/// The old name of [`COLLECTIVE_TIMEOUT_VAR`], still read when the new one is
+/// not set (with a warning): beside the agent's `RINGWATCH_PEER_TIMEOUT` it
+/// did not say whose timeout it was.
+pub const DEPRECATED_TIMEOUT_VAR: &str = "RINGWATCH_TIMEOUT_SECS";
+
+/// The peer timeout from `RINGWATCH_COLLECTIVE_TIMEOUT_SECS` (seconds,
+/// fractions allowed), else from its deprecated name `RINGWATCH_TIMEOUT_SECS`
+/// (warned about once per process), or [`DEFAULT_TIMEOUT`].
 pub fn timeout_from(get: &dyn Fn(&str) -> Option<String>) -> Result<Duration> {
-    match first_set(get, &["RINGWATCH_TIMEOUT_SECS"]) {
+    match first_set(get, &[COLLECTIVE_TIMEOUT_VAR, DEPRECATED_TIMEOUT_VAR]) {
         None => Ok(DEFAULT_TIMEOUT),
         Some((name, v)) => {
+            if name == DEPRECATED_TIMEOUT_VAR {
+                warn_deprecated_timeout_once();
+            }
             let secs: f64 = v.trim().parse().map_err(|_| bad(&name, &v, "seconds"))?;
             if !(secs > 0.0 && secs < 1e7) {
                 return Err(bad(&name, &v, "a positive number of seconds"));
@@ -234,6 +247,18 @@ pub fn timeout_from(get: &dyn Fn(&str) -> Option<String>) -> Result<Duration> {
             Ok(Duration::from_secs_f64(secs))
         }
     }
+}
+
+/// Every rank reads the timeout once, but a process may start several
+/// runtimes (tests, a restarted job): one warning is enough.
+fn warn_deprecated_timeout_once() {
+    static WARNED: std::sync::Once = std::sync::Once::new();
+    WARNED.call_once(|| {
+        tracing::warn!(
+            "{DEPRECATED_TIMEOUT_VAR} is deprecated: set {COLLECTIVE_TIMEOUT_VAR} instead \
+             (the old name is read only while the new one is unset)"
+        );
+    });
 }
 
 #[cfg(test)]
@@ -314,10 +339,37 @@ mod tests {
     fn bad_values_name_the_variable() {
         let err = knobs_from(&vars(&[("RINGWATCH_CYCLE_TIME_MS", "fast")])).unwrap_err();
         assert!(err.to_string().contains("RINGWATCH_CYCLE_TIME_MS"), "{err}");
+        let err = timeout_from(&vars(&[("RINGWATCH_COLLECTIVE_TIMEOUT_SECS", "-1")])).unwrap_err();
+        assert!(
+            err.to_string()
+                .contains("RINGWATCH_COLLECTIVE_TIMEOUT_SECS"),
+            "{err}"
+        );
         let err = timeout_from(&vars(&[("RINGWATCH_TIMEOUT_SECS", "-1")])).unwrap_err();
         assert!(err.to_string().contains("RINGWATCH_TIMEOUT_SECS"), "{err}");
         let err = cache_capacity_from(&vars(&[("HOROVOD_CACHE_CAPACITY", "-1")])).unwrap_err();
         assert!(err.to_string().contains("HOROVOD_CACHE_CAPACITY"), "{err}");
+    }
+
+    #[test]
+    fn the_deprecated_timeout_name_is_read_until_the_new_one_is_set() {
+        let old = timeout_from(&vars(&[("RINGWATCH_TIMEOUT_SECS", "7.5")])).unwrap();
+        assert_eq!(old, Duration::from_millis(7500));
+        let new = timeout_from(&vars(&[("RINGWATCH_COLLECTIVE_TIMEOUT_SECS", "4")])).unwrap();
+        assert_eq!(new, Duration::from_secs(4));
+        let both = timeout_from(&vars(&[
+            ("RINGWATCH_TIMEOUT_SECS", "7.5"),
+            ("RINGWATCH_COLLECTIVE_TIMEOUT_SECS", "4"),
+        ]))
+        .unwrap();
+        assert_eq!(both, Duration::from_secs(4), "the new name wins");
+        // An empty new name counts as unset, as for every variable here.
+        let empty_new = timeout_from(&vars(&[
+            ("RINGWATCH_TIMEOUT_SECS", "7.5"),
+            ("RINGWATCH_COLLECTIVE_TIMEOUT_SECS", ""),
+        ]))
+        .unwrap();
+        assert_eq!(empty_new, Duration::from_millis(7500));
     }
 
     #[test]

@@ -30,7 +30,8 @@
 //! - Negotiation: `RINGWATCH_CACHE_CAPACITY` (or Horovod's `HOROVOD_CACHE_CAPACITY`; default
 //!   1024, 0 disables): tensors in the response cache, through which a tensor negotiated
 //!   before is sent as a bit instead of its name and shape. Rank 0's value holds for all.
-//! - Faults: `RINGWATCH_TIMEOUT_SECS` (peer timeout, default 30),
+//! - Faults: `RINGWATCH_COLLECTIVE_TIMEOUT_SECS` (silent-peer timeout during a collective,
+//!   default 30; its old name `RINGWATCH_TIMEOUT_SECS` is still read, with a warning),
 //!   `RINGWATCH_CONNECT_TIMEOUT_SECS` (rendezvous, default 60).
 //! - Observation: `RINGWATCH_TIMELINE` (Chrome-trace file; `{rank}` in it for one per rank),
 //!   `RINGWATCH_RUNTIME_DIR` (control socket dir, default /run/ringwatch, falling back to

@@ -119,7 +119,7 @@ impl RendezvousConfig {
         };
         let connect_timeout = match get("RINGWATCH_CONNECT_TIMEOUT_SECS") {
             None => DEFAULT_CONNECT_TIMEOUT,
-            // Same syntax as RINGWATCH_TIMEOUT_SECS.
+            // Same syntax as RINGWATCH_COLLECTIVE_TIMEOUT_SECS.
             Some(v) => timeout_from(&|_| Some(v.clone())).map_err(|_| {
                 CollectiveError::Config(format!(
                     "RINGWATCH_CONNECT_TIMEOUT_SECS={v:?} is not a positive number of seconds"

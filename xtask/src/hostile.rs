@@ -975,7 +975,7 @@ fn launcher_sigterm(bench: &Bench) -> Result<Outcome> {
 /// Issue #12 item 6: n=4 with rank 2 stopped, and 2 x 2 (`--local-size 2`) with rank 1
 /// stopped, with a peer timeout of [`PEER_TIMEOUT_SECS`]. Bound: every other rank's
 /// error names the stopped rank, and the job ends within 6 peer timeouts.
-/// `RINGWATCH_TIMEOUT_SECS` of the SIGSTOP jobs (the runtime's default is 30 s).
+/// `RINGWATCH_COLLECTIVE_TIMEOUT_SECS` of the SIGSTOP jobs (the runtime's default is 30 s).
 const PEER_TIMEOUT_SECS: u64 = 10;
 
 fn stopped_rank_is_named(bench: &Bench) -> Result<Outcome> {
@@ -1008,7 +1008,10 @@ fn stop_one_rank(
         .env("RINGWATCH_JOB_ID", &job_id)
         // The peer timeout (default 30 s) only delays the verdict; who is named must
         // not depend on it.
-        .env("RINGWATCH_TIMEOUT_SECS", PEER_TIMEOUT_SECS.to_string())
+        .env(
+            "RINGWATCH_COLLECTIVE_TIMEOUT_SECS",
+            PEER_TIMEOUT_SECS.to_string(),
+        )
         .stdout(Stdio::null())
         .stderr(Stdio::piped());
     let mut job = Group::spawn(&format!("collbench {layout} (SIGSTOP)"), &mut command)?;

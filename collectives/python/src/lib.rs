@@ -454,7 +454,8 @@ impl Handle {
 
     /// Waits for the result (without the GIL; Ctrl-C still interrupts). Raises the
     /// collective's error. Never waits forever: the runtime fails every collective within
-    /// its peer timeout (`RINGWATCH_TIMEOUT_SECS`) when a rank dies or stops answering.
+    /// its peer timeout (`RINGWATCH_COLLECTIVE_TIMEOUT_SECS`) when a rank dies or stops
+    /// answering.
     fn wait(&self, py: Python<'_>) -> PyResult<Option<(Buffer, Vec<usize>)>> {
         // The runtime's handle is taken out while waiting, so that no lock is held without
         // the GIL (a `poll` from another thread meanwhile sees "not there yet").

@@ -190,7 +190,7 @@ print(json.dumps({"rank": r, "error": outcome, "seconds": time.monotonic() - sta
 
 
 def test_a_dead_rank_raises_instead_of_hanging(run_job):
-    job = run_job(DEAD_RANK, 3, env={"RINGWATCH_TIMEOUT_SECS": "5"}, check=False)
+    job = run_job(DEAD_RANK, 3, env={"RINGWATCH_COLLECTIVE_TIMEOUT_SECS": "5"}, check=False)
     assert job.procs[2].returncode == 3, job.describe()
     for rank in (0, 1):
         assert job.procs[rank].returncode == 0, job.describe()

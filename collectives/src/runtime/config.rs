@@ -20,7 +20,8 @@ pub struct RuntimeConfig {
     pub rendezvous: RendezvousConfig,
     /// Initial knobs.
     pub knobs: Knobs,
-    /// How long any rank waits on a silent peer before failing (`RINGWATCH_TIMEOUT_SECS`).
+    /// How long any rank waits on a silent peer before failing
+    /// (`RINGWATCH_COLLECTIVE_TIMEOUT_SECS`).
     pub timeout: Duration,
     /// Write a Chrome-trace timeline here (`RINGWATCH_TIMELINE`). Rank 0 writes it; a path
     /// containing `{rank}` makes every rank write its own.

@@ -380,7 +380,7 @@ def poll(handle):
 def synchronize(handle):
     """Waits for ``handle`` and returns its result. Raises :class:`MismatchError` when the
     ranks submitted the tensor differently, :class:`RankFailedError` when a rank died or
-    stopped answering (within ``RINGWATCH_TIMEOUT_SECS``, never a hang)."""
+    stopped answering (within ``RINGWATCH_COLLECTIVE_TIMEOUT_SECS``, never a hang)."""
     if not isinstance(handle, Handle):
         raise TypeError(f"synchronize expects a ringwatch Handle, got {type(handle).__name__}")
     out = handle._native.wait()
