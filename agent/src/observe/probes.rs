@@ -411,7 +411,7 @@ impl Probes {
         self.thread_state.read(processes, known)
     }
 
-    /// Where thread state is kept (never `Auto`).
+    /// Where thread state is kept (checked against this kernel at load).
     pub fn thread_state_store(&self) -> ThreadStateStore {
         self.thread_state_store
     }

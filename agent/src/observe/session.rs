@@ -129,11 +129,11 @@ pub struct TargetArgs {
     /// with a slot per thread id (cheapest, any kernel; see
     /// --thread-slots), `task-storage` on the task itself (the agent reads
     /// it back by a pidfd of the thread, Linux 6.9 or later), `hash-map`
-    /// keyed by thread id (any kernel). `auto` is `slots`.
+    /// keyed by thread id (any kernel).
     #[arg(
         long,
         value_enum,
-        default_value = "auto",
+        default_value = "slots",
         env = "RINGWATCH_THREAD_STATE"
     )]
     pub thread_state: ThreadStateStore,

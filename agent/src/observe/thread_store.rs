@@ -34,12 +34,13 @@ use ebpf::ThreadState;
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, clap::ValueEnum, serde::Serialize)]
 #[serde(rename_all = "kebab-case")]
 pub enum ThreadStateStore {
-    /// The slots, on every kernel.
-    #[default]
-    Auto,
     /// An array with a slot per thread id (`--thread-slots`): cheapest per
     /// switch, any kernel; a thread whose slot another holds uses the hash
-    /// map.
+    /// map. The default (also read as `auto`, its old name).
+    // `auto` never chose anything but the slots: a hidden alias keeps old
+    // command lines and RINGWATCH_THREAD_STATE=auto working.
+    #[default]
+    #[value(alias = "auto")]
     Slots,
     /// Task storage (`BPF_MAP_TYPE_TASK_STORAGE`): needs pidfds of threads
     /// (Linux 6.9 or later).
@@ -49,13 +50,12 @@ pub enum ThreadStateStore {
 }
 
 impl ThreadStateStore {
-    /// `Auto` made definite for this kernel; an explicit `TaskStorage` the
-    /// kernel cannot serve is an error that says why.
+    /// The store itself, checked against this kernel: an explicit
+    /// `TaskStorage` the kernel cannot serve is an error that says why.
     pub fn resolve(self) -> Result<Self> {
         match self {
-            Self::Auto => Ok(Self::Slots),
             Self::TaskStorage if !thread_pidfds_work() => bail!(
-                "--thread-state task-storage needs pidfds of threads (PIDFD_THREAD, Linux 6.9 or later) to read the state back, and this kernel refuses them; use --thread-state hash-map (or auto)"
+                "--thread-state task-storage needs pidfds of threads (PIDFD_THREAD, Linux 6.9 or later) to read the state back, and this kernel refuses them; use --thread-state hash-map (or slots)"
             ),
             definite => Ok(definite),
         }
@@ -415,13 +415,34 @@ mod tests {
     }
 
     #[test]
+    fn the_old_auto_value_still_parses_as_the_slots() {
+        use clap::ValueEnum;
+        for value in ["auto", "slots"] {
+            assert_eq!(
+                ThreadStateStore::from_str(value, false),
+                Ok(ThreadStateStore::Slots),
+                "{value}"
+            );
+        }
+        assert_eq!(ThreadStateStore::default(), ThreadStateStore::Slots);
+        // Hidden: `--help` and the reference list the stores, not the alias.
+        let listed: Vec<String> = ThreadStateStore::value_variants()
+            .iter()
+            .filter_map(|v| v.to_possible_value())
+            .filter(|v| !v.is_hide_set())
+            .map(|v| v.get_name().to_owned())
+            .collect();
+        assert_eq!(listed, ["slots", "task-storage", "hash-map"]);
+    }
+
+    #[test]
     fn a_pidfd_of_a_thread_that_is_not_the_leader_opens_where_the_kernel_allows_it() {
-        // `auto` is the slots on every kernel. This kernel's answer decides
+        // The slots serve on every kernel. This kernel's answer decides
         // whether task storage can be asked for; a thread of ours must then
         // get a pidfd too (the point of the flag), and a tid that does not
         // exist must not.
         assert_eq!(
-            ThreadStateStore::Auto.resolve().unwrap(),
+            ThreadStateStore::Slots.resolve().unwrap(),
             ThreadStateStore::Slots
         );
         if !thread_pidfds_work() {
