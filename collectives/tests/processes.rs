@@ -10,16 +10,11 @@ use std::time::{Duration, Instant};
 
 const BIN: &str = env!("CARGO_BIN_EXE_collbench");
 
-/// The machine, shared by the tests that run jobs side by side; the one that counts the
-/// cycle thread's sleeps has it alone (other jobs' load wakes a job's threads: a CI run
-/// saw 205 sleeps against a bound of 170 while another test's 4-rank sweeps ran).
-static MACHINE: std::sync::RwLock<()> = std::sync::RwLock::new(());
-
-fn share_the_machine() -> std::sync::RwLockReadGuard<'static, ()> {
-    MACHINE
-        .read()
-        .unwrap_or_else(std::sync::PoisonError::into_inner)
-}
+// The machine is shared by the tests that run jobs side by side
+// (`share_the_machine`); the one that counts the cycle thread's sleeps has it alone
+// (other jobs' load wakes a job's threads: a CI run saw 205 sleeps against a bound of
+// 170 while another test's 4-rank sweeps ran).
+use test_support::{eventually, eventually_reporting, have_the_machine_alone, share_the_machine};
 
 fn wait_with_limit(child: &mut Child, limit: Duration) -> Option<std::process::ExitStatus> {
     let deadline = Instant::now() + limit;
@@ -185,9 +180,7 @@ fn shared_tensors_check_out_on_one_host_across_pretend_nodes_and_over_tcp() {
 
 #[test]
 fn blocking_calls_in_a_loop_run_their_own_cycles_and_leave_the_cycle_thread_asleep() {
-    let _alone = MACHINE
-        .write()
-        .unwrap_or_else(std::sync::PoisonError::into_inner);
+    let _alone = have_the_machine_alone();
     // Two ranks, 3000 blocking 4 KiB allreduces. Each caller runs its own cycles; the
     // background thread wakes on its timer (the default cycle time, 1 ms) and goes
     // back to sleep. It used to wake on every cycle's end in some runs (blocked on the
@@ -310,14 +303,11 @@ fn an_agent_sees_a_running_job_through_its_control_socket() {
         })
         .collect();
     let path = socket_path(&dir, &job_id);
-    let deadline = Instant::now() + Duration::from_secs(20);
-    let mut client = loop {
-        match ControlClient::connect(&path, Duration::from_secs(5)) {
-            Ok(c) => break c,
-            Err(_) if Instant::now() < deadline => std::thread::sleep(Duration::from_millis(50)),
-            Err(e) => panic!("no control socket at {}: {e}", path.display()),
-        }
-    };
+    let mut client = eventually(
+        Duration::from_secs(20),
+        &format!("a control socket at {}", path.display()),
+        || ControlClient::connect(&path, Duration::from_secs(5)).ok(),
+    );
     let hello = client.hello().clone();
     assert_eq!(hello.job_id, job_id);
     assert_eq!(hello.world_size, 2);
@@ -433,23 +423,17 @@ fn job_dir(tag: &str) -> (std::path::PathBuf, String) {
 /// cycle's statistics, so that the job is known to be stepping.
 fn connect_when_stepping(path: &std::path::Path) -> collectives::control::ControlClient {
     use collectives::control::{ControlClient, ServerMessage};
-    let deadline = Instant::now() + Duration::from_secs(60);
-    let mut client = loop {
-        match ControlClient::connect(path, Duration::from_secs(10)) {
-            Ok(c) => break c,
-            Err(_) if Instant::now() < deadline => std::thread::sleep(Duration::from_millis(50)),
-            Err(e) => panic!("no control socket at {}: {e}", path.display()),
-        }
-    };
+    let mut client = eventually(
+        Duration::from_secs(60),
+        &format!("a control socket at {}", path.display()),
+        || ControlClient::connect(path, Duration::from_secs(10)).ok(),
+    );
     client.subscribe(true, false).unwrap();
-    loop {
-        assert!(Instant::now() < deadline, "the job never stepped");
-        if let Some(ServerMessage::CycleStats(_)) =
-            client.next_message(Duration::from_millis(200)).unwrap()
-        {
-            return client;
-        }
-    }
+    eventually(Duration::from_secs(60), "the job stepping", || {
+        let message = client.next_message(Duration::from_millis(200)).unwrap();
+        matches!(message, Some(ServerMessage::CycleStats(_))).then_some(())
+    });
+    client
 }
 
 /// `collbench -n 3 resnet50` through its launcher, with its control socket in `dir`.
@@ -507,16 +491,24 @@ fn a_launcher_killed_with_sigkill_takes_its_ranks_with_it() {
     launcher.kill().unwrap();
     launcher.wait().unwrap();
     // The ranks get SIGTERM from the kernel (PR_SET_PDEATHSIG) and stop as on a signal.
-    let deadline = Instant::now() + Duration::from_secs(120);
-    while pids.iter().any(|&p| !gone(p)) || path.exists() {
-        assert!(
-            Instant::now() < deadline,
-            "ranks {:?} outlived their SIGKILLed launcher (socket left: {})",
-            pids.iter().filter(|&&p| !gone(p)).collect::<Vec<_>>(),
-            path.exists()
-        );
-        std::thread::sleep(Duration::from_millis(50));
-    }
+    eventually_reporting(
+        Duration::from_secs(120),
+        &format!(
+            "ranks {pids:?} gone and their socket {} removed after their launcher was SIGKILLed",
+            path.display()
+        ),
+        || {
+            let alive: Vec<_> = pids.iter().filter(|&&p| !gone(p)).collect();
+            if alive.is_empty() && !path.exists() {
+                Ok(())
+            } else {
+                Err(format!(
+                    "ranks {alive:?} alive, socket left: {}",
+                    path.exists()
+                ))
+            }
+        },
+    );
     std::fs::remove_dir_all(&dir).ok();
 }
 
@@ -768,17 +760,22 @@ fn control_clients_that_never_read_are_refused_past_the_limit_and_closed_while_t
     drop(slow);
     // Their slots, threads and queues are released, and the job still steps.
     drop(connect_when_stepping(&path));
-    let deadline = Instant::now() + Duration::from_secs(60);
-    while threads(rank0) > threads_before {
-        assert!(
-            Instant::now() < deadline,
-            "rank 0 has {} threads, {threads_before} before the clients: {:?}, before {:?}",
-            threads(rank0),
-            thread_names(rank0),
-            names_before,
-        );
-        std::thread::sleep(Duration::from_millis(50));
-    }
+    eventually_reporting(
+        Duration::from_secs(60),
+        "rank 0's threads back to their number before the clients",
+        || {
+            let now = threads(rank0);
+            if now <= threads_before {
+                Ok(())
+            } else {
+                Err(format!(
+                    "rank 0 has {now} threads, {threads_before} before the clients: {:?}, before {:?}",
+                    thread_names(rank0),
+                    names_before,
+                ))
+            }
+        },
+    );
     assert!(ranks[0].try_wait().unwrap().is_none());
     for r in &mut ranks {
         let _ = r.kill();

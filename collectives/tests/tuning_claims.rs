@@ -15,6 +15,7 @@ use collectives::knobs::AutotuneConfig;
 use collectives::rendezvous::RendezvousConfig;
 use collectives::runtime::RuntimeConfig;
 use collectives::{ReduceOp, Runtime, Tensor};
+use test_support::eventually_reporting;
 
 const T: Duration = Duration::from_secs(5);
 
@@ -48,18 +49,18 @@ fn one_rank_job(tag: &str, autotune: Option<AutotuneConfig>) -> (Runtime, PathBu
 /// The state a fresh connection's `hello` reports, polled until it is `want` (the server
 /// notices a closed connection asynchronously).
 fn await_hello_state(path: &Path, want: AutotuneState) {
-    let deadline = Instant::now() + T;
-    loop {
-        let got = ControlClient::connect(path, T).unwrap().hello().autotune;
-        if got == want {
-            return;
-        }
-        assert!(
-            Instant::now() < deadline,
-            "hello says {got:?}, want {want:?}"
-        );
-        std::thread::sleep(Duration::from_millis(20));
-    }
+    eventually_reporting(
+        T,
+        &format!("a fresh connection's hello saying {want:?}"),
+        || {
+            let got = ControlClient::connect(path, T).unwrap().hello().autotune;
+            if got == want {
+                Ok(())
+            } else {
+                Err(format!("hello says {got:?}"))
+            }
+        },
+    );
 }
 
 fn still_reduces(rt: &Runtime, i: i32) {

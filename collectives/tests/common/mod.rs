@@ -26,20 +26,7 @@ pub const OPS: [ReduceOp; 4] = [
     ReduceOp::Max,
 ];
 
-/// A free port below the kernel's ephemeral range (32768 and up): one the
-/// kernel handed out and gave back can go to any outgoing connection of the
-/// tests running beside this one before the job binds it.
-pub fn free_port() -> u16 {
-    let seed = std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .unwrap()
-        .subsec_nanos()
-        ^ std::process::id().wrapping_mul(2_654_435_761);
-    (0..64u32)
-        .map(|i| 20_000 + (seed.wrapping_add(i.wrapping_mul(7_919)) % 12_000) as u16)
-        .find(|&port| std::net::TcpListener::bind(("127.0.0.1", port)).is_ok())
-        .expect("a free port in 20000..32000")
-}
+pub use test_support::free_port;
 
 pub fn config(rank: usize, n: usize, local_size: usize, port: u16) -> RuntimeConfig {
     let mut c = RuntimeConfig::new(RendezvousConfig {

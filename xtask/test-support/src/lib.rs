@@ -23,13 +23,28 @@ const POLL_PERIOD: Duration = Duration::from_millis(50);
 /// the deadline.
 #[track_caller]
 pub fn eventually<T>(timeout: Duration, what: &str, mut check: impl FnMut() -> Option<T>) -> T {
+    eventually_reporting(timeout, what, || check().ok_or("it did not hold"))
+}
+
+/// Like [`eventually`], for a `check` that says what it saw instead
+/// (`Err(seen)`): when it never holds, the failure shows the last `seen`
+/// (the session, the listing, the state) beside `what` and the timeout.
+#[track_caller]
+pub fn eventually_reporting<T, Seen: std::fmt::Display>(
+    timeout: Duration,
+    what: &str,
+    mut check: impl FnMut() -> Result<T, Seen>,
+) -> T {
     let deadline = Instant::now() + timeout;
     loop {
         let past_deadline = Instant::now() > deadline;
-        if let Some(value) = check() {
-            return value;
+        match check() {
+            Ok(value) => return value,
+            Err(seen) => assert!(
+                !past_deadline,
+                "{what}: not within {timeout:?}; last seen: {seen}"
+            ),
         }
-        assert!(!past_deadline, "{what}: not within {timeout:?}");
         std::thread::sleep(POLL_PERIOD);
     }
 }
