@@ -1,6 +1,6 @@
-//! The tuning API's JSON: the request (Contract C's POST body) resolved into a
-//! session's configuration, and the session's view (state, samples, windows, the
-//! confirmation and the best knobs) that `GET` returns.
+//! The tuning API's JSON: the request (the body of `POST /api/jobs/{id}/tuning`)
+//! resolved into a session's configuration, and the session's view (state,
+//! samples, windows, the confirmation and the best knobs) that `GET` returns.
 //!
 //! It must never drive a session or talk to a job: plain data and its checks.
 
@@ -288,7 +288,7 @@ pub struct ConfirmationView {
     pub kept: Option<String>,
 }
 
-/// The session JSON (Contract C).
+/// The session JSON (what `GET /api/jobs/{id}/tuning` returns).
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
 pub struct SessionView {
     /// The job tuned.

@@ -18,6 +18,7 @@
 //! file), `rings` (pairwise byte rings), `fold` (the shared-memory allreduce),
 //! `posts` (agreeing through the segment), `arena` (shared tensors), `waiting`
 //! (doorbells, patience, timeouts). This file holds the group and its accessors.
+//! The words (post, one-shot, fold, early one-shot) are defined in docs/glossary.md.
 
 mod arena;
 mod fold;

@@ -2,6 +2,11 @@
 //! with one barrier and no round trip, on whether they all posted the same bytes (a
 //! settled cycle), and may put an early allreduce's inputs in place meanwhile.
 //!
+//! An *early* allreduce is the one-shot a member expects to run right after the round:
+//! its inputs ride in the round, so that if every post agrees the one-shot finds them in
+//! place and skips its own copy and barrier (see "Post" and "One-shot" in
+//! docs/glossary.md).
+//!
 //! It must never decide for one member alone: every member takes part in every round and
 //! gets the same answer.
 
