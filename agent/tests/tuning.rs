@@ -19,6 +19,7 @@ use collectives::control::{AutotuneState, ControlClient, Knobs};
 use common::ApiServer;
 use common::procs::{collbench, wait_for_job_start};
 use serde_json::Value;
+use test_support::{TempDir, eventually, eventually_reporting};
 
 /// A job that runs until killed: 4 KiB allreduces, back to back, so that
 /// cycles (and tuning windows) come quickly.
@@ -37,27 +38,6 @@ const ENDLESS_SMALL_SWEEP: &[&str] = &[
     "--iters",
     "1000000000",
 ];
-
-/// A temporary directory, removed on drop.
-struct TempDir(PathBuf);
-
-impl TempDir {
-    fn new(name: &str) -> Self {
-        let dir = std::env::temp_dir().join(format!(
-            "ringwatch-tuning-test-{}-{name}",
-            std::process::id()
-        ));
-        let _ = std::fs::remove_dir_all(&dir);
-        std::fs::create_dir_all(&dir).unwrap();
-        Self(dir)
-    }
-}
-
-impl Drop for TempDir {
-    fn drop(&mut self) {
-        let _ = std::fs::remove_dir_all(&self.0);
-    }
-}
 
 /// A local 2-rank collbench job in its own process group (killed whole on
 /// drop).
@@ -136,19 +116,18 @@ impl Job {
         let mut client = ControlClient::connect(&self.socket, Duration::from_secs(5)).unwrap();
         let (_, cycle_now) = client.get_knobs(Duration::from_secs(10)).unwrap();
         client.subscribe(true, false).unwrap();
-        let deadline = Instant::now() + Duration::from_secs(60);
-        loop {
-            assert!(
-                Instant::now() < deadline,
-                "no cycle after {cycle_now} within 60 s"
-            );
-            if let Some(collectives::control::ServerMessage::CycleStats(stats)) =
-                client.next_message(Duration::from_secs(1)).unwrap()
-                && stats.cycle >= cycle_now + 2
-            {
-                return stats.knobs;
-            }
-        }
+        eventually(
+            Duration::from_secs(60),
+            &format!("a cycle two after {cycle_now}"),
+            || match client.next_message(Duration::from_secs(1)).unwrap() {
+                Some(collectives::control::ServerMessage::CycleStats(stats))
+                    if stats.cycle >= cycle_now + 2 =>
+                {
+                    Some(stats.knobs)
+                }
+                _ => None,
+            },
+        )
     }
 }
 
@@ -162,22 +141,22 @@ impl Drop for Job {
 
 /// Polls `GET /api/jobs` until `job_id` is listed.
 fn wait_for_job(agent: &ApiServer, job_id: &str) {
-    let deadline = Instant::now() + Duration::from_secs(30);
-    loop {
-        let (status, jobs) = agent.get_json("/api/jobs");
-        assert_eq!(status, 200, "{jobs}");
-        if jobs["jobs"]
-            .as_array()
-            .is_some_and(|jobs| jobs.iter().any(|j| j["job_id"] == job_id))
-        {
-            return;
-        }
-        assert!(
-            Instant::now() < deadline,
-            "the agent did not find job {job_id} within 30 s: {jobs}"
-        );
-        std::thread::sleep(Duration::from_millis(200));
-    }
+    eventually_reporting(
+        Duration::from_secs(30),
+        &format!("the agent finding job {job_id}"),
+        || {
+            let (status, jobs) = agent.get_json("/api/jobs");
+            assert_eq!(status, 200, "{jobs}");
+            if jobs["jobs"]
+                .as_array()
+                .is_some_and(|jobs| jobs.iter().any(|j| j["job_id"] == job_id))
+            {
+                Ok(())
+            } else {
+                Err(jobs)
+            }
+        },
+    );
 }
 
 /// Polls the session until `done(session)` or the limit.
@@ -187,19 +166,15 @@ fn poll_session(
     limit: Duration,
     done: impl Fn(&Value) -> bool,
 ) -> Value {
-    let deadline = Instant::now() + limit;
-    loop {
+    eventually_reporting(limit, "the session getting there", || {
         let (status, session) = agent.get_json(&format!("/api/jobs/{job_id}/tuning"));
         assert_eq!(status, 200, "{session}");
         if done(&session) {
-            return session;
+            Ok(session)
+        } else {
+            Err(format!("{session:#}"))
         }
-        assert!(
-            Instant::now() < deadline,
-            "the session did not get there within {limit:?}: {session:#}"
-        );
-        std::thread::sleep(Duration::from_millis(250));
-    }
+    })
 }
 
 fn knobs_of(value: &Value) -> Knobs {
@@ -210,21 +185,21 @@ fn agent_args<'a>(runtime: &'a TempDir, reports: &'a TempDir) -> Vec<&'a str> {
     vec![
         "--jobs",
         "--runtime-dir",
-        runtime.0.to_str().unwrap(),
+        runtime.path().to_str().unwrap(),
         "--reports-dir",
-        reports.0.to_str().unwrap(),
+        reports.path().to_str().unwrap(),
         "--no-autotune",
     ]
 }
 
 #[test]
 fn a_short_session_pins_the_reported_best_and_its_report_matches_the_samples() {
-    let runtime = TempDir::new("e2e-run");
-    let reports = TempDir::new("e2e-reports");
+    let runtime = TempDir::new("tuning-test-e2e-run");
+    let reports = TempDir::new("tuning-test-e2e-reports");
     let job_id = format!("tune-e2e-{}", std::process::id());
     // One 4 KiB allreduce per cycle, for as long as the test needs: the
     // cycle time decides the throughput, and the job starts on a slow one.
-    let job = Job::start(&runtime.0, &job_id, &slow_small_sweep());
+    let job = Job::start(runtime.path(), &job_id, &slow_small_sweep());
     let agent = ApiServer::start(&agent_args(&runtime, &reports), false);
     wait_for_job(&agent, &job_id);
 
@@ -306,21 +281,24 @@ fn a_short_session_pins_the_reported_best_and_its_report_matches_the_samples() {
     assert_eq!(knobs, best_knobs);
     assert_eq!(knobs_of(&session["current_knobs"]), best_knobs);
     assert_eq!(autotune, AutotuneState::Done);
-    let deadline = Instant::now() + Duration::from_secs(10);
-    loop {
-        let (_, jobs) = agent.get_json("/api/jobs");
-        let listed = jobs["jobs"]
-            .as_array()
-            .unwrap()
-            .iter()
-            .find(|j| j["job_id"] == job_id.as_str())
-            .map(|j| knobs_of(&j["knobs"]));
-        if listed == Some(best_knobs) {
-            break;
-        }
-        assert!(Instant::now() < deadline, "GET /api/jobs: {jobs}");
-        std::thread::sleep(Duration::from_millis(200));
-    }
+    eventually_reporting(
+        Duration::from_secs(10),
+        "GET /api/jobs listing the best knobs",
+        || {
+            let (_, jobs) = agent.get_json("/api/jobs");
+            let listed = jobs["jobs"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .find(|j| j["job_id"] == job_id.as_str())
+                .map(|j| knobs_of(&j["knobs"]));
+            if listed == Some(best_knobs) {
+                Ok(())
+            } else {
+                Err(jobs)
+            }
+        },
+    );
 
     // The report: listed, its CSV and Parquet rows are the samples.
     let report_id = session["report_id"].as_str().unwrap().to_owned();
@@ -337,7 +315,7 @@ fn a_short_session_pins_the_reported_best_and_its_report_matches_the_samples() {
     assert_eq!(knobs_of(&listed["best"]), best_knobs);
     assert_eq!(listed["html"], format!("/api/reports/{report_id}"));
 
-    let parquet = std::fs::File::open(reports.0.join(format!("{report_id}.parquet"))).unwrap();
+    let parquet = std::fs::File::open(reports.path().join(format!("{report_id}.parquet"))).unwrap();
     let frame = tuner::report::read_parquet(parquet).unwrap();
     assert_eq!(frame.height(), samples.len());
     let column_f64 = |name: &str| -> Vec<f64> {
@@ -403,11 +381,11 @@ fn a_short_session_pins_the_reported_best_and_its_report_matches_the_samples() {
 
 #[test]
 fn killing_the_agent_mid_session_leaves_the_job_running_to_a_clean_finish() {
-    let runtime = TempDir::new("kill-run");
-    let reports = TempDir::new("kill-reports");
+    let runtime = TempDir::new("tuning-test-kill-run");
+    let reports = TempDir::new("tuning-test-kill-reports");
     let job_id = format!("tune-kill-{}", std::process::id());
     let mut job = Job::start(
-        &runtime.0,
+        runtime.path(),
         &job_id,
         // Long enough to outlive two samples (the start alone takes two windows).
         &["resnet50", "--steps", "100", "--warmup", "1"],
@@ -463,11 +441,11 @@ fn killing_the_agent_mid_session_leaves_the_job_running_to_a_clean_finish() {
 
 #[test]
 fn the_tuning_api_refuses_what_it_cannot_do_and_checks_its_token() {
-    let runtime = TempDir::new("api-run");
-    let reports = TempDir::new("api-reports");
+    let runtime = TempDir::new("tuning-test-api-run");
+    let reports = TempDir::new("tuning-test-api-reports");
     let job_id = format!("tune-api-{}", std::process::id());
-    let _job = Job::start(&runtime.0, &job_id, ENDLESS_SMALL_SWEEP);
-    let token_file = runtime.0.join("token");
+    let _job = Job::start(runtime.path(), &job_id, ENDLESS_SMALL_SWEEP);
+    let token_file = runtime.path().join("token");
     std::fs::write(&token_file, "s3cret-token\n").unwrap();
     let mut args = agent_args(&runtime, &reports);
     args.extend(["--token-file", token_file.to_str().unwrap()]);
@@ -516,7 +494,7 @@ fn the_tuning_api_refuses_what_it_cannot_do_and_checks_its_token() {
     assert_eq!(status, 409, "{body}");
     // Another client cannot claim the job meanwhile.
     let mut other = ControlClient::connect(
-        &runtime.0.join(format!("{job_id}.sock")),
+        &runtime.path().join(format!("{job_id}.sock")),
         Duration::from_secs(5),
     )
     .unwrap();
@@ -552,8 +530,8 @@ fn the_tuning_api_refuses_what_it_cannot_do_and_checks_its_token() {
 
 #[test]
 fn beyond_loopback_without_a_token_changes_are_refused() {
-    let runtime = TempDir::new("open-run");
-    let reports = TempDir::new("open-reports");
+    let runtime = TempDir::new("tuning-test-open-run");
+    let reports = TempDir::new("tuning-test-open-reports");
     let agent = ApiServer::start_listening("0.0.0.0:0", &agent_args(&runtime, &reports), false);
     let (status, _, body) = agent.send("POST", "/api/jobs/any/tuning", &[], "");
     assert_eq!(status, 403, "{body}");
@@ -565,11 +543,11 @@ fn beyond_loopback_without_a_token_changes_are_refused() {
 
 #[test]
 fn a_job_that_asks_to_be_tuned_is_tuned_as_soon_as_it_is_found() {
-    let runtime = TempDir::new("auto-run");
-    let reports = TempDir::new("auto-reports");
+    let runtime = TempDir::new("tuning-test-auto-run");
+    let reports = TempDir::new("tuning-test-auto-reports");
     let job_id = format!("tune-auto-{}", std::process::id());
     let job = Job::start_with_env(
-        &runtime.0,
+        runtime.path(),
         &job_id,
         ENDLESS_SMALL_SWEEP,
         &[
@@ -581,18 +559,18 @@ fn a_job_that_asks_to_be_tuned_is_tuned_as_soon_as_it_is_found() {
     let mut args = agent_args(&runtime, &reports);
     args.retain(|a| *a != "--no-autotune");
     let agent = ApiServer::start(&args, false);
-    let deadline = Instant::now() + Duration::from_secs(30);
-    let session = loop {
-        let (status, session) = agent.get_json(&format!("/api/jobs/{job_id}/tuning"));
-        if status == 200 {
-            break session;
-        }
-        assert!(
-            Instant::now() < deadline,
-            "no session started on its own: {session}"
-        );
-        std::thread::sleep(Duration::from_millis(200));
-    };
+    let session = eventually_reporting(
+        Duration::from_secs(30),
+        "a session started on its own",
+        || {
+            let (status, session) = agent.get_json(&format!("/api/jobs/{job_id}/tuning"));
+            if status == 200 {
+                Ok(session)
+            } else {
+                Err(session)
+            }
+        },
+    );
     // Default settings.
     assert_eq!(session["config"]["budget"], 20, "{session:#}");
     assert_eq!(session["state"], "running", "{session:#}");
@@ -608,10 +586,10 @@ fn a_job_that_asks_to_be_tuned_is_tuned_as_soon_as_it_is_found() {
 
 #[test]
 fn a_job_that_dies_mid_session_fails_the_session_with_a_clear_error() {
-    let runtime = TempDir::new("dies-run");
-    let reports = TempDir::new("dies-reports");
+    let runtime = TempDir::new("tuning-test-dies-run");
+    let reports = TempDir::new("tuning-test-dies-reports");
     let job_id = format!("tune-dies-{}", std::process::id());
-    let job = Job::start(&runtime.0, &job_id, ENDLESS_SMALL_SWEEP);
+    let job = Job::start(runtime.path(), &job_id, ENDLESS_SMALL_SWEEP);
     let agent = ApiServer::start(&agent_args(&runtime, &reports), false);
     wait_for_job(&agent, &job_id);
     let body = r#"{"budget":50,"measured_cycles":20,"min_window_ms":300}"#;
@@ -635,10 +613,10 @@ fn a_job_that_dies_mid_session_fails_the_session_with_a_clear_error() {
 
 #[test]
 fn sigterm_ends_a_running_session_on_its_best_knobs_with_a_report() {
-    let runtime = TempDir::new("term-run");
-    let reports = TempDir::new("term-reports");
+    let runtime = TempDir::new("tuning-test-term-run");
+    let reports = TempDir::new("tuning-test-term-reports");
     let job_id = format!("tune-term-{}", std::process::id());
-    let job = Job::start(&runtime.0, &job_id, ENDLESS_SMALL_SWEEP);
+    let job = Job::start(runtime.path(), &job_id, ENDLESS_SMALL_SWEEP);
     let mut agent = ApiServer::start(&agent_args(&runtime, &reports), false);
     wait_for_job(&agent, &job_id);
     let body = r#"{"budget":50,"measured_cycles":20,"min_window_ms":300}"#;
@@ -658,7 +636,7 @@ fn sigterm_ends_a_running_session_on_its_best_knobs_with_a_report() {
         AutotuneState::Done,
         "the claim was not released as completed"
     );
-    let metas: Vec<Value> = std::fs::read_dir(&reports.0)
+    let metas: Vec<Value> = std::fs::read_dir(reports.path())
         .unwrap()
         .flatten()
         .filter(|e| e.path().extension().is_some_and(|x| x == "json"))
@@ -677,23 +655,23 @@ fn an_unprivileged_agent_tunes_a_job_without_ebpf() {
     // SAFETY: geteuid has no preconditions.
     let root = unsafe { libc::geteuid() } == 0;
     let uid = root.then_some(65534u32);
-    let runtime = TempDir::new("unpriv-run");
-    let reports = TempDir::new("unpriv-reports");
+    let runtime = TempDir::new("tuning-test-unpriv-run");
+    let reports = TempDir::new("tuning-test-unpriv-reports");
     // The runtime dir as a root agent makes it (1777: anyone may add a
     // socket, none may replace another's); the reports dir only needs to be
     // writable.
-    for (dir, mode) in [(&runtime.0, 0o1777), (&reports.0, 0o777)] {
+    for (dir, mode) in [(runtime.path(), 0o1777), (reports.path(), 0o777)] {
         std::fs::set_permissions(dir, std::os::unix::fs::PermissionsExt::from_mode(mode)).unwrap();
     }
     let job_id = format!("tune-unpriv-{}", std::process::id());
-    let job = Job::start_as(&runtime.0, &job_id, &slow_small_sweep(), &[], uid);
+    let job = Job::start_as(runtime.path(), &job_id, &slow_small_sweep(), &[], uid);
     let agent = ApiServer::start_configured(
         "127.0.0.1:0",
         &agent_args(&runtime, &reports),
         false,
         |command| {
             if let Some(uid) = uid {
-                command.uid(uid).gid(uid).env("HOME", &reports.0);
+                command.uid(uid).gid(uid).env("HOME", reports.path());
             }
         },
     );
@@ -711,16 +689,21 @@ fn an_unprivileged_agent_tunes_a_job_without_ebpf() {
     let best = knobs_of(&session["best"]["knobs"]);
     assert_eq!(job.knobs().0, best);
     let report_id = session["report_id"].as_str().unwrap();
-    assert!(reports.0.join(format!("{report_id}.parquet")).is_file());
+    assert!(
+        reports
+            .path()
+            .join(format!("{report_id}.parquet"))
+            .is_file()
+    );
 }
 
 #[test]
 fn the_tune_command_prints_one_row_per_sample_and_the_outcome() {
-    let runtime = TempDir::new("cli-run");
-    let reports = TempDir::new("cli-reports");
+    let runtime = TempDir::new("tuning-test-cli-run");
+    let reports = TempDir::new("tuning-test-cli-reports");
     let job_id = format!("tune-cli-{}", std::process::id());
-    let job = Job::start(&runtime.0, &job_id, &slow_small_sweep());
-    let token_file = runtime.0.join("token");
+    let job = Job::start(runtime.path(), &job_id, &slow_small_sweep());
+    let token_file = runtime.path().join("token");
     std::fs::write(&token_file, "cli-token\n").unwrap();
     let mut args = agent_args(&runtime, &reports);
     args.extend(["--token-file", token_file.to_str().unwrap()]);
