@@ -22,6 +22,7 @@ use std::time::{Duration, Instant};
 use common::procs::collbench;
 use common::{ApiServer, skip_unless_privileged};
 use serde_json::Value;
+use test_support::{eventually, free_port, ip};
 
 /// The pretend nodes: two namespaces and the veth link between them.
 struct Nodes {
@@ -99,26 +100,6 @@ impl Drop for Nodes {
     }
 }
 
-fn ip(args: &[&str]) {
-    let status = Command::new("ip").args(args).status().unwrap();
-    assert!(status.success(), "ip {args:?}");
-}
-
-/// A free port below the kernel's ephemeral range (32768 and up): one the
-/// kernel handed out and gave back can go to any outgoing connection of the
-/// tests running beside this one before the job binds it.
-fn free_port() -> u16 {
-    let seed = std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .unwrap()
-        .subsec_nanos()
-        ^ std::process::id().wrapping_mul(2_654_435_761);
-    (0..64u32)
-        .map(|i| 20_000 + (seed.wrapping_add(i.wrapping_mul(7_919)) % 12_000) as u16)
-        .find(|&port| std::net::TcpListener::bind(("127.0.0.1", port)).is_ok())
-        .expect("a free port in 20000..32000")
-}
-
 /// The job's ranks, killed on drop.
 struct Ranks(Vec<Child>);
 
@@ -168,20 +149,9 @@ fn start_rank(nodes: &Nodes, rank: usize, port: u16, job_id: &str, dirs: &[PathB
         .unwrap()
 }
 
-fn wait_until<T>(limit: Duration, what: &str, mut check: impl FnMut() -> Option<T>) -> T {
-    let deadline = Instant::now() + limit;
-    loop {
-        if let Some(value) = check() {
-            return value;
-        }
-        assert!(Instant::now() < deadline, "never: {what}");
-        std::thread::sleep(Duration::from_millis(250));
-    }
-}
-
 /// Waits until `agent` watches every one of `pids` (its /api/processes).
 fn wait_watched(agent: &ApiServer, pids: &BTreeSet<u64>) {
-    wait_until(Duration::from_secs(30), "the pids are watched", || {
+    eventually(Duration::from_secs(30), "the pids are watched", || {
         let (_, answer) = agent.get_json("/api/processes");
         let watched: BTreeSet<u64> = answer["processes"]
             .as_array()?
@@ -280,7 +250,7 @@ fn two_agents_see_a_two_node_job_whole_and_answer_without_each_other() {
     // Each agent lists the job, speaking for its node's host, its two ranks
     // watched by eBPF.
     for (n, agent) in agents.iter().enumerate() {
-        let job = wait_until(Duration::from_secs(60), "the agent finds the job", || {
+        let job = eventually(Duration::from_secs(60), "the agent finds the job", || {
             let (status, answer) = agent.get_json("/api/jobs");
             (status == 200)
                 .then(|| job_of(&answer, &job_id).cloned())
@@ -370,7 +340,7 @@ fn two_agents_see_a_two_node_job_whole_and_answer_without_each_other() {
     let tuning = format!("/api/jobs/{job_id}/tuning");
     let (status, _, body) = agents[0].send("POST", &tuning, &[], r#"{"budget": 60}"#);
     assert_eq!(status, 201, "{body}");
-    wait_until(
+    eventually(
         Duration::from_secs(90),
         "a baseline of judged windows",
         || {
@@ -396,7 +366,7 @@ fn two_agents_see_a_two_node_job_whole_and_answer_without_each_other() {
             .spawn()
             .unwrap(),
     ]);
-    let named = wait_until(
+    let named = eventually(
         Duration::from_secs(90),
         "a window re-measured naming node 1",
         || {
@@ -511,7 +481,7 @@ fn a_job_in_its_own_pid_namespace_is_watched_by_its_host_pids() {
             .spawn()
             .unwrap(),
     ]);
-    let job = wait_until(Duration::from_secs(60), "the agent finds the job", || {
+    let job = eventually(Duration::from_secs(60), "the agent finds the job", || {
         let (_, answer) = agent.get_json("/api/jobs");
         job_of(&answer, &job_id).cloned()
     });

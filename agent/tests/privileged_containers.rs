@@ -20,6 +20,7 @@ use std::time::{Duration, Instant};
 
 use common::{ApiServer, skip_unless_privileged};
 use containers::Container;
+use test_support::eventually_reporting;
 
 /// Where the cgroup v2 hierarchy is mounted: `/sys/fs/cgroup/unified` in
 /// hybrid mode, `/sys/fs/cgroup` in unified mode.
@@ -225,22 +226,21 @@ fn serve_shows_the_container_and_pod_of_a_watched_process() {
     let agent = ApiServer::start(&["--pid", &pid.to_string()], true);
 
     // The view is republished every second: poll until the process is in.
-    let deadline = Instant::now() + Duration::from_secs(20);
-    let process = loop {
-        let (status, body) = agent.get_json("/api/processes");
-        assert_eq!(status, 200, "{body}");
-        let found = body["processes"]
-            .as_array()
-            .unwrap()
-            .iter()
-            .find(|p| p["pid"] == pid)
-            .cloned();
-        match found {
-            Some(p) => break p,
-            None if Instant::now() < deadline => std::thread::sleep(Duration::from_millis(200)),
-            None => panic!("pid {pid} not in /api/processes: {body}"),
-        }
-    };
+    let process = eventually_reporting(
+        Duration::from_secs(20),
+        &format!("pid {pid} in /api/processes"),
+        || {
+            let (status, body) = agent.get_json("/api/processes");
+            assert_eq!(status, 200, "{body}");
+            body["processes"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .find(|p| p["pid"] == pid)
+                .cloned()
+                .ok_or(body)
+        },
+    );
     assert_eq!(process["container_id"], pod.id.as_str(), "{process}");
     assert_eq!(process["pod_uid"], pod.uid.as_str(), "{process}");
 

@@ -21,15 +21,7 @@ mod image;
 use std::time::Instant;
 
 use common::{AGENT, skip_unless_privileged};
-
-/// A scratch directory removed when dropped.
-struct TempDir(std::path::PathBuf);
-
-impl Drop for TempDir {
-    fn drop(&mut self) {
-        let _ = std::fs::remove_dir_all(&self.0);
-    }
-}
+use test_support::TempDir;
 
 #[test]
 fn the_image_traces_a_host_job_with_the_least_capabilities() {
@@ -42,12 +34,11 @@ fn the_image_traces_a_host_job_with_the_least_capabilities() {
     }
     let collbench = common::procs::collbench();
     let suffix = image::unique_suffix();
-    let dir = TempDir(std::env::temp_dir().join(format!("ringwatch-image-test-{suffix}")));
-    std::fs::create_dir_all(&dir.0).unwrap();
+    let dir = TempDir::new(&format!("image-test-{suffix}"));
 
     // The image, from the binary this test build made (no nested cargo build).
     let started = Instant::now();
-    let context = dir.0.join("context");
+    let context = dir.path().join("context");
     let containerfile = concat!(env!("CARGO_MANIFEST_DIR"), "/../deploy/Containerfile.local");
     image::stage_context(
         std::path::Path::new(AGENT),
@@ -67,7 +58,7 @@ fn the_image_traces_a_host_job_with_the_least_capabilities() {
     // The context holds a ~160 MB copy (or link) of the binary: gone now.
     let _ = std::fs::remove_dir_all(&context);
 
-    let work = dir.0.join("work");
+    let work = dir.path().join("work");
     std::fs::create_dir_all(&work).unwrap();
     let report = image::check(&image::CheckOptions {
         image: tag,

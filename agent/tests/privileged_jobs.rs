@@ -14,6 +14,7 @@ use std::time::Duration;
 use common::procs::Job;
 use common::{AGENT, ApiServer, skip_unless_privileged, unique_lock_file, wait_within};
 use serde_json::Value;
+use test_support::eventually_reporting;
 
 fn unix_us() -> u64 {
     std::time::SystemTime::now()
@@ -104,22 +105,22 @@ fn the_tuning_feed_records_only_once_a_peer_asks_and_judges_no_window_from_befor
     );
     // The job is found and its ranks watched for a while: with no tuning
     // session here and no peer asking, the feed copies nothing.
-    let deadline = std::time::Instant::now() + Duration::from_secs(60);
-    loop {
-        let (_, jobs) = agent.get_json("/api/jobs");
-        let connected = jobs["jobs"].as_array().is_some_and(|j| {
-            j.iter()
-                .any(|j| j["job_id"] == job_id.as_str() && j["state"] == "connected")
-        });
-        if connected {
-            break;
-        }
-        assert!(
-            std::time::Instant::now() < deadline,
-            "job not found: {jobs:#}"
-        );
-        std::thread::sleep(Duration::from_millis(200));
-    }
+    eventually_reporting(
+        Duration::from_secs(60),
+        &format!("job {job_id} found and connected"),
+        || {
+            let (_, jobs) = agent.get_json("/api/jobs");
+            let connected = jobs["jobs"].as_array().is_some_and(|j| {
+                j.iter()
+                    .any(|j| j["job_id"] == job_id.as_str() && j["state"] == "connected")
+            });
+            if connected {
+                Ok(())
+            } else {
+                Err(format!("{jobs:#}"))
+            }
+        },
+    );
     std::thread::sleep(Duration::from_secs(3));
     let load = |from: u64, to: u64| {
         agent.get_json(&format!(

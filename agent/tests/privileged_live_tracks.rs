@@ -23,6 +23,7 @@ use collectives::control::{Hello, Phase, ServerMessage, TimelineEvent, write_mes
 use serde_json::{Value, json};
 
 use common::{ApiServer, Testload, skip_unless_privileged};
+use test_support::eventually_reporting;
 
 fn clock_ns(clock: libc::clockid_t) -> i128 {
     let mut ts = libc::timespec {
@@ -142,25 +143,25 @@ fn job_activities_are_on_the_live_timeline_grouped_job_rank_on_the_ebpf_clock() 
     );
     other.go();
     let me = u64::from(std::process::id());
-    let deadline = Instant::now() + Duration::from_secs(30);
-    let trace = loop {
-        let (status, trace) = server.get_json(&format!("/api/timeline?job={job_id}"));
-        let ready = status == 200
-            && events(&trace)
-                .iter()
-                .any(|e| e["name"] == "ALLREDUCE" && e["pid"] == me)
-            && events(&trace)
-                .iter()
-                .any(|e| e["cat"] == "thread_state" && e["pid"] == me);
-        if ready {
-            break trace;
-        }
-        assert!(
-            Instant::now() < deadline,
-            "no job activities and thread states of job {job_id} within 30 s: {status} {trace}"
-        );
-        std::thread::sleep(Duration::from_millis(300));
-    };
+    let trace = eventually_reporting(
+        Duration::from_secs(30),
+        &format!("job activities and thread states of job {job_id}"),
+        || {
+            let (status, trace) = server.get_json(&format!("/api/timeline?job={job_id}"));
+            let ready = status == 200
+                && events(&trace)
+                    .iter()
+                    .any(|e| e["name"] == "ALLREDUCE" && e["pid"] == me)
+                && events(&trace)
+                    .iter()
+                    .any(|e| e["cat"] == "thread_state" && e["pid"] == me);
+            if ready {
+                Ok(trace)
+            } else {
+                Err(format!("{status} {trace}"))
+            }
+        },
+    );
     // A job's tracks (tensor rows, remote ranks) hold to the format too.
     common::assert_trace_event_format(&trace);
     // The offset between the two clocks, read now (as the agent did): only

@@ -14,6 +14,7 @@ use common::{
     AGENT, Agent, TESTLOAD, Testload, one_agent_at_a_time, skip_unless_privileged, unique_lock_file,
 };
 use serde_json::Value;
+use test_support::ip;
 
 fn process(summary: &Value, pid: u32) -> &Value {
     summary["processes"]
@@ -199,15 +200,6 @@ struct NetnsPair {
     b: String,
     addr_a: String,
     addr_b: String,
-}
-
-fn ip(args: &[&str]) {
-    let out = Command::new("ip").args(args).output().unwrap();
-    assert!(
-        out.status.success(),
-        "ip {args:?}: {}",
-        String::from_utf8_lossy(&out.stderr)
-    );
 }
 
 impl NetnsPair {

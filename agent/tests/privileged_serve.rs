@@ -13,29 +13,21 @@ use std::time::{Duration, Instant};
 
 use common::{ApiServer, Testload, skip_unless_privileged};
 
-/// The ping-pong test keeps both cores of a 2-core machine busy with ~17k
-/// switches a second, and the sleeper's test needs each of its 12 records
-/// to reach the agent within the live view's 250 ms lag (a build no longer
-/// takes one that comes later: ARCHITECTURE.md): both run alone (write),
-/// the others beside each other (read). Beside the ping-pong, and in
-/// another CI run beside two other agents starting up (loading and
-/// verifying their programs), one of the 12 sleeps was missing.
-static MACHINE: std::sync::RwLock<()> = std::sync::RwLock::new(());
-
-fn share_the_machine() -> std::sync::RwLockReadGuard<'static, ()> {
-    MACHINE
-        .read()
-        .unwrap_or_else(std::sync::PoisonError::into_inner)
-}
+// The machine: the ping-pong test keeps both cores of a 2-core machine busy
+// with ~17k switches a second, and the sleeper's test needs each of its 12
+// records to reach the agent within the live view's 250 ms lag (a build no
+// longer takes one that comes later: ARCHITECTURE.md): both have it alone, the
+// others share it. Beside the ping-pong, and in another CI run beside two
+// other agents starting up (loading and verifying their programs), one of the
+// 12 sleeps was missing.
+use test_support::{have_the_machine_alone, share_the_machine};
 
 #[test]
 fn serve_publishes_the_live_view_of_a_watched_process() {
     if skip_unless_privileged() {
         return;
     }
-    let _alone = MACHINE
-        .write()
-        .unwrap_or_else(std::sync::PoisonError::into_inner);
+    let _alone = have_the_machine_alone();
     const SLEEPS: usize = 12;
     let mut load = Testload::start(&["sleep", "--count", "12", "--interval", "50ms"]);
     let pid = load.info["pid"].as_u64().unwrap();
@@ -186,9 +178,7 @@ fn threads_that_switch_every_few_microseconds_are_where_the_kernel_says() {
     if skip_unless_privileged() {
         return;
     }
-    let _alone = MACHINE
-        .write()
-        .unwrap_or_else(std::sync::PoisonError::into_inner);
+    let _alone = have_the_machine_alone();
     // Two threads trade one byte over loopback: their on-CPU intervals,
     // waits and sleeps last a few µs, below the default --min-interval, so
     // almost none leaves the kernel as a record. Their shares must still be

@@ -57,20 +57,23 @@ pub fn children_of(parent: u32) -> BTreeSet<u32> {
 /// control socket `socket` exists and at least `ranks` rank processes run.
 /// Returns the ranks' pids. Panics after 60 s.
 pub fn wait_for_job_start(launcher: u32, socket: &Path, ranks: usize) -> BTreeSet<u32> {
-    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(60);
-    loop {
-        let children = children_of(launcher);
-        if socket.exists() && children.len() >= ranks {
-            return children;
-        }
-        assert!(
-            std::time::Instant::now() < deadline,
-            "the job did not start within 60 s (socket {}, {} of {ranks} ranks)",
-            socket.display(),
-            children.len()
-        );
-        std::thread::sleep(std::time::Duration::from_millis(50));
-    }
+    test_support::eventually_reporting(
+        std::time::Duration::from_secs(60),
+        &format!("the job of launcher {launcher} starting"),
+        || {
+            let children = children_of(launcher);
+            if socket.exists() && children.len() >= ranks {
+                Ok(children)
+            } else {
+                Err(format!(
+                    "socket {} {}, {} of {ranks} ranks",
+                    socket.display(),
+                    if socket.exists() { "there" } else { "missing" },
+                    children.len()
+                ))
+            }
+        },
+    )
 }
 
 /// A 2-rank collbench job that runs until killed, found through its socket
