@@ -22,14 +22,15 @@ mod cluster;
 mod jobs;
 mod observe;
 mod publish;
+mod session;
 mod tune;
 
 // Each stage's modules by their own names (`crate::model`, `crate::live`, …).
 use api::http;
 use cli::{serve, top, watch};
 use jobs::trust;
-use observe::{containers, discovery, events, lock, model, probes, session, thread_store};
-use publish::{gpu, live, lod, metrics, timeline, tracks};
+use observe::{containers, discovery, events, gpu, lock, model, probes, thread_store};
+use publish::{live, lod, metrics, timeline, tracks};
 use tune::{reports, tuning};
 
 use anyhow::Result;

@@ -440,6 +440,62 @@ pub(crate) mod fake {
 mod tests {
     use super::fake::FakeDevice;
     use super::*;
+    use crate::discovery::{GpuProcessLister, PidSource};
+
+    /// Two fake GPUs and one whose process list fails.
+    struct FakeGpus(Vec<FakeDevice>);
+
+    impl GpuProcessLister for FakeGpus {
+        fn compute_pids(&self) -> Vec<u32> {
+            compute_pids(self.0.iter().map(|d| d as &dyn GpuDevice))
+        }
+    }
+
+    #[test]
+    fn gpu_compute_processes_are_a_pid_source() {
+        use FakeDevice;
+        let me = std::process::id();
+        let mut child = std::process::Command::new("sleep")
+            .arg("30")
+            .spawn()
+            .unwrap();
+        let other = child.id();
+        let gpus = FakeGpus(vec![
+            FakeDevice {
+                processes: Some(vec![(other, Some(1 << 30)), (me, None)]),
+                ..FakeDevice::default()
+            },
+            // A pid on two GPUs is listed once; a pid that is not (or no
+            // longer) a process here is not watched.
+            FakeDevice {
+                processes: Some(vec![(me, Some(1 << 20)), (99_999_999, None)]),
+                ..FakeDevice::default()
+            },
+            FakeDevice {
+                processes_fail: true,
+                ..FakeDevice::default()
+            },
+        ]);
+        let mut expected = vec![me, other];
+        expected.sort_unstable();
+        let mut with_ghost = expected.clone();
+        with_ghost.push(99_999_999);
+        assert_eq!(gpus.compute_pids(), with_ghost);
+        let mut source = crate::discovery::GpuPids(std::sync::Arc::new(gpus));
+        assert_eq!(source.pids(), expected);
+        let mut discovery = crate::discovery::Discovery::default();
+        discovery.add(Box::new(source));
+        assert_eq!(discovery.scan().into_iter().collect::<Vec<_>>(), expected);
+        let _ = child.kill();
+        let _ = child.wait();
+        // Once the process has gone it is not asked for any more.
+        let crate::discovery::GpuPids(lister) =
+            crate::discovery::GpuPids(std::sync::Arc::new(FakeGpus(vec![FakeDevice {
+                processes: Some(vec![(other, None)]),
+                ..FakeDevice::default()
+            }])));
+        assert!(crate::discovery::GpuPids(lister).pids().is_empty());
+    }
 
     #[test]
     fn maps_nvml_units_to_metric_units() {
