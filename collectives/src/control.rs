@@ -95,6 +95,7 @@ pub const DEFAULT_CYCLE_TIME_US: u64 = 1_000;
 /// The runtime's tunable knobs. All ranks always run with the same values, switched at the
 /// same cycle; a knob never changes a result, only its speed.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 pub struct Knobs {
     /// Ready tensors of one dtype and op are packed into buffers of at most this many bytes
     /// and reduced together. 0 disables fusion.

@@ -18,7 +18,6 @@ use utoipa::{IntoParams, ToSchema};
 use super::ApiState;
 use super::auth::Authorized;
 use super::extract::{ApiBody, ApiError, ApiPath, ApiQuery, ErrorBody, NoQuery};
-use super::shapes::{ReportEntry, TuningRequestBody, TuningSession};
 use crate::reports::ReportFormat;
 use crate::tuning::{KnobsOnStop, StartError, TuningRequest, TuningSessions};
 
@@ -120,7 +119,6 @@ pub struct ParquetFile(Vec<u8>);
 #[derive(Debug, Serialize, ToSchema)]
 pub struct ReportsAnswer {
     /// Newest first.
-    #[schema(value_type = Vec<ReportEntry>)]
     reports: Vec<crate::reports::ListedReport>,
 }
 
@@ -255,10 +253,10 @@ fn tunings(state: &ApiState) -> Result<&Arc<TuningSessions>, ApiError> {
         ("id" = String, Path, min_length = 1, description = "the job's id"),
         NoQuery,
     ),
-    request_body(content = Option<TuningRequestBody>, content_type = "application/json"),
+    request_body(content = Option<TuningRequest>, content_type = "application/json"),
     security(("bearer" = [])),
     responses(
-        (status = 201, description = "started (the job's claim is held)", body = TuningSession),
+        (status = 201, description = "started (the job's claim is held)", body = crate::tuning::SessionView),
         (status = 400, description = "bad body or configuration (ranges that the tuner refuses, e.g. lo above hi)", body = ErrorBody),
         (status = 401, description = "a token is configured and the request lacks it (or has a wrong one)", body = ErrorBody),
         (status = 403, description = "the agent listens beyond loopback and has no token configured", body = ErrorBody),
@@ -371,7 +369,7 @@ fn no_session(job_id: &str) -> ApiError {
         NoQuery,
     ),
     responses(
-        (status = 200, description = "the session", body = TuningSession),
+        (status = 200, description = "the session", body = crate::tuning::SessionView),
         (status = 400, description = "bad query", body = ErrorBody),
         (status = 404, description = "the job never had a session", body = ErrorBody),
         (status = 503, description = "the agent does not watch jobs (serve --jobs)", body = ErrorBody),
@@ -400,7 +398,7 @@ pub(super) async fn tuning_get(
     ),
     security(("bearer" = [])),
     responses(
-        (status = 200, description = "the session (it ends within a moment)", body = TuningSession),
+        (status = 200, description = "the session (it ends within a moment)", body = crate::tuning::SessionView),
         (status = 400, description = "bad query", body = ErrorBody),
         (status = 401, description = "a token is configured and the request lacks it (or has a wrong one)", body = ErrorBody),
         (status = 403, description = "the agent listens beyond loopback and has no token configured", body = ErrorBody),

@@ -553,28 +553,22 @@ pub(super) fn update_view(view: &mut SessionView, session: &TuningSession) {
         sample: b.sample,
     });
     view.speedup_over_start = session.speedup_over_start();
-    view.confirmation = session.confirmation().map(|c| {
-        let name = |k: tuner::session::Candidate| match k {
-            tuner::session::Candidate::Choice => "choice".to_owned(),
-            tuner::session::Candidate::Start => "start".to_owned(),
-        };
-        ConfirmationView {
-            choice: to_wire_knobs(&c.choice),
-            choice_sample: c.choice_sample,
-            windows: c
-                .windows
-                .iter()
-                .map(|w| ConfirmationWindowView {
-                    candidate: name(w.candidate),
-                    score_bytes_per_s: w.score,
-                    disturbed: w.disturbed.clone(),
-                    wall_time_s: w.wall_time_s,
-                })
-                .collect(),
-            choice_median_bytes_per_s: c.choice_median,
-            start_median_bytes_per_s: c.start_median,
-            required_gain: c.required_gain,
-            kept: c.kept.map(name),
-        }
+    view.confirmation = session.confirmation().map(|c| ConfirmationView {
+        choice: to_wire_knobs(&c.choice),
+        choice_sample: c.choice_sample,
+        windows: c
+            .windows
+            .iter()
+            .map(|w| ConfirmationWindowView {
+                candidate: w.candidate.into(),
+                score_bytes_per_s: w.score,
+                disturbed: w.disturbed.clone(),
+                wall_time_s: w.wall_time_s,
+            })
+            .collect(),
+        choice_median_bytes_per_s: c.choice_median,
+        start_median_bytes_per_s: c.start_median,
+        required_gain: c.required_gain,
+        kept: c.kept.map(Into::into),
     });
 }

@@ -11,12 +11,13 @@ use std::path::{Path, PathBuf};
 use anyhow::{Context, Result};
 use collectives::control::Knobs;
 use serde::{Deserialize, Serialize};
+use utoipa::ToSchema;
 
 /// The system-wide default reports directory.
 pub const DEFAULT_REPORTS_DIR: &str = "/var/lib/ringwatch/reports";
 
 /// What `ID.json` holds, and one entry of `GET /api/reports`.
-#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq, ToSchema)]
 pub struct ReportMeta {
     /// The report's id (also its files' stem).
     pub id: String,
@@ -39,7 +40,8 @@ pub struct ReportMeta {
 }
 
 /// One report as listed by the API, with its links.
-#[derive(Debug, Clone, Serialize)]
+#[derive(Debug, Clone, Serialize, ToSchema)]
+#[schema(as = ReportEntry)]
 pub struct ListedReport {
     /// The metadata.
     #[serde(flatten)]

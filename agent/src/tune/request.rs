@@ -9,14 +9,17 @@ use std::time::{SystemTime, UNIX_EPOCH};
 use collectives::control::Knobs;
 use serde::{Deserialize, Serialize};
 use tuner::session::{FixedKnobs, KnobBounds, SessionConfig};
+use utoipa::ToSchema;
 
 use super::knobs::to_tuner_knobs;
 
 /// Narrower search ranges (`[lo, hi]`).
-#[derive(Debug, Clone, Default, Serialize, Deserialize, PartialEq)]
+#[derive(Debug, Clone, Default, Serialize, Deserialize, PartialEq, ToSchema)]
 #[serde(deny_unknown_fields)]
+#[schema(as = Bounds)]
 pub struct BoundsRequest {
     /// Fusion threshold range in bytes.
+    #[schema(value_type = Option<Vec<u64>>, min_items = 2, max_items = 2)]
     #[serde(
         default,
         skip_serializing_if = "Option::is_none",
@@ -24,13 +27,15 @@ pub struct BoundsRequest {
     )]
     pub fusion_threshold_bytes: Option<[u64; 2]>,
     /// Cycle time range in ms.
+    #[schema(value_type = Option<Vec<f64>>, min_items = 2, max_items = 2)]
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub cycle_time_ms: Option<[f64; 2]>,
 }
 
 /// Knobs kept fixed (not searched).
-#[derive(Debug, Clone, Default, Serialize, Deserialize, PartialEq)]
+#[derive(Debug, Clone, Default, Serialize, Deserialize, PartialEq, ToSchema)]
 #[serde(deny_unknown_fields)]
+#[schema(as = Fixed)]
 pub struct FixedRequest {
     /// Fixed fusion threshold in bytes.
     #[serde(
@@ -90,10 +95,12 @@ mod whole {
 }
 
 /// `POST /api/jobs/{id}/tuning`'s body; every field is optional.
-#[derive(Debug, Clone, Default, Serialize, Deserialize, PartialEq)]
+#[derive(Debug, Clone, Default, Serialize, Deserialize, PartialEq, ToSchema)]
 #[serde(deny_unknown_fields)]
+#[schema(as = TuningRequestBody)]
 pub struct TuningRequest {
     /// Samples (optimizer observations), default 20.
+    #[schema(value_type = Option<u64>, minimum = 1, maximum = 18446744073709551615_u64, default = 20)]
     #[serde(
         default,
         skip_serializing_if = "Option::is_none",
@@ -101,6 +108,7 @@ pub struct TuningRequest {
     )]
     pub budget: Option<usize>,
     /// Cycles with work skipped after knobs are applied, default 3.
+    #[schema(value_type = Option<u64>, minimum = 0, maximum = 18446744073709551615_u64, default = 3)]
     #[serde(
         default,
         skip_serializing_if = "Option::is_none",
@@ -108,6 +116,7 @@ pub struct TuningRequest {
     )]
     pub warmup_cycles: Option<u64>,
     /// Cycles with work per measured window (at least), default 10.
+    #[schema(value_type = Option<u64>, minimum = 0, maximum = 18446744073709551615_u64, default = 10)]
     #[serde(
         default,
         skip_serializing_if = "Option::is_none",
@@ -115,6 +124,7 @@ pub struct TuningRequest {
     )]
     pub measured_cycles: Option<u64>,
     /// Shortest measured window in ms, default 1000.
+    #[schema(value_type = Option<u64>, minimum = 0, maximum = 18446744073709551615_u64, default = 1000)]
     #[serde(
         default,
         skip_serializing_if = "Option::is_none",
@@ -122,6 +132,7 @@ pub struct TuningRequest {
     )]
     pub min_window_ms: Option<u64>,
     /// Seed of the optimizer, default 0.
+    #[schema(value_type = Option<u64>, minimum = 0, maximum = 18446744073709551615_u64, default = 0)]
     #[serde(
         default,
         skip_serializing_if = "Option::is_none",
@@ -137,7 +148,7 @@ pub struct TuningRequest {
 }
 
 /// The request with every default filled in (the session JSON's `config`).
-#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq, ToSchema)]
 pub struct ResolvedConfig {
     /// Samples.
     pub budget: usize,
@@ -197,7 +208,7 @@ impl ResolvedConfig {
 }
 
 /// Where a session is.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, ToSchema)]
 #[serde(rename_all = "snake_case")]
 pub enum SessionState {
     /// Sampling.
@@ -211,7 +222,8 @@ pub enum SessionState {
 }
 
 /// A measured window, as the session JSON shows it.
-#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq, ToSchema)]
+#[schema(as = SampleWindow)]
 pub struct WindowView {
     /// First cycle in the window.
     pub first_cycle: u64,
@@ -224,7 +236,8 @@ pub struct WindowView {
 }
 
 /// One sample, as the session JSON shows it.
-#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq, ToSchema)]
+#[schema(as = Sample)]
 pub struct SampleView {
     /// Sample index (0 = the starting knobs).
     pub index: usize,
@@ -245,7 +258,8 @@ pub struct SampleView {
 }
 
 /// The best knobs (by the GP's posterior mean).
-#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq, ToSchema)]
+#[schema(as = Best)]
 pub struct BestView {
     /// The knobs.
     pub knobs: Knobs,
@@ -255,11 +269,31 @@ pub struct BestView {
     pub sample: usize,
 }
 
+/// The two sides of a confirmation.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, ToSchema)]
+#[serde(rename_all = "snake_case")]
+pub enum Candidate {
+    /// The optimizer's choice.
+    Choice,
+    /// The job's starting knobs.
+    Start,
+}
+
+impl From<tuner::session::Candidate> for Candidate {
+    fn from(c: tuner::session::Candidate) -> Self {
+        match c {
+            tuner::session::Candidate::Choice => Candidate::Choice,
+            tuner::session::Candidate::Start => Candidate::Start,
+        }
+    }
+}
+
 /// One window of the confirmation before pinning.
-#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq, ToSchema)]
+#[schema(as = ConfirmationWindow)]
 pub struct ConfirmationWindowView {
-    /// `choice` (the optimizer's) or `start` (the job's first knobs).
-    pub candidate: String,
+    /// Which knobs ran.
+    pub candidate: Candidate,
     /// Bytes reduced per second in the window.
     pub score_bytes_per_s: f64,
     /// Why it was disturbed, if it was (kept after one re-measurement).
@@ -270,7 +304,8 @@ pub struct ConfirmationWindowView {
 
 /// The optimizer's choice against the start on fresh interleaved windows,
 /// before anything is pinned.
-#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq, ToSchema)]
+#[schema(as = Confirmation)]
 pub struct ConfirmationView {
     /// The optimizer's choice.
     pub choice: Knobs,
@@ -284,12 +319,13 @@ pub struct ConfirmationView {
     pub start_median_bytes_per_s: Option<f64>,
     /// The gain over the start the choice had to show (0.03 = 3%).
     pub required_gain: Option<f64>,
-    /// `choice` or `start`: what is pinned, once decided.
-    pub kept: Option<String>,
+    /// What is pinned, once decided.
+    pub kept: Option<Candidate>,
 }
 
 /// The session JSON (what `GET /api/jobs/{id}/tuning` returns).
-#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq, ToSchema)]
+#[schema(as = TuningSession)]
 pub struct SessionView {
     /// The job tuned.
     pub job_id: String,
