@@ -809,23 +809,12 @@ pub fn write_report(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::session::testing::{FakeJob, config, drive};
-    use crate::session::{FixedKnobs, KnobBounds, SessionConfig, TuningSession};
+    use crate::session::testing::{FakeJob, config, drive, fusion_fixed_config};
+    use crate::session::{SessionConfig, TuningSession};
 
     #[test]
     fn fixed_knobs_show_in_the_report_frame() {
-        let mut session = TuningSession::new(SessionConfig {
-            bounds: KnobBounds {
-                cycle_time_ms: Some((1.0, 4.0)),
-                fusion_threshold_bytes: None,
-            },
-            fixed: FixedKnobs {
-                fusion_threshold_bytes: Some(0),
-                ..FixedKnobs::default()
-            },
-            ..config()
-        })
-        .unwrap();
+        let mut session = TuningSession::new(fusion_fixed_config()).unwrap();
         let mut job = FakeJob::new(0);
         drive(&mut session, &mut job, |_, _| None);
         let frame = session_report_frame(&session.report_data()).unwrap();

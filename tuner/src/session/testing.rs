@@ -2,7 +2,7 @@
 //!
 //! It must never be built outside tests.
 
-use super::{CycleObservation, SessionConfig, Step, TuningSession};
+use super::{CycleObservation, FixedKnobs, KnobBounds, SessionConfig, Step, TuningSession};
 use crate::space::CollectiveKnobs;
 
 /// A pretend job: throughput is a known function of the knobs, the
@@ -58,6 +58,22 @@ pub(crate) fn config() -> SessionConfig {
         measured_cycles: 5,
         min_window_us: 0,
         ..SessionConfig::default()
+    }
+}
+
+/// `config()` with the fusion threshold fixed at 0 and the cycle time
+/// searched in 1–4 ms.
+pub(crate) fn fusion_fixed_config() -> SessionConfig {
+    SessionConfig {
+        bounds: KnobBounds {
+            cycle_time_ms: Some((1.0, 4.0)),
+            fusion_threshold_bytes: None,
+        },
+        fixed: FixedKnobs {
+            fusion_threshold_bytes: Some(0),
+            ..FixedKnobs::default()
+        },
+        ..config()
     }
 }
 

@@ -119,18 +119,7 @@ fn a_clean_remeasure_is_kept_without_a_hint() {
 
 #[test]
 fn fixed_knobs_and_bounds_are_respected() {
-    let mut session = TuningSession::new(SessionConfig {
-        bounds: KnobBounds {
-            cycle_time_ms: Some((1.0, 4.0)),
-            fusion_threshold_bytes: None,
-        },
-        fixed: FixedKnobs {
-            fusion_threshold_bytes: Some(0),
-            ..FixedKnobs::default()
-        },
-        ..config()
-    })
-    .unwrap();
+    let mut session = TuningSession::new(fusion_fixed_config()).unwrap();
     assert_eq!(session.space().dims().len(), 2);
     let mut job = FakeJob::new(0);
     drive(&mut session, &mut job, |_, _| None);
