@@ -497,6 +497,9 @@ struct SweepRow {
     cycle_thread_sleeps: u64,
     /// How many of rank 0's cycles in the timed calls its caller ran itself.
     caller_cycles: u64,
+    /// How many times in the timed calls rank 0's callers handed the engine back to the
+    /// background thread, waking it (`Totals::handoffs`).
+    cycle_thread_handoffs: u64,
 }
 
 /// Voluntary context switches (sleeps) of this process's background cycle threads
@@ -550,10 +553,10 @@ fn sweep(
         let count = (bytes / 4) as usize;
         let iters = iters.unwrap_or_else(|| ((1u64 << 30) / bytes).clamp(3, 50) as usize);
         let name = format!("sweep.{bytes}");
-        let (secs, wrong, switches, caller_cycles) = match device {
+        let (secs, wrong, switches, caller_cycles, handoffs) = match device {
             Some(device) => {
                 let (secs, wrong) = gpu_row(&rt, device, &name, count, warmup, iters)?;
-                (secs, wrong, 0, 0)
+                (secs, wrong, 0, 0, 0)
             }
             None => host_row(&rt, &name, count, warmup, iters, shared_tensors)?,
         };
@@ -567,6 +570,7 @@ fn sweep(
             wrong,
             cycle_thread_sleeps: switches,
             caller_cycles,
+            cycle_thread_handoffs: handoffs,
         });
         bar.inc(1);
     }
@@ -640,7 +644,7 @@ fn host_row(
     warmup: usize,
     iters: usize,
     shared: bool,
-) -> Result<(f64, u64, u64, u64)> {
+) -> Result<(f64, u64, u64, u64, u64)> {
     let (rank, n) = (rt.rank(), rt.world_size());
     // Exact check on the first call: every element sums to n(n+1)/2.
     let value = (rank + 1) as f32;
@@ -666,15 +670,17 @@ fn host_row(
     for _ in 0..warmup {
         t = rt.allreduce(name, t, ReduceOp::Sum)?;
     }
-    let (switches, caller_cycles) = (cycle_thread_sleeps(), rt.totals().caller_cycles);
+    let (switches, before) = (cycle_thread_sleeps(), rt.totals());
     let start = Instant::now();
     for _ in 0..iters {
         t = rt.allreduce(name, t, ReduceOp::Sum)?;
     }
     let secs = start.elapsed().as_secs_f64() / iters as f64;
     let switches = cycle_thread_sleeps().saturating_sub(switches);
-    let caller_cycles = rt.totals().caller_cycles - caller_cycles;
-    Ok((secs, wrong, switches, caller_cycles))
+    let after = rt.totals();
+    let caller_cycles = after.caller_cycles - before.caller_cycles;
+    let handoffs = after.handoffs - before.handoffs;
+    Ok((secs, wrong, switches, caller_cycles, handoffs))
 }
 
 /// The GPU of this rank: LOCAL_RANK modulo the GPUs this process sees.

@@ -271,6 +271,7 @@ impl Engine {
                 inbox.ended = true;
             } else if left || inbox.has_work() {
                 inbox.engine_free = true;
+                shared.handoffs.fetch_add(1, Ordering::Relaxed);
             } else {
                 return;
             }

@@ -110,6 +110,10 @@ pub struct Totals {
     /// Of the caller's cycles, those of a blocking allreduce of one cached tensor that
     /// settled without an inbox entry or a result slot (the quick path, `runtime::quick`).
     pub quick_cycles: u64,
+    /// Times a caller's cycle handed the engine back to the background thread, waking it
+    /// (tensors left in flight, or others came in meanwhile); the thread's other wake-ups
+    /// are its timer's.
+    pub handoffs: u64,
     /// Fused buffers of GPU tensors reduced by one `ncclAllReduce` (feature `cuda`).
     pub nccl_allreduces: u64,
     /// Fused buffers of GPU tensors staged through pinned host memory into the rings.
@@ -210,6 +214,7 @@ impl Runtime {
             settled_cycles: AtomicU64::new(0),
             caller_cycles: AtomicU64::new(0),
             quick_cycles: AtomicU64::new(0),
+            handoffs: AtomicU64::new(0),
             nccl_allreduces: AtomicU64::new(0),
             staged_allreduces: AtomicU64::new(0),
             claims: claims.clone(),
@@ -409,6 +414,7 @@ impl Runtime {
             settled_cycles: self.shared.settled_cycles.load(Ordering::Relaxed),
             caller_cycles: self.shared.caller_cycles.load(Ordering::Relaxed),
             quick_cycles: self.shared.quick_cycles.load(Ordering::Relaxed),
+            handoffs: self.shared.handoffs.load(Ordering::Relaxed),
             nccl_allreduces: self.shared.nccl_allreduces.load(Ordering::Relaxed),
             staged_allreduces: self.shared.staged_allreduces.load(Ordering::Relaxed),
             in_place_allreduces: self.transport.in_place_allreduces(),

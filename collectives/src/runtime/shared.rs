@@ -76,6 +76,8 @@ pub(super) struct Shared {
     pub(super) settled_cycles: AtomicU64,
     pub(super) caller_cycles: AtomicU64,
     pub(super) quick_cycles: AtomicU64,
+    /// [`Totals::handoffs`].
+    pub(super) handoffs: AtomicU64,
     /// [`Totals::nccl_allreduces`] and [`Totals::staged_allreduces`].
     pub(super) nccl_allreduces: AtomicU64,
     pub(super) staged_allreduces: AtomicU64,
