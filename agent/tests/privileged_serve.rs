@@ -14,12 +14,13 @@ use std::time::{Duration, Instant};
 use common::{ApiServer, Testload, skip_unless_privileged};
 
 // The machine: the ping-pong test keeps both cores of a 2-core machine busy
-// with ~17k switches a second, and the sleeper's test needs each of its 12
-// records to reach the agent within the live view's 250 ms lag (a build no
-// longer takes one that comes later: ARCHITECTURE.md): both have it alone, the
-// others share it. Beside the ping-pong, and in another CI run beside two
-// other agents starting up (loading and verifying their programs), one of the
-// 12 sleeps was missing.
+// with ~17k switches a second: it has the machine alone, the others share it.
+// The sleeper's 12 records each reach the agent within the live view's 250 ms
+// lag on a quiet machine; one that comes later is not on the live timeline
+// (ARCHITECTURE.md), and the agent counts it
+// (`ringwatch_ringbuf_late_intervals_total`), so the test asks for every sleep
+// it did not count as late. Under load (beside the ping-pong, or two other
+// agents starting up) one of the 12 came late.
 use test_support::{have_the_machine_alone, share_the_machine};
 
 #[test]
@@ -27,7 +28,7 @@ fn serve_publishes_the_live_view_of_a_watched_process() {
     if skip_unless_privileged() {
         return;
     }
-    let _alone = have_the_machine_alone();
+    let _machine = share_the_machine();
     const SLEEPS: usize = 12;
     let mut load = Testload::start(&["sleep", "--count", "12", "--interval", "50ms"]);
     let pid = load.info["pid"].as_u64().unwrap();
@@ -36,9 +37,10 @@ fn serve_publishes_the_live_view_of_a_watched_process() {
     load.go();
     load.wait();
 
-    // The view is republished every second: poll until the sleeps are in.
+    // The view is republished every second: poll until the sleeps are in (or
+    // counted late).
     let deadline = Instant::now() + Duration::from_secs(20);
-    let blocked = loop {
+    let (blocked, late) = loop {
         let (status, trace) = agent.get_json(&format!("/api/timeline?pid={pid}"));
         assert_eq!(status, 200, "{trace}");
         let blocked: Vec<f64> = trace["traceEvents"]
@@ -48,9 +50,10 @@ fn serve_publishes_the_live_view_of_a_watched_process() {
             .filter(|e| e["cat"] == "thread_state" && e["tid"] == tid && e["name"] == "blocked")
             .map(|e| e["dur"].as_f64().unwrap())
             .collect();
-        if blocked.iter().filter(|&&d| d >= 45_000.0).count() >= SLEEPS || Instant::now() > deadline
-        {
-            break blocked;
+        let late = late_intervals(&mut agent);
+        let in_view = blocked.iter().filter(|&&d| d >= 45_000.0).count();
+        if in_view + late >= SLEEPS || Instant::now() > deadline {
+            break (blocked, late);
         }
         std::thread::sleep(Duration::from_millis(300));
     };
@@ -60,8 +63,8 @@ fn serve_publishes_the_live_view_of_a_watched_process() {
     // within scheduling slack.
     let sleeps: Vec<f64> = blocked.iter().copied().filter(|&d| d >= 45_000.0).collect();
     assert!(
-        sleeps.len() >= SLEEPS,
-        "blocked slices of the sleeper: {blocked:?}"
+        sleeps.len() + late >= SLEEPS,
+        "blocked slices of the sleeper ({late} intervals came late): {blocked:?}"
     );
     assert!(
         sleeps.iter().all(|&d| d < 80_000.0),
@@ -99,6 +102,17 @@ fn serve_publishes_the_live_view_of_a_watched_process() {
     unsafe { libc::kill(agent.child.id() as i32, libc::SIGTERM) };
     let status = common::wait_within(&mut agent.child, Duration::from_secs(10));
     assert!(status.success(), "{status}");
+}
+
+/// `ringwatch_ringbuf_late_intervals_total` on the agent's `/metrics`.
+fn late_intervals(agent: &mut ApiServer) -> usize {
+    let (status, _, metrics) = agent.request("GET", "/metrics");
+    assert_eq!(status, 200, "{metrics}");
+    metrics
+        .lines()
+        .find_map(|l| l.strip_prefix("ringwatch_ringbuf_late_intervals_total "))
+        .and_then(|v| v.trim().parse().ok())
+        .unwrap_or_else(|| panic!("no late-interval counter: {metrics}"))
 }
 
 /// `(on-CPU ns, run-queue ns)` of a thread so far, as the kernel counts them

@@ -376,21 +376,33 @@ fn yield_switches(switches: u64, cpu: Option<usize>, wait: bool) -> Result<()> {
     wait_for_go(wait)?;
     let yields = Arc::new(AtomicU64::new(0));
     let start = Arc::new(Barrier::new(3));
+    let release = Arc::new(Barrier::new(3));
+    let (done_tx, done) = std::sync::mpsc::channel::<Result<(i32, u64)>>();
     let threads = (0..2)
         .map(|i| {
             let yields = Arc::clone(&yields);
             let start = Arc::clone(&start);
+            let release = Arc::clone(&release);
+            let done_tx = done_tx.clone();
             std::thread::Builder::new()
                 .name(format!("rw-yield-{i}"))
-                .spawn(move || -> Result<u64> {
-                    pin_to(cpu)?;
-                    let before = nonvoluntary_switches()?;
-                    start.wait();
-                    while yields.fetch_add(1, Ordering::Relaxed) < switches {
-                        // SAFETY: sched_yield has no preconditions.
-                        unsafe { libc::sched_yield() };
-                    }
-                    Ok(nonvoluntary_switches()? - before)
+                .spawn(move || {
+                    let counted = (|| -> Result<u64> {
+                        pin_to(cpu)?;
+                        let before = nonvoluntary_switches()?;
+                        start.wait();
+                        while yields.fetch_add(1, Ordering::Relaxed) < switches {
+                            // SAFETY: sched_yield has no preconditions.
+                            unsafe { libc::sched_yield() };
+                        }
+                        Ok(nonvoluntary_switches()? - before)
+                    })();
+                    // SAFETY: gettid has no preconditions.
+                    let tid = unsafe { libc::gettid() };
+                    let _ = done_tx.send(counted.map(|c| (tid, c)));
+                    // Blocked until the main thread has read this thread's
+                    // whole-life count and the watcher has finished.
+                    release.wait();
                 })
                 .context("spawning a yield thread")
         })
@@ -398,16 +410,76 @@ fn yield_switches(switches: u64, cpu: Option<usize>, wait: bool) -> Result<()> {
     start.wait();
     let started = std::time::Instant::now();
     let mut counted = 0;
-    for thread in threads {
-        counted += thread
-            .join()
+    let mut tids = Vec::new();
+    for _ in 0..2 {
+        let (tid, c) = done
+            .recv()
             .map_err(|_| anyhow::anyhow!("a yield thread panicked"))??;
+        counted += c;
+        tids.push(tid);
     }
     let elapsed = started.elapsed();
+    // Once a thread sleeps on the barrier, the kernel's count of its
+    // involuntary switches is its whole life's: nothing preempts a sleeper.
+    let mut whole_lives = 0;
+    for tid in tids {
+        whole_lives += switches_once_asleep(tid)?;
+    }
     announce(&serde_json::json!({
-        "switches": counted, "elapsed_s": elapsed.as_secs_f64(),
+        "switches": counted, "switches_whole_lives": whole_lives,
+        "elapsed_s": elapsed.as_secs_f64(),
         "ns_per_switch": elapsed.as_nanos() as f64 / counted.max(1) as f64,
-    }))
+    }))?;
+    // With `--wait`, the threads stay (asleep) until a second line: a
+    // watcher can read its figures before they exit.
+    wait_for_go(wait)?;
+    release.wait();
+    for thread in threads {
+        thread
+            .join()
+            .map_err(|_| anyhow::anyhow!("a yield thread panicked"))?;
+    }
+    Ok(())
+}
+
+/// Thread `tid`'s involuntary context switches, read once it sleeps for
+/// good: in state `S`, with the same counts, twice 5 ms apart (a brief
+/// sleep on the barrier's lock would have woken and switched again). From
+/// then on the count cannot change: nothing preempts a sleeper.
+fn switches_once_asleep(tid: i32) -> Result<u64> {
+    let dir = format!("/proc/self/task/{tid}");
+    let read = || -> Result<Option<(u64, u64)>> {
+        let stat = std::fs::read_to_string(format!("{dir}/stat"))
+            .with_context(|| format!("reading {dir}/stat"))?;
+        // The state follows the command name, which ends at the last ')'.
+        let state = stat
+            .rsplit_once(')')
+            .and_then(|(_, rest)| rest.split_whitespace().next())
+            .with_context(|| format!("no state in {dir}/stat: {stat:?}"))?;
+        let status = std::fs::read_to_string(format!("{dir}/status"))
+            .with_context(|| format!("reading {dir}/status"))?;
+        let field = |name: &str| {
+            status
+                .lines()
+                .find_map(|l| l.strip_prefix(name))
+                .and_then(|v| v.trim().parse::<u64>().ok())
+                .with_context(|| format!("no {name} in {dir}/status"))
+        };
+        let counts = (
+            field("voluntary_ctxt_switches:")?,
+            field("nonvoluntary_ctxt_switches:")?,
+        );
+        Ok((state == "S").then_some(counts))
+    };
+    let mut last = None;
+    loop {
+        let now = read()?;
+        if now.is_some() && now == last {
+            return Ok(now.map_or(0, |(_, involuntary)| involuntary));
+        }
+        last = now;
+        std::thread::sleep(std::time::Duration::from_millis(5));
+    }
 }
 
 fn pin_to(cpu: usize) -> Result<()> {

@@ -430,6 +430,9 @@ pub struct ModelStats {
     /// Intervals dropped before the retention window because a thread hit
     /// its cap.
     pub intervals_dropped_for_memory: u64,
+    /// Intervals whose record came in after the live view had published
+    /// the time they ended in: held here, missing from the live timeline.
+    pub intervals_late: u64,
     /// Connections known.
     pub connections: usize,
 }
@@ -460,6 +463,11 @@ pub struct Model {
     closed_keys: BTreeSet<(u64, u64)>,
     retransmits: VecDeque<(u64, u32)>,
     intervals_dropped: u64,
+    /// The live view has published every interval that ended before this
+    /// (CLOCK_MONOTONIC ns); one recorded later that ended before it is late.
+    published_until_ns: std::sync::atomic::AtomicU64,
+    /// [`ModelStats::intervals_late`].
+    intervals_late: u64,
     /// Per process, what its threads' intervals that stayed in the kernel
     /// add up to (never goes down, also when threads are forgotten), and
     /// when the kernel was last read.
@@ -484,6 +492,8 @@ impl Model {
             closed_keys: BTreeSet::new(),
             retransmits: VecDeque::new(),
             intervals_dropped: 0,
+            published_until_ns: std::sync::atomic::AtomicU64::new(0),
+            intervals_late: 0,
             unsent_by_pid: BTreeMap::new(),
             unsent_read_ns: 0,
             switches: SwitchCounts::default(),
@@ -569,6 +579,13 @@ impl Model {
             return;
         };
         let kind = e.kind;
+        if e.end_ns
+            < self
+                .published_until_ns
+                .load(std::sync::atomic::Ordering::Relaxed)
+        {
+            self.intervals_late += 1;
+        }
         let duration_ns = e.end_ns.saturating_sub(e.start_ns);
         let cap = self.max_intervals_per_thread;
         let t = self.thread(e.tgid, e.tid, e.end_ns);
@@ -897,6 +914,13 @@ impl Model {
         })
     }
 
+    /// The live view has taken every interval that ended before `ns`: one
+    /// recorded from now on that ended earlier is counted as late.
+    pub fn published_until(&self, ns: u64) {
+        self.published_until_ns
+            .fetch_max(ns, std::sync::atomic::Ordering::Relaxed);
+    }
+
     /// NCCL calls of thread `tid` that returned in `[from_ns, to_ns)`.
     pub fn nccl_calls(&self, tid: u32, from_ns: u64, to_ns: u64) -> Vec<NcclCall> {
         self.threads.get(&tid).map_or_else(Vec::new, |t| {
@@ -935,6 +959,7 @@ impl Model {
             threads: self.threads.len(),
             intervals: self.threads.values().map(|t| t.intervals.len()).sum(),
             intervals_dropped_for_memory: self.intervals_dropped,
+            intervals_late: self.intervals_late,
             connections: self.live_conns.len() + self.closed_conns.len(),
         }
     }
@@ -1608,6 +1633,22 @@ mod tests {
         assert_eq!(conns.len(), 1);
         assert_eq!((conns[0].tx_bytes, conns[0].closed_ns), (9, Some(50)));
         assert_eq!(model.process_snapshot(5, 0, 100).retransmits_total, 2);
+    }
+
+    #[test]
+    fn intervals_recorded_after_their_time_was_published_are_counted_late() {
+        let mut model = Model::new(1000 * MS, 100);
+        model.record_interval(&interval(1, 2, 1, 0, 0, 10 * MS));
+        model.published_until(20 * MS);
+        // Ended at 15 ms, recorded after the live view took [.., 20 ms): late.
+        model.record_interval(&interval(1, 2, 1, 0, 10 * MS, 5 * MS));
+        // Ends at 25 ms: the next view takes it.
+        model.record_interval(&interval(1, 2, 1, 0, 15 * MS, 10 * MS));
+        // The watermark never goes back.
+        model.published_until(5 * MS);
+        model.record_interval(&interval(1, 3, 1, 0, 0, 19 * MS));
+        assert_eq!(model.stats().intervals_late, 2);
+        assert_eq!(model.stats().intervals, 4);
     }
 
     #[test]

@@ -50,6 +50,9 @@ pub struct LiveView {
     pub job_activities: Vec<tracks::JobActivity>,
     /// Records the kernel could not deliver (ring buffer full), since start.
     pub ringbuf_drops: u64,
+    /// Scheduling intervals whose record reached the agent after this view
+    /// had published their time (not on the live timeline), since start.
+    pub intervals_late: u64,
     /// Jobs found through control sockets (with `--jobs`).
     pub jobs: Vec<JobSnapshot>,
     /// Scheduling intervals shorter than this are not on the timeline
@@ -229,6 +232,7 @@ impl ThreadStates {
                 slices,
             });
             self.cursor_ns = Some(cut);
+            model.published_until(cut);
         }
         self.trim(window_start_ns);
     }
@@ -670,6 +674,7 @@ pub fn build(
         states: states.chunks.iter().cloned().collect(),
         job_activities,
         ringbuf_drops: session.probes().counter(ebpf::Counter::RingbufDrops)?,
+        intervals_late: model.stats().intervals_late,
         jobs,
         min_interval_ns: session.probes().min_interval_ns(),
     })
@@ -726,6 +731,7 @@ mod tests {
                 args: tracks::ActivityArgs::default(),
             }],
             ringbuf_drops: 0,
+            intervals_late: 0,
             jobs: Vec::new(),
             min_interval_ns: 0,
         }

@@ -36,6 +36,7 @@ pub fn render_metrics(
         registry.register_collector(Box::new(ProcessCollector {
             processes: live.processes.clone(),
             ringbuf_drops: live.ringbuf_drops,
+            intervals_late: live.intervals_late,
         }));
     }
     let mut text = String::new();
@@ -332,6 +333,7 @@ impl prometheus_client::collector::Collector for GpuCollector {
 struct ProcessCollector {
     processes: Vec<NamedProcess>,
     ringbuf_drops: u64,
+    intervals_late: u64,
 }
 
 /// A watched process's labels: `pid`, `comm`, `container_id` and `pod_uid`.
@@ -370,6 +372,13 @@ impl prometheus_client::collector::Collector for ProcessCollector {
         ConstCounter::new(self.ringbuf_drops).encode(encoder.encode_descriptor(
             "ringwatch_ringbuf_drops",
             "Kernel records lost because the ring buffer was full",
+            None,
+            MetricType::Counter,
+        )?)?;
+        ConstCounter::new(self.intervals_late).encode(encoder.encode_descriptor(
+            "ringwatch_ringbuf_late_intervals",
+            "Scheduling intervals whose record reached the agent after the live view had \
+             published their time, so they are missing from the live timeline",
             None,
             MetricType::Counter,
         )?)?;
@@ -611,6 +620,7 @@ mod tests {
             states: Vec::new(),
             job_activities: Vec::new(),
             ringbuf_drops: 0,
+            intervals_late: 0,
             jobs: Vec::new(),
             min_interval_ns: 0,
         }

@@ -82,10 +82,21 @@ impl Testload {
         self.info["pid"].as_u64().unwrap() as u32
     }
 
-    /// Lets the workload start working.
+    /// Lets the workload start working (or, for one that waits again after
+    /// its figures, finish).
     pub fn go(&mut self) {
-        let mut stdin = self.stdin.take().expect("go() is called once");
+        let stdin = self.stdin.as_mut().expect("the workload's stdin is open");
         stdin.write_all(b"go\n").unwrap();
+        stdin.flush().unwrap();
+    }
+
+    /// The next JSON line the workload prints (within 60 s).
+    pub fn next_output(&mut self) -> serde_json::Value {
+        let line = self
+            .lines
+            .recv_timeout(Duration::from_secs(60))
+            .expect("the workload printed nothing more within 60 s");
+        serde_json::from_str(&line).unwrap()
     }
 
     /// Waits for the workload to finish (it is killed after 30 s).
@@ -96,6 +107,8 @@ impl Testload {
     /// Waits for the workload to finish and returns the JSON lines it
     /// printed after its description.
     pub fn wait_output(mut self) -> Vec<serde_json::Value> {
+        // A workload that waits for more lines after `go` reads end of file.
+        drop(self.stdin.take());
         let status = wait_within(&mut self.child, Duration::from_secs(30));
         assert!(status.success(), "workload failed: {status}");
         let mut out = Vec::new();
@@ -165,6 +178,14 @@ impl Agent {
             panic!("the agent did not start watching within 60 s (see its log above)");
         }
         Self { child, _turn: turn }
+    }
+
+    /// Stops the agent now (SIGINT: it prints what it counted so far) and
+    /// parses its JSON output.
+    pub fn interrupt(self, limit: Duration) -> serde_json::Value {
+        // SAFETY: kill has no memory-safety preconditions.
+        unsafe { libc::kill(self.child.id() as i32, libc::SIGINT) };
+        self.finish(limit)
     }
 
     /// Waits for the agent to exit and parses its JSON output.
