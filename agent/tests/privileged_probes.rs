@@ -283,13 +283,19 @@ fn a_retransmission_between_two_namespaces_is_counted() {
     let agent = Agent::start(&["--pid", &spid.to_string(), "--duration", "25s", "--json"]);
     receiver.go();
     sender.go();
-    // Black-hole the receiver's route back for a moment: its ACKs are lost,
-    // so the sender must retransmit (RTO >= 200 ms). This machine has no
-    // netem or tc drop actions; a route is enough.
-    std::thread::sleep(Duration::from_millis(150));
+    // Once connected, black-hole the receiver's route back until the
+    // sender's kernel has retransmitted (RTO >= 200 ms): its ACKs are lost
+    // while it writes for ~600 ms. This machine has no netem or tc drop
+    // actions; a route is enough.
+    assert!(sender.next_output()["connected"].is_string());
+    let before = retransmitted_segments(&net.a);
     let blackhole = format!("{}/32", net.addr_a);
     ip(&["-n", &net.b, "route", "add", "blackhole", &blackhole]);
-    std::thread::sleep(Duration::from_millis(800));
+    test_support::eventually(
+        Duration::from_secs(60),
+        "the sender's kernel to retransmit",
+        || (retransmitted_segments(&net.a) > before).then_some(()),
+    );
     ip(&["-n", &net.b, "route", "del", "blackhole", &blackhole]);
     let received = receiver.wait_output();
     sender.wait();
@@ -305,6 +311,23 @@ fn a_retransmission_between_two_namespaces_is_counted() {
         "local port read: {conn:#}"
     );
     assert!(u(&conn["retransmits"]) >= 1, "{conn:#}");
+}
+
+/// The TCP segments network namespace `ns` has retransmitted, by its kernel
+/// (`RetransSegs` in `/proc/net/snmp`).
+fn retransmitted_segments(ns: &str) -> u64 {
+    let out = Command::new("ip")
+        .args(["netns", "exec", ns, "cat", "/proc/net/snmp"])
+        .output()
+        .unwrap();
+    let text = String::from_utf8_lossy(&out.stdout);
+    let mut tcp = text.lines().filter(|l| l.starts_with("Tcp:"));
+    let (names, values) = (tcp.next().unwrap(), tcp.next().unwrap());
+    let at = names
+        .split_whitespace()
+        .position(|n| n == "RetransSegs")
+        .unwrap();
+    values.split_whitespace().nth(at).unwrap().parse().unwrap()
 }
 
 /// Builds a stub `libnccl.so.2` exporting NCCL's collective entry points

@@ -198,6 +198,7 @@ fn tcp_send(to: &str, bytes: u64, writes: u64, pause: Duration, wait: bool) -> R
     wait_for_go(wait)?;
     let mut stream =
         std::net::TcpStream::connect(to).with_context(|| format!("connecting to {to}"))?;
+    announce(&serde_json::json!({ "connected": to }))?;
     let writes = writes.max(1);
     let chunk = bytes / writes;
     let data = vec![0x5au8; usize::try_from(bytes - chunk * (writes - 1)).context("too big")?];
