@@ -60,7 +60,7 @@ pub fn runtime_variables() -> Vec<(&'static str, Vec<EnvVariable>)> {
                 v(
                     "RINGWATCH_CYCLE_TIME_MS",
                     Some("HOROVOD_CYCLE_TIME"),
-                    "milliseconds (fractions allowed, 0 to 60000)",
+                    "duration up to 60 s (`2ms`, `0.5ms`; a bare number is milliseconds)",
                     format!("{}", knobs.cycle_time_us as f64 / 1000.0),
                     "How long a cycle gathers requests before rank 0 negotiates them.",
                 ),
@@ -100,7 +100,7 @@ pub fn runtime_variables() -> Vec<(&'static str, Vec<EnvVariable>)> {
                 v(
                     "RINGWATCH_CONNECT_TIMEOUT_SECS",
                     None,
-                    "seconds (fractions allowed)",
+                    "duration (`30s`, `500ms`; a bare number is seconds)",
                     DEFAULT_CONNECT_TIMEOUT.as_secs().to_string(),
                     "How long a rank waits for the others to join.",
                 ),
@@ -109,7 +109,7 @@ pub fn runtime_variables() -> Vec<(&'static str, Vec<EnvVariable>)> {
                     ..v(
                         COLLECTIVE_TIMEOUT_VAR,
                         None,
-                        "seconds (fractions allowed)",
+                        "duration (`30s`, `500ms`; a bare number is seconds)",
                         DEFAULT_TIMEOUT.as_secs().to_string(),
                         "How long a rank waits on a silent peer during a collective before \
                          failing with the peer's rank.",
@@ -213,7 +213,7 @@ pub fn runtime_variables() -> Vec<(&'static str, Vec<EnvVariable>)> {
                 v(
                     "RINGWATCH_AUTOTUNE_WAIT_SECS",
                     None,
-                    "seconds (fractions allowed)",
+                    "duration (`30s`, `500ms`; a bare number is seconds)",
                     autotune.wait.as_secs_f64().to_string(),
                     "How long rank 0 waits for an agent's claim before tuning itself.",
                 ),
@@ -241,7 +241,7 @@ pub fn runtime_variables() -> Vec<(&'static str, Vec<EnvVariable>)> {
                 v(
                     "RINGWATCH_AUTOTUNE_MIN_WINDOW_MS",
                     None,
-                    "milliseconds",
+                    "duration (`5ms`, `0.5s`; a bare number is milliseconds)",
                     autotune.min_window.as_millis().to_string(),
                     "The shortest time a sample's window spans.",
                 ),
@@ -281,7 +281,9 @@ pub fn render_markdown() -> String {
          `collbench`) reads these when it starts. A Horovod name is read when the \
          ringwatch name is not set, and so is a deprecated old name (with a \
          warning). A value that does not parse stops the job at \
-         `init()` with the variable's name; nothing is guessed.\n\n\
+         `init()` with the variable's name; nothing is guessed. A duration takes \
+         a unit (`500ms`, `2.5s`, `1m`, `250us`), as the agent's flags do; a bare \
+         number is in the unit the variable's name ends with (`_SECS`, `_MS`).\n\n\
          The agent's and the other commands' variables stand beside their flags in \
          [the CLI reference](cli/ringwatch-agent.md): every flag with an environment \
          variable reads it when the flag is not given.\n",
@@ -403,7 +405,7 @@ mod tests {
         )));
         assert!(page.contains(
             "| `RINGWATCH_COLLECTIVE_TIMEOUT_SECS` (deprecated: `RINGWATCH_TIMEOUT_SECS`) \
-             | seconds (fractions allowed) | `30` |"
+             | duration (`30s`, `500ms`; a bare number is seconds) | `30` |"
         ));
     }
 }

@@ -37,6 +37,47 @@ pub fn parse_bool(name: &str, value: &str) -> Result<bool> {
     }
 }
 
+/// The unit of a duration variable's bare number (its name's `_SECS` or `_MS`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum BareUnit {
+    /// A bare number is seconds.
+    Seconds,
+    /// A bare number is milliseconds.
+    Milliseconds,
+}
+
+/// Parses a duration variable's value: a number with a unit (`500ms`, `2.5s`,
+/// `1m`, `250us`; also `ns`, `min`, `h`), as the agent's flags take them, or a
+/// bare number in the unit the variable's name says (`bare`). Fractions are
+/// allowed; negative, infinite and unit-less-but-garbled values are refused,
+/// naming the variable.
+pub fn parse_duration(name: &str, value: &str, bare: BareUnit) -> Result<Duration> {
+    let v = value.trim();
+    let split = v
+        .find(|c: char| !(c.is_ascii_digit() || c == '.' || c == '-' || c == '+' || c == 'e'))
+        .unwrap_or(v.len());
+    let (number, unit) = v.split_at(split);
+    let want = match bare {
+        BareUnit::Seconds => "a duration (`30s`, `500ms`, or a bare number of seconds)",
+        BareUnit::Milliseconds => "a duration (`5ms`, `0.5s`, or a bare number of milliseconds)",
+    };
+    let number: f64 = number.parse().map_err(|_| bad(name, value, want))?;
+    let unit_secs = match (unit.trim(), bare) {
+        ("", BareUnit::Seconds) | ("s", _) => 1.0,
+        ("", BareUnit::Milliseconds) | ("ms", _) => 1e-3,
+        ("us" | "µs", _) => 1e-6,
+        ("ns", _) => 1e-9,
+        ("m" | "min", _) => 60.0,
+        ("h", _) => 3600.0,
+        _ => return Err(bad(name, value, want)),
+    };
+    let secs = number * unit_secs;
+    if !(secs.is_finite() && (0.0..1e7).contains(&secs)) {
+        return Err(bad(name, value, want));
+    }
+    Ok(Duration::from_secs_f64(secs))
+}
+
 /// Knobs from variables looked up with `get` (the environment, or a map in tests):
 /// `RINGWATCH_FUSION_THRESHOLD` / `HOROVOD_FUSION_THRESHOLD` (bytes),
 /// `RINGWATCH_CYCLE_TIME_MS` / `HOROVOD_CYCLE_TIME` (milliseconds, fractions allowed),
@@ -53,14 +94,11 @@ pub fn knobs_from(get: &dyn Fn(&str) -> Option<String>) -> Result<Knobs> {
             .map_err(|_| bad(&name, &v, "a number of bytes"))?;
     }
     if let Some((name, v)) = first_set(get, &["RINGWATCH_CYCLE_TIME_MS", "HOROVOD_CYCLE_TIME"]) {
-        let ms: f64 = v
-            .trim()
-            .parse()
-            .map_err(|_| bad(&name, &v, "milliseconds"))?;
-        if !(0.0..=60_000.0).contains(&ms) {
-            return Err(bad(&name, &v, "between 0 and 60000 milliseconds"));
+        let cycle = parse_duration(&name, &v, BareUnit::Milliseconds)?;
+        if cycle > Duration::from_secs(60) {
+            return Err(bad(&name, &v, "at most 60 s (60000 milliseconds)"));
         }
-        knobs.cycle_time_us = (ms * 1000.0).round() as u64;
+        knobs.cycle_time_us = (cycle.as_secs_f64() * 1e6).round() as u64;
     }
     if let Some((name, v)) = first_set(
         get,
@@ -134,10 +172,6 @@ fn number<T: std::str::FromStr>(
     }
 }
 
-fn seconds(v: f64) -> Option<Duration> {
-    (v.is_finite() && (0.0..1e7).contains(&v)).then(|| Duration::from_secs_f64(v))
-}
-
 /// The autotune request from variables looked up with `get`: `None` unless
 /// `RINGWATCH_AUTOTUNE` (or Horovod's `HOROVOD_AUTOTUNE`) is true. Reads
 /// `RINGWATCH_AUTOTUNE_WAIT_SECS`, `RINGWATCH_AUTOTUNE_BUDGET`,
@@ -154,14 +188,8 @@ pub fn autotune_from(get: &dyn Fn(&str) -> Option<String>) -> Result<Option<Auto
         return Ok(None);
     }
     let mut c = AutotuneConfig::default();
-    if let Some(v) = number::<f64>(get, &["RINGWATCH_AUTOTUNE_WAIT_SECS"], "seconds")? {
-        c.wait = seconds(v).ok_or_else(|| {
-            bad(
-                "RINGWATCH_AUTOTUNE_WAIT_SECS",
-                &v.to_string(),
-                "a number of seconds >= 0",
-            )
-        })?;
+    if let Some((name, v)) = first_set(get, &["RINGWATCH_AUTOTUNE_WAIT_SECS"]) {
+        c.wait = parse_duration(&name, &v, BareUnit::Seconds)?;
     }
     if let Some(v) = number::<usize>(get, &["RINGWATCH_AUTOTUNE_BUDGET"], "a sample count")? {
         if v == 0 {
@@ -186,14 +214,8 @@ pub fn autotune_from(get: &dyn Fn(&str) -> Option<String>) -> Result<Option<Auto
         }
         c.measured_cycles = v;
     }
-    if let Some(v) = number::<f64>(get, &["RINGWATCH_AUTOTUNE_MIN_WINDOW_MS"], "milliseconds")? {
-        c.min_window = seconds(v / 1000.0).ok_or_else(|| {
-            bad(
-                "RINGWATCH_AUTOTUNE_MIN_WINDOW_MS",
-                &v.to_string(),
-                "milliseconds >= 0",
-            )
-        })?;
+    if let Some((name, v)) = first_set(get, &["RINGWATCH_AUTOTUNE_MIN_WINDOW_MS"]) {
+        c.min_window = parse_duration(&name, &v, BareUnit::Milliseconds)?;
     }
     if let Some(v) = number(get, &["RINGWATCH_AUTOTUNE_SEED"], "an integer seed")? {
         c.seed = v;
@@ -240,11 +262,11 @@ pub fn timeout_from(get: &dyn Fn(&str) -> Option<String>) -> Result<Duration> {
             if name == DEPRECATED_TIMEOUT_VAR {
                 warn_deprecated_timeout_once();
             }
-            let secs: f64 = v.trim().parse().map_err(|_| bad(&name, &v, "seconds"))?;
-            if !(secs > 0.0 && secs < 1e7) {
-                return Err(bad(&name, &v, "a positive number of seconds"));
+            let timeout = parse_duration(&name, &v, BareUnit::Seconds)?;
+            if timeout.is_zero() {
+                return Err(bad(&name, &v, "a positive duration"));
             }
-            Ok(Duration::from_secs_f64(secs))
+            Ok(timeout)
         }
     }
 }
@@ -265,6 +287,69 @@ fn warn_deprecated_timeout_once() {
 mod tests {
     use super::*;
     use crate::test_support::vars;
+
+    #[test]
+    fn durations_take_a_unit_or_the_names_unit() {
+        let d = |v: &str, bare| parse_duration("X", v, bare);
+        assert_eq!(
+            d("2.5", BareUnit::Seconds).unwrap(),
+            Duration::from_millis(2500)
+        );
+        assert_eq!(
+            d("2.5", BareUnit::Milliseconds).unwrap(),
+            Duration::from_micros(2500)
+        );
+        assert_eq!(
+            d(" 500ms ", BareUnit::Seconds).unwrap(),
+            Duration::from_millis(500)
+        );
+        assert_eq!(
+            d("1.5s", BareUnit::Milliseconds).unwrap(),
+            Duration::from_millis(1500)
+        );
+        assert_eq!(
+            d("250us", BareUnit::Seconds).unwrap(),
+            Duration::from_micros(250)
+        );
+        assert_eq!(
+            d("250µs", BareUnit::Seconds).unwrap(),
+            Duration::from_micros(250)
+        );
+        assert_eq!(
+            d("2m", BareUnit::Seconds).unwrap(),
+            Duration::from_secs(120)
+        );
+        assert_eq!(
+            d("1h", BareUnit::Seconds).unwrap(),
+            Duration::from_secs(3600)
+        );
+        assert_eq!(d("0", BareUnit::Seconds).unwrap(), Duration::ZERO);
+        for bad in [
+            "",
+            "s",
+            "fast",
+            "-1",
+            "-1s",
+            "5 parsecs",
+            "1e400",
+            "inf",
+            "NaN",
+            "3d",
+        ] {
+            let err = d(bad, BareUnit::Seconds).unwrap_err().to_string();
+            assert!(
+                err.contains("X=") && err.contains("bare number of seconds"),
+                "{bad}: {err}"
+            );
+        }
+        // The knobs and timeouts read them so.
+        let knobs = knobs_from(&vars(&[("RINGWATCH_CYCLE_TIME_MS", "2500us")])).unwrap();
+        assert_eq!(knobs.cycle_time_us, 2500);
+        assert!(knobs_from(&vars(&[("RINGWATCH_CYCLE_TIME_MS", "61s")])).is_err());
+        let t = timeout_from(&vars(&[("RINGWATCH_COLLECTIVE_TIMEOUT_SECS", "1m")])).unwrap();
+        assert_eq!(t, Duration::from_secs(60));
+        assert!(timeout_from(&vars(&[("RINGWATCH_COLLECTIVE_TIMEOUT_SECS", "0ms")])).is_err());
+    }
 
     #[test]
     fn defaults_are_horovods() {
@@ -319,6 +404,16 @@ mod tests {
         .unwrap();
         assert_eq!(c.wait, Duration::from_millis(500));
         assert_eq!((c.budget, c.warmup_cycles, c.measured_cycles), (4, 1, 2));
+        // A duration with its unit means the same whatever the name's unit.
+        let with_units = autotune_from(&vars(&[
+            ("RINGWATCH_AUTOTUNE", "1"),
+            ("RINGWATCH_AUTOTUNE_WAIT_SECS", "500ms"),
+            ("RINGWATCH_AUTOTUNE_MIN_WINDOW_MS", "0.05s"),
+        ]))
+        .unwrap()
+        .unwrap();
+        assert_eq!(with_units.wait, c.wait);
+        assert_eq!(with_units.min_window, Duration::from_millis(50));
         assert_eq!(c.min_window, Duration::from_millis(50));
         assert_eq!(c.seed, 9);
         assert_eq!(c.log, Some(std::path::PathBuf::from("/tmp/x.csv")));

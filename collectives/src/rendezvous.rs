@@ -13,7 +13,7 @@ use serde::{Deserialize, Serialize};
 
 use crate::control::{RankInfo, read_message, write_message};
 use crate::error::{CollectiveError, Result};
-use crate::knobs::timeout_from;
+use crate::knobs::{BareUnit, parse_duration};
 use crate::transport::TcpTransport;
 
 /// Default `MASTER_PORT`, as torchrun.
@@ -119,12 +119,16 @@ impl RendezvousConfig {
         };
         let connect_timeout = match get("RINGWATCH_CONNECT_TIMEOUT_SECS") {
             None => DEFAULT_CONNECT_TIMEOUT,
-            // Same syntax as RINGWATCH_COLLECTIVE_TIMEOUT_SECS.
-            Some(v) => timeout_from(&|_| Some(v.clone())).map_err(|_| {
-                CollectiveError::Config(format!(
-                    "RINGWATCH_CONNECT_TIMEOUT_SECS={v:?} is not a positive number of seconds"
-                ))
-            })?,
+            Some(v) => {
+                let name = "RINGWATCH_CONNECT_TIMEOUT_SECS";
+                let timeout = parse_duration(name, &v, BareUnit::Seconds)?;
+                if timeout.is_zero() {
+                    return Err(CollectiveError::Config(format!(
+                        "{name}={v:?} is not a positive duration"
+                    )));
+                }
+                timeout
+            }
         };
         Ok(RendezvousConfig {
             rank,

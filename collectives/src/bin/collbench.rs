@@ -80,8 +80,9 @@ struct Common {
     /// Fusion threshold in bytes (0 disables fusion) [runtime default: 64 MiB].
     #[arg(long, env = "RINGWATCH_FUSION_THRESHOLD", global = true)]
     fusion_threshold: Option<u64>,
-    /// Cycle time in milliseconds [runtime default: 1].
-    #[arg(long, env = "RINGWATCH_CYCLE_TIME_MS", global = true)]
+    /// Cycle time: a duration (`2ms`, `500us`) or a bare number of milliseconds
+    /// [runtime default: 1].
+    #[arg(long, env = "RINGWATCH_CYCLE_TIME_MS", global = true, value_parser = cycle_time_ms)]
     cycle_time_ms: Option<f64>,
     /// Use hierarchical allreduce.
     #[arg(long, env = "RINGWATCH_HIERARCHICAL_ALLREDUCE", global = true)]
@@ -159,6 +160,14 @@ enum Workload {
         #[arg(long, default_value = "2G", value_parser = parse_bytes)]
         bytes: u64,
     },
+}
+
+/// `--cycle-time-ms`: what `RINGWATCH_CYCLE_TIME_MS` takes, as milliseconds.
+fn cycle_time_ms(value: &str) -> Result<f64, String> {
+    let name = "RINGWATCH_CYCLE_TIME_MS";
+    collectives::knobs::parse_duration(name, value, collectives::knobs::BareUnit::Milliseconds)
+        .map(|d| d.as_secs_f64() * 1e3)
+        .map_err(|e| e.to_string())
 }
 
 fn parse_bytes(s: &str) -> std::result::Result<u64, String> {
