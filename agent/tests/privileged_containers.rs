@@ -113,7 +113,7 @@ impl FakePod {
                 "sh",
             ])
             .arg(&scope)
-            .arg("sleep 60 & echo $!; exec sleep 60")
+            .arg("sleep infinity & echo $!; exec sleep infinity")
             .stdout(Stdio::piped())
             .spawn()
             .unwrap();
@@ -227,7 +227,7 @@ fn serve_shows_the_container_and_pod_of_a_watched_process() {
 
     // The view is republished every second: poll until the process is in.
     let process = eventually_reporting(
-        Duration::from_secs(20),
+        Duration::from_secs(60),
         &format!("pid {pid} in /api/processes"),
         || {
             let (status, body) = agent.get_json("/api/processes");

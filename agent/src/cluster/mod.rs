@@ -910,7 +910,8 @@ mod tests {
         let started = Instant::now();
         let result = get_json(&addr, "/api/jobs", Duration::from_millis(300), 1024).await;
         assert!(result.is_err());
-        assert!(started.elapsed() < Duration::from_secs(5));
+        // Not a hang (the deadline is 300 ms; a loaded machine may add seconds).
+        assert!(started.elapsed() < Duration::from_secs(60));
         drop(listener);
         // Nobody listening at all.
         let result = get_json(&addr, "/api/jobs", Duration::from_millis(300), 1024).await;

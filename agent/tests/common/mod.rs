@@ -66,8 +66,8 @@ impl Testload {
             }
         });
         let line = lines
-            .recv_timeout(Duration::from_secs(10))
-            .expect("the workload printed no description within 10 s");
+            .recv_timeout(Duration::from_secs(60))
+            .expect("the workload printed no description within 60 s");
         let info = serde_json::from_str(&line).unwrap();
         Self {
             child,
@@ -99,7 +99,7 @@ impl Testload {
         serde_json::from_str(&line).unwrap()
     }
 
-    /// Waits for the workload to finish (it is killed after 30 s).
+    /// Waits for the workload to finish (it is killed after 120 s: a hang guard).
     pub fn wait(self) {
         let _ = self.wait_output();
     }
@@ -109,10 +109,11 @@ impl Testload {
     pub fn wait_output(mut self) -> Vec<serde_json::Value> {
         // A workload that waits for more lines after `go` reads end of file.
         drop(self.stdin.take());
-        let status = wait_within(&mut self.child, Duration::from_secs(30));
+        let status = wait_within(&mut self.child, Duration::from_secs(120));
         assert!(status.success(), "workload failed: {status}");
+        // The reader ends at the child's end of file: every line is in.
         let mut out = Vec::new();
-        while let Ok(line) = self.lines.recv_timeout(Duration::from_secs(2)) {
+        while let Ok(line) = self.lines.recv_timeout(Duration::from_secs(60)) {
             out.push(serde_json::from_str(&line).unwrap());
         }
         out
@@ -189,7 +190,14 @@ impl Agent {
     }
 
     /// Waits for the agent to exit and parses its JSON output.
-    pub fn finish(mut self, limit: Duration) -> serde_json::Value {
+    pub fn finish(self, limit: Duration) -> serde_json::Value {
+        let text = self.finish_text(limit);
+        serde_json::from_str(&text)
+            .unwrap_or_else(|e| panic!("agent printed bad JSON ({e}): {text}"))
+    }
+
+    /// Waits for the agent to exit (successfully) and returns its output.
+    pub fn finish_text(mut self, limit: Duration) -> String {
         let mut stdout = self.child.stdout.take().unwrap();
         let reader = std::thread::spawn(move || {
             let mut text = String::new();
@@ -199,8 +207,7 @@ impl Agent {
         let status = wait_within(&mut self.child, limit);
         let text = reader.join().unwrap();
         assert!(status.success(), "agent failed ({status}); stdout: {text}");
-        serde_json::from_str(&text)
-            .unwrap_or_else(|e| panic!("agent printed bad JSON ({e}): {text}"))
+        text
     }
 }
 
