@@ -12,7 +12,7 @@ use std::process::{Command, Stdio};
 use std::time::Duration;
 
 use common::procs::Job;
-use common::{AGENT, ApiServer, skip_unless_privileged, unique_lock_file, wait_within};
+use common::{AGENT, ApiServer, skip_unless_privileged, unique_lock_file};
 use serde_json::Value;
 use test_support::eventually_reporting;
 
@@ -31,64 +31,93 @@ fn top_watches_a_job_found_through_its_control_socket_without_any_pid() {
     let job = Job::start("top");
     let (job_id, ranks) = (job.id.clone(), job.ranks.clone());
 
+    // Frames until one shows the job whole (the scanner finds it within a
+    // second or two; a loaded machine may take longer), then top is stopped.
     let mut top = Command::new(AGENT)
-        .args(["top", "--json", "--iterations", "4", "--interval", "500ms"])
+        .args([
+            "top",
+            "--json",
+            "--iterations",
+            "100000",
+            "--interval",
+            "500ms",
+        ])
         .arg("--runtime-dir")
         .arg(&job.dir)
         .env("RINGWATCH_LOCK_FILE", unique_lock_file())
         .stdout(Stdio::piped())
         .spawn()
         .unwrap();
-    let mut stdout = top.stdout.take().unwrap();
-    let reader = std::thread::spawn(move || {
-        let mut text = String::new();
-        std::io::Read::read_to_string(&mut stdout, &mut text).unwrap();
-        text
+    let stdout = top.stdout.take().unwrap();
+    let (tx, frames) = std::sync::mpsc::channel::<String>();
+    std::thread::spawn(move || {
+        for line in std::io::BufRead::lines(std::io::BufReader::new(stdout)) {
+            let Ok(line) = line else { break };
+            if tx.send(line).is_err() {
+                break;
+            }
+        }
     });
-    let status = wait_within(&mut top, Duration::from_secs(60));
-    let text = reader.join().unwrap();
-    drop(job);
-    assert!(status.success(), "top failed ({status}): {text}");
-
-    let frames: Vec<Value> = text
-        .lines()
-        .map(|l| serde_json::from_str(l).unwrap())
-        .collect();
-    assert_eq!(frames.len(), 4, "{text}");
-    let last = &frames[3];
-    let job = last["jobs"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .find(|j| j["job_id"] == job_id.as_str())
-        .unwrap_or_else(|| panic!("job {job_id} not found: {last:#}"));
-    assert_eq!(job["state"], "connected", "{job:#}");
-    let hello_pids: BTreeSet<u64> = job["ranks"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .map(|r| r["pid"].as_u64().unwrap())
-        .collect();
-    assert_eq!(hello_pids, ranks, "{job:#}");
-    let watched: BTreeSet<u64> = last["processes"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .map(|p| p["pid"].as_u64().unwrap())
-        .collect();
-    assert!(
-        ranks.is_subset(&watched),
-        "ranks {ranks:?} not all watched: {last:#}"
+    let mut last_seen = String::new();
+    let whole = eventually_reporting(
+        Duration::from_secs(90),
+        "a frame with the job whole",
+        || {
+            while let Ok(line) = frames.try_recv() {
+                let frame: Value = serde_json::from_str(&line).unwrap();
+                if let Some(why) = job_not_whole(&frame, &job_id, &ranks) {
+                    last_seen = format!("{why}: {frame:#}");
+                } else {
+                    return Ok(frame);
+                }
+            }
+            std::thread::sleep(Duration::from_millis(100));
+            Err(last_seen.clone())
+        },
     );
+    let _ = top.kill();
+    let _ = top.wait();
+    drop(job);
+    assert!(job_not_whole(&whole, &job_id, &ranks).is_none());
+}
+
+/// Why `frame` does not show job `job_id` connected, with its hello's pids
+/// the job's `ranks` and every rank watched; `None` when it does.
+fn job_not_whole(frame: &Value, job_id: &str, ranks: &BTreeSet<u64>) -> Option<String> {
+    let Some(job) = frame["jobs"]
+        .as_array()?
+        .iter()
+        .find(|j| j["job_id"] == job_id)
+    else {
+        return Some(format!("job {job_id} not found"));
+    };
+    if job["state"] != "connected" {
+        return Some(format!("job state {}", job["state"]));
+    }
+    let hello_pids: BTreeSet<u64> = job["ranks"]
+        .as_array()?
+        .iter()
+        .filter_map(|r| r["pid"].as_u64())
+        .collect();
+    if hello_pids != *ranks {
+        return Some(format!("hello pids {hello_pids:?}, ranks {ranks:?}"));
+    }
+    let watched: BTreeSet<u64> = frame["processes"]
+        .as_array()?
+        .iter()
+        .filter_map(|p| p["pid"].as_u64())
+        .collect();
+    if !ranks.is_subset(&watched) {
+        return Some(format!("ranks {ranks:?} not all watched"));
+    }
     // The ranks were seen doing something: scheduled threads of their own.
-    for p in last["processes"].as_array().unwrap() {
-        if ranks.contains(&p["pid"].as_u64().unwrap()) {
-            assert!(
-                !p["threads"].as_array().unwrap().is_empty(),
-                "no threads seen for rank process: {p:#}"
-            );
+    for p in frame["processes"].as_array()? {
+        let pid = p["pid"].as_u64().unwrap_or(0);
+        if ranks.contains(&pid) && p["threads"].as_array().is_none_or(Vec::is_empty) {
+            return Some(format!("no threads seen for rank {pid}"));
         }
     }
+    None
 }
 
 #[test]
