@@ -17,7 +17,8 @@ use collectives::runtime::RuntimeConfig;
 use collectives::{ReduceOp, Runtime, Tensor};
 use test_support::eventually_reporting;
 
-const T: Duration = Duration::from_secs(5);
+/// Every request's and poll's limit: a hang guard that a working job meets at once.
+const T: Duration = Duration::from_secs(60);
 
 fn one_rank_job(tag: &str, autotune: Option<AutotuneConfig>) -> (Runtime, PathBuf, PathBuf) {
     let port = std::net::TcpListener::bind("127.0.0.1:0")
@@ -176,36 +177,55 @@ fn a_malformed_claim_closes_only_that_client_and_ends_its_claim() {
     std::fs::remove_dir_all(dir).ok();
 }
 
-/// Keeps the one-rank job busy for `for_how_long` (cycles with work).
-fn keep_busy(rt: &Runtime, for_how_long: Duration) {
-    let until = Instant::now() + for_how_long;
+/// Keeps the one-rank job busy (cycles with work) until `until`, then runs one more
+/// cycle: a cycle begun after `until`.
+fn keep_busy_until(rt: &Runtime, until: Instant) {
     let mut i = 100;
-    while Instant::now() < until {
+    while Instant::now() <= until {
         still_reduces(rt, i);
         i += 1;
     }
+    still_reduces(rt, i);
+}
+
+/// Keeps the one-rank job busy until its autotune state is `want` (60 s: a hang guard).
+#[cfg(feature = "autotune")]
+fn keep_busy_until_state(rt: &Runtime, want: AutotuneState) {
+    let mut i = 1000;
+    eventually_reporting(T, &format!("the job's autotune state {want:?}"), || {
+        still_reduces(rt, i);
+        i += 1;
+        match rt.autotune_state() {
+            got if got == want => Ok(()),
+            got => Err(format!("{got:?}")),
+        }
+    });
 }
 
 #[test]
 fn an_agent_claim_during_the_wait_means_the_job_never_tunes_itself() {
+    let wait = Duration::from_secs(10);
     let autotune = AutotuneConfig {
-        wait: Duration::from_secs(2),
+        wait,
         min_window: Duration::from_millis(10),
         measured_cycles: 1,
         warmup_cycles: 0,
         ..Default::default()
     };
     let (rt, path, dir) = one_rank_job("agent-first", Some(autotune));
+    // The wait began while the runtime started: it is over once `wait` has passed
+    // from here (a loaded machine only makes that later).
+    let wait_over = Instant::now() + wait;
     let start_knobs = rt.knobs().0;
     let mut agent = ControlClient::connect(&path, T).unwrap();
-    // Claimed well inside the wait (a connect and a message; 2 s leaves a
-    // loaded machine room), then held until the wait is over.
+    // Claimed well inside the wait (a connect and a message; 10 s leaves a
+    // loaded machine room), then held while cycles run past the wait's end.
     assert_eq!(agent.claim_tuning(T).unwrap(), AutotuneState::Agent);
-    keep_busy(&rt, Duration::from_millis(2500));
+    keep_busy_until(&rt, wait_over);
     assert_eq!(rt.autotune_state(), AutotuneState::Agent);
     drop(agent);
     await_hello_state(&path, AutotuneState::Interrupted);
-    keep_busy(&rt, Duration::from_millis(500));
+    keep_busy_until(&rt, Instant::now() + Duration::from_millis(500));
     // Interrupted stays interrupted, on the knobs it had: no self-tuning after an agent.
     assert_eq!(rt.autotune_state(), AutotuneState::Interrupted);
     assert_eq!(rt.knobs().0, start_knobs);
@@ -225,7 +245,8 @@ fn without_the_autotune_feature_an_unclaimed_job_runs_untuned_and_keeps_waiting(
     };
     let (rt, path, dir) = one_rank_job("no-feature", Some(autotune));
     let start_knobs = rt.knobs().0;
-    keep_busy(&rt, Duration::from_millis(500));
+    // Cycles past the wait's end (it began while the runtime started).
+    keep_busy_until(&rt, Instant::now() + Duration::from_millis(500));
     assert_eq!(rt.autotune_state(), AutotuneState::Waiting);
     assert_eq!(rt.knobs().0, start_knobs);
     let mut agent = ControlClient::connect(&path, T).unwrap();
@@ -245,8 +266,9 @@ fn an_unclaimed_job_starts_tuning_itself_after_the_wait_and_refuses_claims_meanw
         ..Default::default()
     };
     let (rt, path, dir) = one_rank_job("self", Some(autotune));
-    keep_busy(&rt, Duration::from_millis(400));
-    assert_eq!(rt.autotune_state(), AutotuneState::SelfTuning);
+    // Cycles run until the job has begun to tune itself: the first after the
+    // wait, however late a loaded machine runs it.
+    keep_busy_until_state(&rt, AutotuneState::SelfTuning);
     let mut agent = ControlClient::connect(&path, T).unwrap();
     assert_eq!(agent.hello().autotune, AutotuneState::SelfTuning);
     match agent.claim_tuning(T) {
