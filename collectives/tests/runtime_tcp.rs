@@ -349,7 +349,9 @@ fn a_rank_that_leaves_during_quick_cycles_is_named_by_the_others() {
         let warm = warm.clone();
         handles.push(std::thread::spawn(move || {
             let mut cfg = config(rank, n, n, port);
-            cfg.timeout = Duration::from_secs(3);
+            // Long enough that no rank gives up on a live peer a loaded machine slows
+            // while they warm up: only rank 2's departure makes them fail.
+            cfg.timeout = Duration::from_secs(10);
             // No idle cycles on the background thread's timer (1 s, the most): the call that
             // meets the departure is the caller's own quick cycle.
             cfg.knobs.cycle_time_us = 1_000_000;
@@ -515,7 +517,9 @@ fn mismatched_shapes_fail_on_every_rank_naming_tensor_and_ranks_and_the_job_goes
 fn a_silent_rank_makes_every_other_rank_fail_within_the_timeout_naming_it() {
     let n = 4;
     let port = free_port();
-    let timeout = Duration::from_millis(1500);
+    // Long enough that the live ranks never give up on each other while a loaded machine
+    // runs their start-up: the errors then come from rank 2's silence alone.
+    let timeout = Duration::from_secs(10);
     let barrier = Arc::new(Barrier::new(n));
     // Released once every other rank has its error: so the errors cannot
     // come from the silent rank's links closing, only from its silence.
@@ -580,7 +584,7 @@ fn control_socket_survives_malformed_clients_and_confirms_knob_changes() {
     let results = run_job(
         2,
         2,
-        Duration::from_secs(60),
+        Duration::from_secs(120),
         move |c| {
             c.control_socket = true;
             c.runtime_dir = Some(dir2.clone());
@@ -603,7 +607,7 @@ fn control_socket_survives_malformed_clients_and_confirms_knob_changes() {
             {
                 // Garbage: a frame that is not JSON.
                 let mut raw = std::os::unix::net::UnixStream::connect(&path).unwrap();
-                raw.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
+                raw.set_read_timeout(Some(Duration::from_secs(60))).unwrap();
                 let hello: ServerMessage = read_message(&mut raw).unwrap();
                 assert!(matches!(hello, ServerMessage::Hello(_)));
                 std::io::Write::write_all(&mut raw, &[0, 0, 0, 3, b'{', b'x', b'}']).unwrap();
@@ -611,7 +615,7 @@ fn control_socket_survives_malformed_clients_and_confirms_knob_changes() {
                 assert!(matches!(answer, ServerMessage::Error { .. }), "{answer:?}");
                 // Oversized: a length past the limit.
                 let mut big = std::os::unix::net::UnixStream::connect(&path).unwrap();
-                big.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
+                big.set_read_timeout(Some(Duration::from_secs(60))).unwrap();
                 let _: ServerMessage = read_message(&mut big).unwrap();
                 std::io::Write::write_all(&mut big, &u32::MAX.to_be_bytes()).unwrap();
                 let answer: ServerMessage = read_message(&mut big).unwrap();
@@ -619,14 +623,14 @@ fn control_socket_survives_malformed_clients_and_confirms_knob_changes() {
                     matches!(&answer, ServerMessage::Error { message, .. } if message.contains("exceeds"))
                 );
                 // A well-behaved client, alongside a second one.
-                let mut client = ControlClient::connect(&path, Duration::from_secs(5)).unwrap();
-                let mut other = ControlClient::connect(&path, Duration::from_secs(5)).unwrap();
+                let mut client = ControlClient::connect(&path, Duration::from_secs(60)).unwrap();
+                let mut other = ControlClient::connect(&path, Duration::from_secs(60)).unwrap();
                 let hello = client.hello().clone();
                 assert_eq!(hello.world_size, 2);
                 assert_eq!(hello.ranks.len(), 2);
                 assert_eq!(hello.ranks[1].pid, std::process::id());
                 client.subscribe(true, true).unwrap();
-                let (knobs, _) = other.get_knobs(Duration::from_secs(5)).unwrap();
+                let (knobs, _) = other.get_knobs(Duration::from_secs(60)).unwrap();
                 assert_eq!(knobs, Knobs::default());
                 let (knobs, applied) = client
                     .set_knobs(
@@ -634,7 +638,7 @@ fn control_socket_survives_malformed_clients_and_confirms_knob_changes() {
                             fusion_threshold_bytes: Some(4096),
                             ..Default::default()
                         },
-                        Duration::from_secs(5),
+                        Duration::from_secs(60),
                     )
                     .unwrap();
                 assert_eq!(knobs.fusion_threshold_bytes, 4096);
@@ -649,9 +653,10 @@ fn control_socket_survives_malformed_clients_and_confirms_knob_changes() {
                 check(rt, i);
             }
             if let Some(client) = &mut subscriber {
-                // Statistics and timeline events of the cycles above were streamed.
+                // Statistics and timeline events of the cycles above were streamed (60 s:
+                // a hang guard, as every limit of this test).
                 let (mut stats, mut timeline) = (false, false);
-                let deadline = Instant::now() + Duration::from_secs(10);
+                let deadline = Instant::now() + Duration::from_secs(60);
                 while !(stats && timeline) && Instant::now() < deadline {
                     match client.next_message(Duration::from_millis(200)).unwrap() {
                         Some(ServerMessage::CycleStats(s)) => {
@@ -729,7 +734,8 @@ fn statistics_of_fast_cycles_are_added_up_and_lose_no_byte() {
             let elapsed = started.elapsed();
             let mut client = client?;
             let (mut reports, mut bytes) = (0u64, 0u64);
-            let deadline = Instant::now() + Duration::from_secs(10);
+            // A hang guard: a working job has sent every report by now.
+            let deadline = Instant::now() + Duration::from_secs(60);
             while bytes < calls * 4096 && Instant::now() < deadline {
                 if let Some(ServerMessage::CycleStats(s)) =
                     client.next_message(Duration::from_millis(200)).unwrap()
@@ -742,9 +748,13 @@ fn statistics_of_fast_cycles_are_added_up_and_lose_no_byte() {
         },
     );
     let (reports, bytes, elapsed, warmups) = out[0].expect("rank 0 serves the socket");
-    // The 4-byte tensors around the loop add less than one 4 KiB call's bytes.
-    assert!(warmups < 1000, "{warmups} warm-up calls");
-    assert_eq!(bytes / 4096, calls, "{bytes} bytes reported");
+    // Every 4 KiB call's bytes, and at most the 4-byte tensors around the loop: the
+    // warm-ups whose reports were not read during the warm-up, and the last one. (How
+    // many warm-ups it takes for the subscription to show depends on the machine's load.)
+    assert!(
+        calls * 4096 <= bytes && bytes <= calls * 4096 + 4 * (warmups + 1),
+        "{bytes} bytes reported for {calls} calls of 4096 and {warmups} warm-ups of 4"
+    );
     let bound = elapsed.as_micros() as u64 / collectives::control::STATS_EVERY_US + 3;
     assert!(
         reports <= bound,
@@ -934,14 +944,20 @@ fn a_steady_workload_through_the_response_cache_matches_the_reference_every_step
     assert_eq!(cached[0].2.fusion_threshold_bytes, 64 << 20); // the last change, at step 38
     // Rank 0 sees all negotiation traffic. With the cache a step's tensors are a few bits
     // each way, but 12 dtype-op pairs make 13 or more buffers a step, each with its dtype
-    // and op in the response, and idle cycles cost the same: about half is saved here
-    // (resnet50 in tests/processes.rs saves over 90%).
+    // and op in the response, and every cycle costs its request and response frames:
+    // a quiet machine saves more than half here (resnet50 in tests/processes.rs saves
+    // over 90%). How many cycles a step's tensors spread over depends on how the ranks'
+    // threads are scheduled, and the cached run's bytes follow that count (nearly all
+    // of them are in cycles that carry tensors) while the names dominate the other
+    // run's: with two busy processes beside the suite on 2 cores the cached run took up
+    // to 150 cycles instead of about 65-95, for 61% of the bytes by name instead of
+    // 25-50%. So no ratio here, only that the cache saves.
     let (with_cache, without) = (
         cached[0].1.negotiation_bytes,
         by_name[0].1.negotiation_bytes,
     );
     assert!(
-        with_cache * 3 < without * 2,
+        with_cache < without,
         "negotiation bytes: {with_cache} with the cache, {without} without"
     );
 }
