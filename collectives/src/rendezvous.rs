@@ -569,15 +569,21 @@ mod tests {
     #[test]
     fn a_rank_that_never_comes_is_named() {
         let port = free_port();
+        // Rank 0 waits this long for rank 2, and for rank 1, which comes at once: long
+        // enough that a loaded machine cannot keep rank 1 from joining in time (it would
+        // be named missing too).
         let cfg = RendezvousConfig {
             rank: 0,
             world_size: 3,
             master_port: port,
-            connect_timeout: Duration::from_millis(400),
+            connect_timeout: Duration::from_secs(10),
             ..RendezvousConfig::single()
         };
+        // Rank 1 waits for rank 0's answer past rank 0's own deadline (its wait begins
+        // on another thread, maybe before rank 0's): the answer names rank 2.
         let c1 = RendezvousConfig {
             rank: 1,
+            connect_timeout: Duration::from_secs(60),
             ..cfg.clone()
         };
         let joiner = std::thread::spawn(move || rendezvous(&c1, Duration::from_secs(1)));
