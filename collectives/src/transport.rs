@@ -841,7 +841,9 @@ mod tests {
         let mut buf = [0u8; 8];
         let started = Instant::now();
         let err = a.recv(1, &mut buf).unwrap_err();
-        assert!(started.elapsed() < Duration::from_secs(5));
+        // A hang guard, not a bound on how long past its timeout a loaded machine takes:
+        // the error's kind shows that the wait timed out.
+        assert!(started.elapsed() < Duration::from_secs(60));
         assert!(
             matches!(
                 err,

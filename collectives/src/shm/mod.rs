@@ -82,6 +82,9 @@ pub struct ShmGroup {
     posts: Mutex<u64>,
     /// Every member of the host can have a core of its own ([`Self::leave_a_shared_core`]).
     spread: bool,
+    /// How often a thread may move to another core: [`waiting::MOVE_EVERY`] (tests set
+    /// another).
+    move_every: Duration,
     /// How many times a wait spins before it yields: [`SPINS`], or
     /// [`OVERSUBSCRIBED_SPINS`] after a wait found another member on this core
     /// (spinning then only keeps that member from running).

@@ -228,6 +228,7 @@ pub fn map_segment(
         chunks: Mutex::new(Chunks::default()),
         posts: Mutex::new(0),
         spread: std::thread::available_parallelism().is_ok_and(|cores| ranks.len() <= cores.get()),
+        move_every: super::waiting::MOVE_EVERY,
         spins: AtomicU32::new(SPINS),
     };
     let header = group.header();

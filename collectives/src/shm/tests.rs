@@ -338,13 +338,16 @@ fn a_silent_peer_times_out_naming_it() {
             &never_gone,
         )
         .unwrap_err();
-    assert!(started.elapsed() < Duration::from_secs(5));
+    // A hang guard, not a bound on how long past its timeout a loaded machine takes:
+    // the error's kind shows that the wait timed out.
+    assert!(started.elapsed() < Duration::from_secs(60));
     assert_times_out_naming_rank_11(&err);
 }
 
 #[test]
 fn a_peers_abort_or_death_ends_the_wait_at_once_naming_it() {
-    let (_seg, g) = group(3, 4096, Duration::from_secs(30));
+    let timeout = Duration::from_secs(60);
+    let (_seg, g) = group(3, 4096, timeout);
     std::thread::scope(|s| {
         let waiter = s.spawn(|| {
             let mut buf = [0u8; 8];
@@ -362,7 +365,9 @@ fn a_peers_abort_or_death_ends_the_wait_at_once_naming_it() {
         std::thread::sleep(Duration::from_millis(50));
         g[1].abort();
         let (err, waited) = waiter.join().unwrap();
-        assert!(waited < Duration::from_secs(2), "{waited:?}");
+        // Not the timeout: the abort ended it (the error's kind says so too, a link
+        // error rather than a timeout), however late a loaded machine ran the waiter.
+        assert!(waited < timeout, "{waited:?}");
         assert!(
             matches!(
                 err,
@@ -481,9 +486,11 @@ fn a_rank_moves_to_a_core_nobody_took_and_keeps_its_affinity_mask() {
         // One free: it goes there, and its mask is what it was.
         let free = others[0];
         let taken: Vec<u32> = others[1..].to_vec();
-        assert_eq!(move_to_a_free_core(here, &taken), Some(free));
-        // SAFETY: no arguments.
-        assert_eq!(unsafe { libc::sched_getcpu() } as u32, free);
+        let moved = move_to_a_free_core(here, &taken).expect("a move to the free core");
+        assert_eq!(moved.to, free);
+        // Where it ran while pinned there: once its mask is back, a loaded machine's
+        // scheduler may move it again at any time.
+        assert_eq!(moved.pinned_on, Some(free));
         assert_eq!(allowed_cores(), allowed);
     })
     .join()
@@ -493,37 +500,44 @@ fn a_rank_moves_to_a_core_nobody_took_and_keeps_its_affinity_mask() {
 #[test]
 fn members_on_one_core_see_it_shared_and_the_later_one_leaves() {
     std::thread::spawn(|| {
-        let (_seg, groups) = group(2, MIN_RING_BYTES, Duration::from_secs(5));
+        let (_seg, mut groups) = group(2, MIN_RING_BYTES, Duration::from_secs(5));
         let allowed = allowed_cores();
         if allowed.len() < 2 || !groups[0].spread {
             eprintln!("one core allowed: no core of its own for each member, nothing to check");
             return;
         }
-        // Read right before each call: a loaded machine may move this thread.
+        // Longer than any pause a loaded machine puts between two calls below.
+        groups[1].move_every = Duration::from_secs(60);
+        // The members are told which core they are on (as `leave_a_shared_core` reads
+        // it): a loaded machine may move this thread between any two lines.
         // SAFETY: no arguments.
-        let current = || unsafe { libc::sched_getcpu() } as u32;
-        let elsewhere = |cpu: u32| allowed.iter().map(|&c| c as u32).find(|&c| c != cpu);
+        let here = unsafe { libc::sched_getcpu() } as u32;
+        let elsewhere = allowed
+            .iter()
+            .map(|&c| c as u32)
+            .find(|&c| c != here)
+            .unwrap();
         let publish =
             |member: usize, cpu: u32| groups[0].bell(member).cpu.store(cpu + 1, Ordering::Relaxed);
         // Member 1 last waited elsewhere: member 0 has this core to itself.
-        publish(1, elsewhere(current()).unwrap());
-        assert!(!groups[0].leave_a_shared_core());
+        publish(1, elsewhere);
+        assert!(!groups[0].leave_a_shared_core_at(here));
         // Member 1 last waited here: member 0 shares the core and, as the earlier of
         // the two, stays (its waits spin less meanwhile).
-        let here = current();
         publish(1, here);
-        assert!(groups[0].leave_a_shared_core());
+        assert!(groups[0].leave_a_shared_core_at(here));
         assert_eq!(groups[0].bell(0).cpu.load(Ordering::Relaxed), here + 1);
         // Member 1, on the core member 0 published, is the later one: it moves to a
         // core nobody waited on, says so at once, and has a core of its own.
-        assert!(!groups[1].leave_a_shared_core());
+        assert!(!groups[1].leave_a_shared_core_at(here));
         let moved_to = groups[0].bell(1).cpu.load(Ordering::Relaxed) - 1;
         assert_ne!(moved_to, here);
-        // Within MOVE_EVERY it does not move again.
-        publish(0, current());
+        // Within its `move_every` it does not move again, though member 0 waits on
+        // its new core now.
+        publish(0, moved_to);
         assert!(
-            groups[1].leave_a_shared_core(),
-            "moved again within MOVE_EVERY"
+            groups[1].leave_a_shared_core_at(moved_to),
+            "moved again within move_every"
         );
         assert_eq!(allowed_cores(), allowed);
     })

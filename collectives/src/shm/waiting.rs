@@ -127,8 +127,9 @@ impl ShmGroup {
     /// instead of 3 (Open MPI binds its ranks to cores for the same reason). The move
     /// sets the affinity to the free core and at once back to the mask it was: the task
     /// stays where it was moved, its mask is the user's. Of two members on one core the
-    /// later one moves; at most one move per [`MOVE_EVERY`] and thread. Returns whether
-    /// this member still shares its core with another (its next waits spin less).
+    /// later one moves; at most one move per `move_every` ([`MOVE_EVERY`]) and thread.
+    /// Returns whether this member still shares its core with another (its next waits
+    /// spin less).
     pub(super) fn leave_a_shared_core(&self) -> bool {
         if !self.spread {
             return false;
@@ -137,6 +138,15 @@ impl ShmGroup {
         let Ok(cpu) = u32::try_from(unsafe { libc::sched_getcpu() }) else {
             return false;
         };
+        self.leave_a_shared_core_at(cpu)
+    }
+
+    /// [`Self::leave_a_shared_core`] for a thread found on core `cpu` (tests give it,
+    /// so that the scheduler cannot move the thread between their reading and this).
+    pub(super) fn leave_a_shared_core_at(&self, cpu: u32) -> bool {
+        if !self.spread {
+            return false;
+        }
         self.bell(self.me).cpu.store(cpu + 1, Ordering::Relaxed);
         let on_this_core = |m: usize| {
             m != self.me && self.active[m] && self.bell(m).cpu.load(Ordering::Relaxed) == cpu + 1
@@ -152,7 +162,7 @@ impl ShmGroup {
             let now = Instant::now();
             if last
                 .get()
-                .is_some_and(|t| now.duration_since(t) < MOVE_EVERY)
+                .is_some_and(|t| now.duration_since(t) < self.move_every)
             {
                 return true;
             }
@@ -170,7 +180,7 @@ impl ShmGroup {
             .map(|c| c - 1)
             .collect();
         match move_to_a_free_core(cpu, &taken) {
-            Some(to) => {
+            Some(Moved { to, .. }) => {
                 // Said at once, so that the member left behind sees its core as its own
                 // (it would otherwise keep spinning less until this one waits long again).
                 self.bell(self.me).cpu.store(to + 1, Ordering::Relaxed);
@@ -290,10 +300,22 @@ thread_local! {
     static LAST_MOVE: std::cell::Cell<Option<Instant>> = const { std::cell::Cell::new(None) };
 }
 
+/// Where [`move_to_a_free_core`] moved the calling thread.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(super) struct Moved {
+    /// The core it chose.
+    pub to: u32,
+    /// The core the thread ran on while that core alone was its affinity (`None`: the
+    /// kernel did not say). Once the mask is back the scheduler may move it again, so
+    /// this, not the core it runs on later, shows where the move took it (the tests).
+    #[cfg_attr(not(test), allow(dead_code))]
+    pub pinned_on: Option<u32>,
+}
+
 /// Moves the calling thread from core `from` to an allowed core that is not in `taken`,
 /// leaving its affinity mask as it was; returns the core, or `None` when there is none
 /// or the kernel refuses.
-pub(super) fn move_to_a_free_core(from: u32, taken: &[u32]) -> Option<u32> {
+pub(super) fn move_to_a_free_core(from: u32, taken: &[u32]) -> Option<Moved> {
     // SAFETY: a zeroed cpu_set_t is a valid empty set; the calls get its size and write
     // at most that much; pid 0 is the calling thread.
     unsafe {
@@ -309,10 +331,12 @@ pub(super) fn move_to_a_free_core(from: u32, taken: &[u32]) -> Option<u32> {
         let mut only = std::mem::zeroed::<libc::cpu_set_t>();
         libc::CPU_SET(to as usize, &mut only);
         let moved = libc::sched_setaffinity(0, size, &only) == 0;
+        // The kernel moved the thread before returning: it runs on `to` now.
+        let pinned_on = u32::try_from(libc::sched_getcpu()).ok();
         // Back to the whole mask at once: the thread stays on `to` until the scheduler
         // moves it, as any thread would.
         libc::sched_setaffinity(0, size, &mask);
-        moved.then_some(to)
+        moved.then_some(Moved { to, pinned_on })
     }
 }
 
