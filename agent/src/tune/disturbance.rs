@@ -60,13 +60,19 @@ impl WindowLoad {
         if self.span_s <= 0.0 {
             return 0.0;
         }
-        let ns: u64 = self.pids.iter().map(|p| p.run_queue_ns).sum();
+        // Saturating: the figures may come from a peer, which may say anything.
+        let ns = self
+            .pids
+            .iter()
+            .fold(0u64, |sum, p| sum.saturating_add(p.run_queue_ns));
         ns as f64 / 1e6 / self.span_s
     }
 
     /// TCP segments the job retransmitted during the window.
     pub fn retransmits(&self) -> u64 {
-        self.pids.iter().map(|p| p.retransmits).sum()
+        self.pids
+            .iter()
+            .fold(0u64, |sum, p| sum.saturating_add(p.retransmits))
     }
 
     /// The window's rates, for the session's notion of "usual".
@@ -562,6 +568,28 @@ mod tests {
                 retransmits_per_s,
             })
             .collect()
+    }
+
+    #[test]
+    fn a_peers_absurd_figures_saturate_instead_of_overflowing() {
+        let absurd = WindowLoad {
+            span_s: 1.0,
+            pids: vec![
+                PidLoad {
+                    pid: 1,
+                    run_queue_ns: u64::MAX,
+                    retransmits: u64::MAX,
+                },
+                PidLoad {
+                    pid: 2,
+                    run_queue_ns: u64::MAX,
+                    retransmits: 1,
+                },
+            ],
+        };
+        assert_eq!(absurd.retransmits(), u64::MAX);
+        assert!(absurd.run_queue_ms_per_s().is_finite());
+        assert!(disturbance_reason(&absurd, &usual(&[6.0, 5.0, 7.0], 0.0)).is_some());
     }
 
     #[test]

@@ -137,7 +137,18 @@ impl TuningSessions {
         let span = tracing::info_span!("tuning", job_id);
         let _entered = span.enter();
         let mut ready = Some(ready);
-        let result = self.run_session(handle, job, config, &mut ready);
+        // A panic anywhere in the session (a bug, or a figure no check
+        // caught) ends it as failed like any other error: the slot is free
+        // again, and the starter hears why.
+        let result = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+            self.run_session(handle, job, config, &mut ready)
+        }))
+        .unwrap_or_else(|payload| {
+            Err(SessionFailure::Failed(format!(
+                "the tuning session panicked: {}",
+                panic_message(payload.as_ref())
+            )))
+        });
         match result {
             Ok(()) => {}
             Err(SessionFailure::BeforeStart(error)) => {
@@ -147,8 +158,11 @@ impl TuningSessions {
                 }
             }
             Err(SessionFailure::Failed(message)) => {
-                tracing::warn!(message, "tuning session failed; the job keeps its knobs");
-                fail(handle, message);
+                tracing::warn!(message, "tuning session failed");
+                fail(handle, message.clone());
+                if let Some(ready) = ready.take() {
+                    let _ = ready.send(Err(StartError::Unavailable(message)));
+                }
             }
         }
     }
@@ -181,12 +195,9 @@ impl TuningSessions {
             })?;
         // From here on the claim is ours: every way out releases it (or the
         // connection breaks, which the job sees as an interrupted claim).
-        let result = self.run_claimed(&mut client, handle, job, config, ready);
-        if result.is_err() {
-            // Best effort: a broken connection already ended the claim.
-            let _ = client.release_tuning(false, Duration::from_secs(2));
-        }
-        result
+        with_the_claim(&mut client, handle, limits.apply_timeout, |client| {
+            self.run_claimed(client, handle, job, config, ready)
+        })
     }
 
     /// The session proper, with the job's claim held on `client`.
@@ -505,6 +516,51 @@ pub(super) enum SessionFailure {
     Failed(String),
 }
 
+/// Runs `session` with the job's claim held on `client`, and releases the
+/// claim when it fails. A panic in it fails the session too, and since its
+/// state is not to be trusted then, the job goes back to the knobs it had
+/// when the session started (`handle`'s `start_knobs`).
+pub(super) fn with_the_claim(
+    client: &mut ControlClient,
+    handle: &Handle,
+    apply_timeout: Duration,
+    session: impl FnOnce(&mut ControlClient) -> Result<(), SessionFailure>,
+) -> Result<(), SessionFailure> {
+    let result = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| session(client)))
+        .unwrap_or_else(|payload| {
+            let why = panic_message(payload.as_ref());
+            tracing::error!(
+                why,
+                "the tuning session panicked; the job goes back to its start knobs"
+            );
+            let start = handle.view().start_knobs;
+            let back = match client.set_knobs(full_update(&start), apply_timeout) {
+                Ok((applied, _)) => {
+                    handle.view().current_knobs = applied;
+                    "the job is back on its start knobs".to_owned()
+                }
+                Err(e) => format!("setting the job back to its start knobs failed: {e}"),
+            };
+            Err(SessionFailure::Failed(format!(
+                "the tuning session panicked ({why}); {back}"
+            )))
+        });
+    if result.is_err() {
+        // Best effort: a broken connection already ended the claim.
+        let _ = client.release_tuning(false, Duration::from_secs(2));
+    }
+    result
+}
+
+/// What a panic said (its `&str` or `String` payload), for the session's error.
+pub(super) fn panic_message(payload: &(dyn std::any::Any + Send)) -> String {
+    payload
+        .downcast_ref::<&str>()
+        .map(|s| (*s).to_owned())
+        .or_else(|| payload.downcast_ref::<String>().cloned())
+        .unwrap_or_else(|| "a panic without a message".to_owned())
+}
+
 /// Logs one confirmation window, and the verdict once it is in.
 pub(super) fn log_confirmation(c: &tuner::session::Confirmation, index: usize) {
     if let Some(w) = c.windows.get(index) {
@@ -571,4 +627,157 @@ pub(super) fn update_view(view: &mut SessionView, session: &TuningSession) {
         required_gain: c.required_gain,
         kept: c.kept.map(Into::into),
     });
+}
+
+#[cfg(test)]
+mod tests {
+    use std::os::unix::net::UnixListener;
+    use std::sync::Mutex;
+
+    use collectives::control::{
+        AutotuneState, ClientMessage, Hello, Knobs, PROTOCOL_VERSION, read_message, write_message,
+    };
+
+    use super::super::request::TuningRequest;
+    use super::*;
+
+    /// A job's control socket that grants the claim, applies knobs and
+    /// accepts the release, and tells what it was asked.
+    fn fake_job(path: &std::path::Path) -> std::thread::JoinHandle<Vec<ClientMessage>> {
+        let listener = UnixListener::bind(path).unwrap();
+        std::thread::spawn(move || {
+            let (mut conn, _) = listener.accept().unwrap();
+            let hello = Hello {
+                protocol_version: PROTOCOL_VERSION,
+                job_id: "panicky".into(),
+                world_size: 1,
+                local_size: 1,
+                ranks: Vec::new(),
+                knobs: Knobs::default(),
+                cycle: 0,
+                autotune: AutotuneState::default(),
+                host: None,
+                served_by_rank: None,
+            };
+            write_message(&mut conn, &ServerMessage::Hello(hello)).unwrap();
+            let mut asked = Vec::new();
+            while let Ok(message) = read_message::<_, ClientMessage>(&mut conn) {
+                let answer = match &message {
+                    ClientMessage::ClaimTuning { request_id }
+                    | ClientMessage::ReleaseTuning { request_id, .. } => {
+                        ServerMessage::TuningClaim {
+                            request_id: *request_id,
+                            granted: true,
+                            state: AutotuneState::default(),
+                            message: String::new(),
+                        }
+                    }
+                    ClientMessage::SetKnobs { request_id, knobs } => ServerMessage::KnobsApplied {
+                        request_id: *request_id,
+                        knobs: Knobs {
+                            fusion_threshold_bytes: knobs.fusion_threshold_bytes.unwrap_or(0),
+                            cycle_time_us: knobs.cycle_time_us.unwrap_or(0),
+                            hierarchical_allreduce: knobs.hierarchical_allreduce.unwrap_or(false),
+                        },
+                        applied_at_cycle: 9,
+                    },
+                    _ => continue,
+                };
+                asked.push(message);
+                write_message(&mut conn, &answer).unwrap();
+            }
+            asked
+        })
+    }
+
+    #[test]
+    fn a_panic_fails_the_session_and_puts_the_job_back_on_its_start_knobs() {
+        let dir = tempfile_dir();
+        let socket = dir.join("panicky.sock");
+        let job = fake_job(&socket);
+        let start = Knobs {
+            fusion_threshold_bytes: 1 << 20,
+            cycle_time_us: 2_500,
+            hierarchical_allreduce: false,
+        };
+        let config = TuningRequest::default().resolve();
+        let handle = Handle {
+            view: Mutex::new(SessionView {
+                job_id: "panicky".into(),
+                state: SessionState::Running,
+                error: None,
+                started_unix_ms: 0,
+                config,
+                start_knobs: start,
+                current_knobs: Knobs::default(),
+                samples: Vec::new(),
+                best: None,
+                speedup_over_start: None,
+                report_id: None,
+                disturbance_detection: "off".into(),
+                stop_reason: None,
+                confirmation: None,
+            }),
+            stop: Mutex::new(None),
+        };
+        let mut client = ControlClient::connect(&socket, Duration::from_secs(60)).unwrap();
+        client.claim_tuning(Duration::from_secs(60)).unwrap();
+        let result = with_the_claim(&mut client, &handle, Duration::from_secs(60), |client| {
+            // What the session did before it broke: other knobs.
+            client
+                .set_knobs(full_update(&Knobs::default()), Duration::from_secs(60))
+                .unwrap();
+            let figures = [u64::MAX, 1];
+            panic!("attempt to add with overflow: {}", figures[1]);
+        });
+        let Err(SessionFailure::Failed(message)) = result else {
+            panic!("the panic did not fail the session")
+        };
+        assert!(
+            message.contains("panicked (attempt to add with overflow: 1)")
+                && message.contains("back on its start knobs"),
+            "{message}"
+        );
+        assert_eq!(handle.view().current_knobs, start);
+        drop(client);
+        let asked = job.join().unwrap();
+        // Claimed, the session's knobs, the start's again, released.
+        assert!(
+            matches!(asked[0], ClientMessage::ClaimTuning { .. }),
+            "{asked:?}"
+        );
+        let Some(ClientMessage::SetKnobs { knobs, .. }) = asked.get(2) else {
+            panic!("the start knobs were not sent back: {asked:?}")
+        };
+        assert_eq!(*knobs, full_update(&start));
+        assert!(
+            matches!(
+                asked[3],
+                ClientMessage::ReleaseTuning {
+                    completed: false,
+                    ..
+                }
+            ),
+            "{asked:?}"
+        );
+        assert_eq!(asked.len(), 4, "{asked:?}");
+        let _ = std::fs::remove_dir_all(dir);
+    }
+
+    fn tempfile_dir() -> std::path::PathBuf {
+        let dir = std::env::temp_dir().join(format!("ringwatch-panic-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(&dir).unwrap();
+        dir
+    }
+
+    #[test]
+    fn the_panic_message_is_read_from_either_payload() {
+        let owned: Box<dyn std::any::Any + Send> = Box::new(String::from("owned"));
+        let literal: Box<dyn std::any::Any + Send> = Box::new("literal");
+        let other: Box<dyn std::any::Any + Send> = Box::new(7_u8);
+        assert_eq!(panic_message(owned.as_ref()), "owned");
+        assert_eq!(panic_message(literal.as_ref()), "literal");
+        assert_eq!(panic_message(other.as_ref()), "a panic without a message");
+    }
 }
