@@ -384,8 +384,14 @@ pub(super) async fn cluster_jobs(
         .cluster
         .ask_all("/api/jobs", crate::cluster::MAX_SMALL_ANSWER_BYTES)
         .await;
-    let mut merged = crate::cluster::merge_jobs(state.cluster.node_name(), &local, &answers);
-    merged["peers_asked"] = Value::from(answers.len());
+    // Off the async workers: peers' answers may list many jobs and hosts.
+    let node = state.cluster.node_name().to_owned();
+    let peers_asked = answers.len();
+    let mut merged =
+        tokio::task::spawn_blocking(move || crate::cluster::merge_jobs(&node, &local, &answers))
+            .await
+            .unwrap_or_else(|e| serde_json::json!({ "error": format!("merging failed: {e}") }));
+    merged["peers_asked"] = Value::from(peers_asked);
     if let Some(error) = state.cluster.dns_error() {
         merged["peers_dns_error"] = Value::from(error);
     }

@@ -610,6 +610,9 @@ async fn cluster_timeline(
         }
         let points = [("from", query.from), ("to", query.to)];
         calls.spawn(async move {
+            // One deadline for all of this peer's calls (its clock, then its
+            // timeline): a slow peer costs the request one deadline.
+            let deadline = std::time::Instant::now() + cluster_timeout(&cluster);
             let clock = cluster.clock(&answer.addr).await;
             let result = match clock {
                 Ok(clock) => {
@@ -631,7 +634,9 @@ async fn cluster_timeline(
                     crate::cluster::get_bytes(
                         &answer.addr,
                         &path,
-                        cluster_timeout(&cluster),
+                        deadline
+                            .saturating_duration_since(std::time::Instant::now())
+                            .max(std::time::Duration::from_millis(1)),
                         // A node's share of events is about 150 bytes each:
                         // a peer sending far more is cut off (and named), so
                         // the answers held for the merge stay near 512 bytes

@@ -45,6 +45,32 @@ pub const MAX_SMALL_ANSWER_BYTES: u64 = 4 << 20;
 /// Peers asked at once.
 const MAX_PEERS: usize = 256;
 
+/// How long a peer whose call failed is not asked again: every cluster
+/// answer in that time names it at once instead of waiting out its deadline.
+pub const PEER_FAILURE_MEMORY: Duration = Duration::from_secs(10);
+
+/// The longest node or host name believed from a peer, bytes (a DNS name's
+/// limit): a longer one is cut, so no name can blow up an answer it is
+/// copied into.
+pub const MAX_NAME_BYTES: usize = 253;
+
+/// The most hosts of one job believed from a peer's answer (the rest are
+/// left out of the merged view, which says so): a job's hosts are listed in
+/// every merged answer.
+pub const MAX_JOB_HOSTS: usize = 4096;
+
+/// `name` cut to [`MAX_NAME_BYTES`] (at a character boundary).
+pub fn bounded_name(name: &str) -> &str {
+    if name.len() <= MAX_NAME_BYTES {
+        return name;
+    }
+    let mut end = MAX_NAME_BYTES;
+    while !name.is_char_boundary(end) {
+        end -= 1;
+    }
+    &name[..end]
+}
+
 /// Who this agent is among its peers, and where they are.
 #[derive(Debug, Clone)]
 pub struct ClusterConfig {
@@ -100,6 +126,9 @@ struct State {
     own_addrs: BTreeSet<String>,
     /// Clock estimates per address.
     clocks: HashMap<String, (Instant, ClockEstimate)>,
+    /// Peers whose last call failed: when, and why (asked again only after
+    /// [`PEER_FAILURE_MEMORY`]).
+    failed: HashMap<String, (Instant, String)>,
 }
 
 /// CLOCK_REALTIME now, µs.
@@ -214,8 +243,12 @@ impl Cluster {
         for addr in peers {
             let path = path.to_owned();
             let timeout = self.config.timeout;
+            let remembered = self.failed_lately(&addr);
             tasks.spawn(async move {
-                let result = get_json(&addr, &path, timeout, max_bytes).await;
+                let result = match remembered {
+                    Err(why) => Err(why),
+                    Ok(()) => get_json(&addr, &path, timeout, max_bytes).await,
+                };
                 (addr, result)
             });
         }
@@ -224,6 +257,11 @@ impl Cluster {
             let Ok((addr, result)) = joined else {
                 continue;
             };
+            if let Err(why) = &result
+                && self.failed_lately(&addr).is_ok()
+            {
+                self.remember_failure(&addr, why);
+            }
             if let Ok(value) = &result
                 && value.get("agent_id").and_then(Value::as_str) == Some(self.agent_id.as_str())
             {
@@ -235,7 +273,7 @@ impl Cluster {
                 .ok()
                 .and_then(|v| v.get("node"))
                 .and_then(Value::as_str)
-                .map(str::to_owned);
+                .map(|name| bounded_name(name).to_owned());
             answers.push(PeerAnswer { addr, node, result });
         }
         answers.sort_by(|a, b| a.addr.cmp(&b.addr));
@@ -250,12 +288,20 @@ impl Cluster {
         {
             return Ok(*estimate);
         }
+        self.failed_lately(addr)?;
+        // One deadline for all the probes, and none after a failure: a
+        // peer that hangs costs one timeout, not one per probe.
+        let deadline = Instant::now() + self.config.timeout;
         let mut best: Option<ClockEstimate> = None;
         let mut last_error = None;
         for _ in 0..CLOCK_PROBES {
+            let left = deadline.saturating_duration_since(Instant::now());
+            if left.is_zero() || last_error.is_some() {
+                break;
+            }
             let sent = unix_now_us();
             let started = Instant::now();
-            match get_json(addr, "/api/clock", self.config.timeout, 4096).await {
+            match get_json(addr, "/api/clock", left, 4096).await {
                 Ok(answer) => {
                     let rtt_us = started.elapsed().as_secs_f64() * 1e6;
                     let Some(peer_us) = answer.get("unix_us").and_then(Value::as_f64) else {
@@ -272,11 +318,47 @@ impl Cluster {
                 Err(error) => last_error = Some(error),
             }
         }
-        let estimate = best.ok_or_else(|| last_error.unwrap_or_default())?;
+        let estimate = match best {
+            Some(estimate) => estimate,
+            None => {
+                let why = last_error
+                    .unwrap_or_else(|| format!("no clock answer within {:?}", self.config.timeout));
+                self.remember_failure(addr, &why);
+                return Err(why);
+            }
+        };
         self.lock()
             .clocks
             .insert(addr.to_owned(), (Instant::now(), estimate));
         Ok(estimate)
+    }
+
+    /// `Err` with the remembered reason when the peer at `addr` failed less
+    /// than [`PEER_FAILURE_MEMORY`] ago.
+    pub fn failed_lately(&self, addr: &str) -> Result<(), String> {
+        let mut state = self.lock();
+        match state.failed.get(addr) {
+            Some((at, why)) if at.elapsed() < PEER_FAILURE_MEMORY => Err(format!(
+                "{why} ({:.0} s ago; asked again {} s after a failure)",
+                at.elapsed().as_secs_f64(),
+                PEER_FAILURE_MEMORY.as_secs()
+            )),
+            Some(_) => {
+                state.failed.remove(addr);
+                Ok(())
+            }
+            None => Ok(()),
+        }
+    }
+
+    /// Remembers that a call to the peer at `addr` failed.
+    pub fn remember_failure(&self, addr: &str, why: &str) {
+        let mut state = self.lock();
+        // Bounded by the peers there are (at most MAX_PEERS addresses are asked).
+        if state.failed.len() < 4 * MAX_PEERS || state.failed.contains_key(addr) {
+            let why: String = why.chars().take(1024).collect();
+            state.failed.insert(addr.to_owned(), (Instant::now(), why));
+        }
     }
 
     /// Deadline of one peer call.
@@ -363,7 +445,7 @@ pub fn merge_jobs(local_node: &str, local_jobs: &[Value], answers: &[PeerAnswer]
         let entry = jobs
             .entry(id.to_owned())
             .or_insert_with(|| (job.clone(), Vec::new()));
-        let host = job.get("host").and_then(Value::as_str).unwrap_or("");
+        let host = bounded_name(job.get("host").and_then(Value::as_str).unwrap_or(""));
         let local: Vec<Value> = job
             .get("ranks")
             .and_then(Value::as_array)
@@ -429,8 +511,11 @@ pub fn merge_jobs(local_node: &str, local_jobs: &[Value], answers: &[PeerAnswer]
     json!({ "node": local_node, "jobs": list, "missing_peers": missing_peers })
 }
 
-/// A job's hosts from its (`/api/jobs`) entry, in rank order, each once.
+/// A job's hosts from its (`/api/jobs`) entry, in rank order, each once,
+/// each name at most [`MAX_NAME_BYTES`], at most [`MAX_JOB_HOSTS`] of them.
+/// Linear in the ranks: a peer's answer may list tens of thousands.
 pub fn job_hosts(job: &Value) -> Vec<String> {
+    let mut seen: BTreeSet<&str> = BTreeSet::new();
     let mut hosts: Vec<String> = Vec::new();
     for rank in job
         .get("ranks")
@@ -438,9 +523,12 @@ pub fn job_hosts(job: &Value) -> Vec<String> {
         .into_iter()
         .flatten()
     {
-        if let Some(host) = rank.get("host").and_then(Value::as_str)
-            && !hosts.iter().any(|h| h == host)
+        if let Some(host) = rank.get("host").and_then(Value::as_str).map(bounded_name)
+            && seen.insert(host)
         {
+            if hosts.len() == MAX_JOB_HOSTS {
+                break;
+            }
             hosts.push(host.to_owned());
         }
     }
@@ -526,13 +614,18 @@ fn rewrite_event(
     Ok(())
 }
 
+/// The latest event time believed from a node, µs since the Unix epoch
+/// (year 2286): a peer's ±1e308 is not a time.
+const MAX_TS_US: f64 = 1e16;
+
 /// Merges nodes' timelines onto this agent's wall clock, in time order,
 /// into JSON bytes of at most about `max_bytes`. Each node's processes are
 /// keyed `<node>/<pid>` (pid numbers repeat across nodes) and named with
 /// their node; the metadata says per node its offset, uncertainty and event
 /// count, and which nodes are missing and why. At most `max_events` events
-/// (metadata excluded) are kept, the earliest first; `truncated` says how
-/// many were left out (at the count or the byte budget). Events stay slices
+/// (names first, then the earliest) are kept, in about `max_bytes`;
+/// `truncated` says how many were left out (at the count or the byte
+/// budget), `events_rejected` how many a node sent that are not events. Events stay slices
 /// of the answers' bytes until written: memory is the answers plus 24 bytes
 /// an event.
 pub fn merge_timelines(
@@ -556,11 +649,29 @@ pub fn merge_timelines(
     let mut meta: Vec<(usize, usize)> = Vec::new();
     let mut timed: Vec<(f64, usize, usize)> = Vec::new();
     let mut counts = vec![0usize; nodes.len()];
+    let mut rejected = 0usize;
     for (i, trace) in &parsed {
         for (j, raw) in trace.events.iter().enumerate() {
             let Ok(key) = serde_json::from_str::<EventKey>(raw.get()) else {
+                rejected += 1;
                 continue;
             };
+            // A node's events are believed only with a pid (a number, or a
+            // short name) and, when timed, a time on the Unix clock in µs.
+            let pid_ok = match &key.pid {
+                None => true,
+                Some(Value::Number(n)) => n.is_u64(),
+                Some(Value::String(s)) => s.len() <= MAX_NAME_BYTES,
+                Some(_) => false,
+            };
+            let ts_ok = key.ts.is_none_or(|ts| {
+                let ts = ts + nodes[*i].shift_us;
+                ts.is_finite() && (0.0..=MAX_TS_US).contains(&ts)
+            });
+            if !(pid_ok && ts_ok) {
+                rejected += 1;
+                continue;
+            }
             if key.ph.as_deref() == Some("M") {
                 // A rank of another host, named here for lack of its
                 // threads: its own node's part has it.
@@ -588,7 +699,7 @@ pub fn merge_timelines(
     let mut first = true;
     let mut write = |out: &mut Vec<u8>, i: usize, j: usize, ts: Option<f64>| -> bool {
         let raw = events_of(i)[j];
-        let node = &nodes[i].node;
+        let node = bounded_name(&nodes[i].node);
         let key: Option<EventKey> = serde_json::from_str(raw.get()).ok();
         let pid = key.and_then(|k| k.pid).map(|pid| match pid {
             Value::String(s) => format!("{node}/{s}"),
@@ -599,25 +710,24 @@ pub fn merge_timelines(
         if !first {
             out.push(b',');
         }
-        if rewrite_event(
-            raw,
-            ts,
-            pid.as_deref(),
-            is_name.then_some(node.as_str()),
-            out,
-        )
-        .is_err()
-        {
+        if rewrite_event(raw, ts, pid.as_deref(), is_name.then_some(node), out).is_err() {
             out.truncate(mark);
             return true;
         }
         first = false;
         true
     };
-    for &(i, j) in &meta {
-        write(&mut out, i, j, None);
-    }
+    // Names first (a viewer needs them before the events), through the same
+    // budget as every other event: a peer's metadata counts too.
     let mut left_out = 0usize;
+    for &(i, j) in &meta {
+        if written >= max_events || out.len() >= max_bytes {
+            left_out += 1;
+            continue;
+        }
+        write(&mut out, i, j, None);
+        written += 1;
+    }
     for &(ts, i, j) in &timed {
         if written >= max_events || out.len() >= max_bytes {
             left_out += 1;
@@ -632,7 +742,7 @@ pub fn merge_timelines(
         .filter(|(i, _)| parsed.iter().any(|(n, _)| n == i))
         .map(|(i, node)| {
             json!({
-                "node": node.node,
+                "node": bounded_name(&node.node),
                 "agent": node.agent,
                 "status": "ok",
                 "clock_offset_us": node.clock.offset_us,
@@ -649,6 +759,16 @@ pub fn merge_timelines(
     metadata.insert("nodes".into(), json!(node_notes));
     metadata.insert("partial".into(), json!(!missing.is_empty()));
     metadata.insert("missing".into(), json!(missing));
+    if rejected > 0 {
+        metadata.insert(
+            "events_rejected".into(),
+            json!({
+                "count": rejected,
+                "reason": "not an object with a numeric or short pid and a time on the Unix \
+                           clock in µs",
+            }),
+        );
+    }
     if left_out > 0 {
         metadata.insert(
             "truncated".into(),
@@ -821,6 +941,105 @@ mod tests {
         .unwrap();
         assert_eq!(merged["metadata"]["partial"], true);
         assert_eq!(merged["metadata"]["missing"][0]["node"], "z");
+    }
+
+    #[test]
+    fn a_peers_names_metadata_and_figures_stay_in_the_budget() {
+        // A peer names itself with 4 MiB and sends 1,000 process names, and
+        // events at ±1e308 or with pids that are objects.
+        let long = "n".repeat(4 << 20);
+        let mut events: Vec<Value> = (0..1_000)
+            .map(|p| json!({"ph": "M", "name": "process_name", "pid": p, "args": {"name": "r"}}))
+            .collect();
+        events.push(json!({"ph": "X", "pid": 1, "tid": 1, "ts": 1e308, "dur": 1.0}));
+        events.push(json!({"ph": "X", "pid": 1, "tid": 1, "ts": -1e308, "dur": 1.0}));
+        events.push(json!({"ph": "X", "pid": {"a": 1}, "tid": 1, "ts": 5.0, "dur": 1.0}));
+        events.push(json!({"ph": "X", "pid": 1, "tid": 1, "ts": 6.0, "dur": 1.0}));
+        let peer = NodeTrace {
+            node: long.clone(),
+            ..node("b", 1.0, 0.0, events)
+        };
+        let max_bytes = 64 << 10;
+        let bytes = merge_timelines(&[peer], vec![], 100, max_bytes, serde_json::Map::new());
+        // About the budget: the last event written may pass it, by one
+        // event's size (its name cut to MAX_NAME_BYTES), plus the metadata.
+        assert!(bytes.len() < max_bytes + 4 * 1024, "{} bytes", bytes.len());
+        let merged: Value = serde_json::from_slice(&bytes).unwrap();
+        let metadata = &merged["metadata"];
+        assert_eq!(metadata["events_rejected"]["count"], 3, "{metadata:#}");
+        let written = merged["traceEvents"].as_array().unwrap().len();
+        assert!(written <= 100, "{written} events");
+        assert_eq!(
+            metadata["truncated"]["events_left_out"].as_u64().unwrap() as usize,
+            1_001 - written,
+            "{metadata:#}"
+        );
+        let name = merged["traceEvents"][0]["args"]["name"].as_str().unwrap();
+        assert!(name.len() <= MAX_NAME_BYTES + 10, "{} bytes", name.len());
+    }
+
+    #[tokio::test]
+    async fn a_hanging_peer_costs_one_deadline_and_is_remembered() {
+        use std::sync::Mutex as StdMutex;
+        // A peer that accepts and never answers; it lists who called, in
+        // the order the kernel queued the calls.
+        let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let addr = listener.local_addr().unwrap().to_string();
+        let callers = std::sync::Arc::new(StdMutex::new(Vec::new()));
+        let listed = callers.clone();
+        std::thread::spawn(move || {
+            let mut held = Vec::new();
+            for conn in listener.incoming().flatten() {
+                listed.lock().unwrap().push(conn.peer_addr().unwrap());
+                held.push(conn);
+            }
+        });
+        // The calls made so far: those the peer took before a last one of
+        // the test's own (the queue is first in, first out).
+        let calls_so_far = || {
+            let sentinel = std::net::TcpStream::connect(&addr).unwrap();
+            let me = sentinel.local_addr().unwrap();
+            loop {
+                let callers = callers.lock().unwrap();
+                if let Some(at) = callers.iter().position(|c| *c == me) {
+                    return at;
+                }
+                drop(callers);
+                std::thread::sleep(Duration::from_millis(10));
+            }
+        };
+        let cluster = Cluster::new(ClusterConfig {
+            node_name: "n0".into(),
+            peers: vec![addr.clone()],
+            peers_dns: None,
+            timeout: Duration::from_millis(300),
+            max_timeline_bytes: 1 << 20,
+        });
+        let first = cluster.clock(&addr).await.unwrap_err();
+        // One probe, not CLOCK_PROBES: the first failure ends the estimate.
+        assert_eq!(calls_so_far(), 1, "{first}");
+        // Remembered: the next clock and jobs questions fail at once, naming
+        // the failure, without calling the peer.
+        let again = cluster.clock(&addr).await.unwrap_err();
+        assert!(again.contains("ago"), "{again}");
+        let answers = cluster.ask_all("/api/jobs", 4096).await;
+        assert!(answers[0].result.as_ref().unwrap_err().contains("ago"));
+        // The first call and the first sentinel.
+        assert_eq!(calls_so_far(), 2);
+    }
+
+    #[test]
+    fn a_job_listing_fifty_thousand_hosts_is_read_once_and_capped() {
+        let ranks: Vec<Value> = (0..50_000)
+            .map(|r| json!({"rank": r, "host": format!("h{r}"), "pid": r}))
+            .collect();
+        let hosts = job_hosts(&json!({ "ranks": ranks }));
+        assert_eq!(hosts.len(), MAX_JOB_HOSTS);
+        assert_eq!(hosts[1], "h1");
+        let long = "h".repeat(1 << 20);
+        let one = job_hosts(&json!({ "ranks": [{"host": long}, {"host": "x"}] }));
+        assert_eq!(one[0].len(), MAX_NAME_BYTES);
+        assert_eq!(one[1], "x");
     }
 
     #[test]

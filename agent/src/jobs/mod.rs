@@ -306,9 +306,11 @@ impl JobSnapshot {
 
     /// Every host of the job, in rank order, each once.
     pub fn hosts(&self) -> Vec<&str> {
+        // A set beside the list: a hello may name thousands of hosts.
+        let mut seen = std::collections::BTreeSet::new();
         let mut hosts: Vec<&str> = Vec::new();
         for rank in &self.ranks {
-            if !hosts.contains(&rank.host.as_str()) {
+            if seen.insert(rank.host.as_str()) {
                 hosts.push(&rank.host);
             }
         }
