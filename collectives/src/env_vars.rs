@@ -119,7 +119,7 @@ pub fn runtime_variables() -> Vec<(&'static str, Vec<EnvVariable>)> {
                     "RINGWATCH_JOB_ID",
                     None,
                     "text",
-                    "`job-<port>-<pid of rank 0>`".to_owned(),
+                    "`job-<port>-<12 random hex digits>`".to_owned(),
                     "The job's name: its control socket's name and how the agent and \
                      the API call it.",
                 ),

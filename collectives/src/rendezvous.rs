@@ -213,6 +213,23 @@ fn sanitize_job_id(id: &str) -> String {
         .collect()
 }
 
+/// 48 random bits from the kernel, in hex: the part of a default job id no
+/// other user can guess (and so squat before the job binds its socket).
+fn random_suffix() -> String {
+    use std::io::Read;
+    let mut bytes = [0u8; 6];
+    let read = std::fs::File::open("/dev/urandom").and_then(|mut f| f.read_exact(&mut bytes));
+    if read.is_err() {
+        // No /dev/urandom (a bare container): the standard library's
+        // per-process random hash keys, which come from the kernel too.
+        use std::hash::{BuildHasher, Hasher};
+        let mut h = std::collections::hash_map::RandomState::new().build_hasher();
+        h.write_u32(std::process::id());
+        bytes.copy_from_slice(&h.finish().to_le_bytes()[..6]);
+    }
+    bytes.iter().map(|b| format!("{b:02x}")).collect()
+}
+
 const HANDSHAKE_MAGIC: [u8; 4] = *b"RWv1";
 
 /// Meets the other ranks and connects a full mesh; `op_timeout` bounds every later wait on
@@ -229,7 +246,7 @@ pub fn rendezvous(cfg: &RendezvousConfig, op_timeout: Duration) -> Result<Rendez
         let job_id = sanitize_job_id(
             &cfg.job_id
                 .clone()
-                .unwrap_or_else(|| format!("job-{}", std::process::id())),
+                .unwrap_or_else(|| format!("job-{}-{}", std::process::id(), random_suffix())),
         );
         return Ok(Rendezvous {
             transport: TcpTransport::new(0, 1, vec![None], op_timeout)?,
@@ -451,7 +468,7 @@ fn serve_rendezvous(
     let job_id = sanitize_job_id(
         &cfg.job_id
             .clone()
-            .unwrap_or_else(|| format!("job-{}-{}", cfg.master_port, std::process::id())),
+            .unwrap_or_else(|| format!("job-{}-{}", cfg.master_port, random_suffix())),
     );
     let mut peers = vec![Peer {
         info: me,

@@ -180,6 +180,10 @@ pub struct JobSnapshot {
     pub owner_uid: u32,
     /// The pid of that process, in the agent's pid namespace.
     pub owner_pid: u32,
+    /// Set when a socket of another user claims the same job id: which one,
+    /// and whose. Neither is believed to be the job then: it is not tuned.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub conflict: Option<String>,
 }
 
 struct Job {
@@ -211,6 +215,8 @@ struct Job {
     stop_reader: Arc<AtomicBool>,
     /// Distinguishes this connection from an earlier one of the same job id.
     connection: u64,
+    /// Another user's socket claims the same job id (`None` while none has).
+    conflict: Option<String>,
 }
 
 impl Job {
@@ -244,6 +250,7 @@ impl Job {
             }),
             owner_uid: self.owner.uid,
             owner_pid: self.owner.pid,
+            conflict: self.conflict.clone(),
         }
     }
 
@@ -767,9 +774,27 @@ impl Jobs {
         let stop_reader = Arc::new(AtomicBool::new(false));
         let connection = {
             let mut registry = self.lock();
-            if let Some(other) = registry.jobs.get(&hello.job_id)
+            if let Some(other) = registry.jobs.get_mut(&hello.job_id)
                 && other.state == JobState::Connected
             {
+                if other.owner.uid != owner.uid {
+                    let conflict = format!(
+                        "job id {:?} is also claimed by uid {} (pid {}) at {}",
+                        hello.job_id,
+                        owner.uid,
+                        owner.pid,
+                        path.display()
+                    );
+                    tracing::warn!(
+                        job_id = hello.job_id,
+                        uid = other.owner.uid,
+                        other_uid = owner.uid,
+                        socket = %path.display(),
+                        "two users' sockets claim one job id: the job is listed as a conflict \
+                         and not tuned"
+                    );
+                    other.conflict = Some(conflict);
+                }
                 let other = other.socket.display().to_string();
                 drop(registry);
                 return self.reject(
@@ -810,6 +835,7 @@ impl Jobs {
                     owner,
                     stop_reader: stop_reader.clone(),
                     connection,
+                    conflict: None,
                 },
             );
             connection
@@ -1385,6 +1411,45 @@ mod tests {
         assert_eq!(named, vec![server.0.id(), 1, 2]);
         // pids 1 and 2 run as root: only the server itself is watched.
         assert_eq!(JobPids::new(jobs.clone()).pids(), vec![server.0.id()]);
+    }
+
+    #[test]
+    fn one_job_id_claimed_by_two_users_is_a_conflict_and_not_tuned() {
+        if trust::agent_uid() != 0 || !Path::new("/usr/bin/python3").exists() {
+            eprintln!("skipped: needs root (to serve a socket as nobody) and /usr/bin/python3");
+            return;
+        }
+        // nobody's "relsq" in the shared directory; root's in another one.
+        let shared = TempDir::new("conflict-shared");
+        chmod(&shared.0, 0o1777);
+        let own = TempDir::new("conflict-own");
+        let hello = Hello {
+            protocol_version: collectives::control::PROTOCOL_VERSION,
+            job_id: "relsq".to_owned(),
+            world_size: 1,
+            local_size: 1,
+            ranks: Vec::new(),
+            knobs: Knobs::default(),
+            cycle: 0,
+            autotune: Default::default(),
+            host: None,
+            served_by_rank: None,
+        };
+        let _squatter = JobOfAnotherUser::start(&shared.0.join("relsq.sock"), 65534, &hello);
+        let _real = fake_job(&own.0.join("relsq.sock"), "relsq", Vec::new());
+        let mut config = config(&shared.0);
+        config.runtime_dirs.push(own.0.clone());
+        let jobs = Jobs::start(config).unwrap();
+        let job = wait_for(Duration::from_secs(60), "the conflict", || {
+            jobs.jobs()
+                .into_iter()
+                .find(|j| j.job_id == "relsq" && j.conflict.is_some())
+        });
+        let conflict = job.conflict.unwrap();
+        let other_uid = if job.owner_uid == 0 { 65534 } else { 0 };
+        assert!(conflict.contains(&format!("uid {other_uid}")), "{conflict}");
+        let listed = serde_json::to_value(jobs.jobs()).unwrap();
+        assert!(listed.to_string().contains("also claimed by"), "{listed}");
     }
 
     #[test]

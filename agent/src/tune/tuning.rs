@@ -228,6 +228,11 @@ impl TuningSessions {
                     "no job {job_id:?} on this node (GET /api/jobs lists the jobs found)"
                 ))
             })?;
+        if let Some(conflict) = &job.conflict {
+            return Err(StartError::Conflict(format!(
+                "job {job_id} cannot be tuned: {conflict} (the agent believes neither socket)"
+            )));
+        }
         if job.state != JobState::Connected {
             return Err(StartError::Conflict(format!(
                 "job {job_id} is lost ({}); it cannot be tuned",

@@ -269,21 +269,83 @@ fn writable(dir: &Path) -> bool {
     ok
 }
 
+/// Who serves the socket at `path` now, if a live process does.
+fn live_server(path: &Path) -> Option<crate::control::PeerCredentials> {
+    let stream = UnixStream::connect(path).ok()?;
+    crate::control::peer_credentials(&stream).ok()
+}
+
+/// The name a job's socket takes on a host where its own name is taken by
+/// another live process: the job id with the serving rank's pid, which the
+/// host's other ranks know (and try when the first name is not served by
+/// their user).
+pub(crate) fn alternate_job_id(job_id: &str, pid: u32) -> String {
+    format!("{job_id}-{pid}")
+}
+
+/// Why a job has no control socket.
+#[derive(Debug)]
+pub(crate) enum StartFailure {
+    /// No usable directory, or the socket could not be bound: the job runs
+    /// without a socket (the agent is an observer), saying why.
+    Unavailable(CollectiveError),
+    /// Its name and the alternate name are both served by other live
+    /// processes: someone squats them. The job must not run unwatched
+    /// without saying so loudly; it stops.
+    Taken(CollectiveError),
+}
+
 impl ControlServer {
-    /// Binds `<dir>/<job_id>.sock` and starts accepting clients.
-    pub fn start(dir: Option<PathBuf>, state: ServerState) -> Result<Arc<Self>> {
-        let dir = pick_dir(dir)?;
-        let path = socket_path(&dir, &state.hello.job_id);
-        let err = |message: String| CollectiveError::Control {
-            path: path.display().to_string(),
-            message,
+    /// Binds `<dir>/<job_id>.sock` and starts accepting clients. When another
+    /// live process serves that name (another user squatting it, or a job of
+    /// the same id), the socket takes the alternate name
+    /// [`alternate_job_id`] (and the hello says so), with a warning naming
+    /// the holder; when that is taken too, it fails with
+    /// [`StartFailure::Taken`].
+    pub(crate) fn start(
+        dir: Option<PathBuf>,
+        mut state: ServerState,
+    ) -> std::result::Result<Arc<Self>, StartFailure> {
+        let dir = pick_dir(dir).map_err(StartFailure::Unavailable)?;
+        let mut path = socket_path(&dir, &state.hello.job_id);
+        if let Some(holder) = live_server(&path) {
+            let alternate = alternate_job_id(&state.hello.job_id, std::process::id());
+            tracing::warn!(
+                socket = %path.display(),
+                holder_uid = holder.uid,
+                holder_pid = holder.pid,
+                alternate,
+                "another live process serves this job's socket name; the job's socket takes \
+                 the alternate name (the agent lists the job under it)"
+            );
+            let taken = path.clone();
+            path = socket_path(&dir, &alternate);
+            if let Some(other) = live_server(&path) {
+                return Err(StartFailure::Taken(CollectiveError::Control {
+                    path: path.display().to_string(),
+                    message: format!(
+                        "this job's socket name is served by uid {} (pid {}) at {}, and its \
+                         alternate name by uid {} (pid {}): someone squats them, so the job would \
+                         run unwatched. Remove them, or set RINGWATCH_JOB_ID to another name \
+                         (RINGWATCH_CONTROL_SOCKET=0 runs the job without a socket)",
+                        holder.uid,
+                        holder.pid,
+                        taken.display(),
+                        other.uid,
+                        other.pid
+                    ),
+                }));
+            }
+            state.hello.job_id = alternate;
+        }
+        let err = |message: String| {
+            StartFailure::Unavailable(CollectiveError::Control {
+                path: path.display().to_string(),
+                message,
+            })
         };
         if path.exists() {
-            if UnixStream::connect(&path).is_ok() {
-                return Err(err(
-                    "another live job serves this socket (same job id?)".into()
-                ));
-            }
+            // Not served (checked above): a socket a crashed job left.
             let _ = std::fs::remove_file(&path);
         }
         let listener = UnixListener::bind(&path).map_err(|e| err(format!("cannot bind: {e}")))?;
@@ -802,10 +864,14 @@ fn adjust(counter: &AtomicUsize, was: bool, now: bool) -> bool {
 /// connection and the cycle's events), and builds events only while the socket says a
 /// client wants them.
 pub(crate) struct Feeder {
-    path: PathBuf,
+    /// The socket's name, then its alternate name (the host's first rank's
+    /// when its own was taken).
+    paths: [PathBuf; 2],
     stream: Option<UnixStream>,
     wanted: Arc<AtomicBool>,
     last_try: Option<std::time::Instant>,
+    /// Servers refused (not this job's user), logged once each.
+    refused: Vec<(PathBuf, u32)>,
 }
 
 /// How long a feeder's write may block before it gives up the connection.
@@ -813,15 +879,54 @@ const FEEDER_WRITE_TIMEOUT: Duration = Duration::from_millis(20);
 
 impl Feeder {
     /// A feeder for the socket of `job_id` in `dir` (the runtime dir the host's first rank
-    /// picks by the same rules).
-    pub fn new(dir: Option<PathBuf>, job_id: &str) -> Self {
+    /// picks by the same rules), served by the host's first rank, `first_pid` (as it
+    /// reported its pid: the alternate name it takes when its own is taken).
+    pub fn new(dir: Option<PathBuf>, job_id: &str, first_pid: u32) -> Self {
         let dir = dir.unwrap_or_else(default_runtime_dir);
         Feeder {
-            path: socket_path(&dir, job_id),
+            paths: [
+                socket_path(&dir, job_id),
+                socket_path(&dir, &alternate_job_id(job_id, first_pid)),
+            ],
             stream: None,
             wanted: Arc::new(AtomicBool::new(false)),
             last_try: None,
+            refused: Vec::new(),
         }
+    }
+
+    /// A connection to the first of the feeder's paths served by this job's
+    /// user (or root): the events carry the job's tensor names, so a socket
+    /// served by anyone else (a squatter of the name) gets nothing.
+    fn connect_to_the_job(&mut self) -> Option<UnixStream> {
+        // SAFETY: geteuid has no preconditions.
+        let me = unsafe { libc::geteuid() };
+        for path in &self.paths {
+            let Ok(stream) = UnixStream::connect(path) else {
+                continue;
+            };
+            match crate::control::peer_credentials(&stream) {
+                Ok(server) if server.uid == me || server.uid == 0 => return Some(stream),
+                Ok(server) => {
+                    if !self.refused.contains(&(path.clone(), server.uid)) {
+                        tracing::warn!(
+                            socket = %path.display(),
+                            server_uid = server.uid,
+                            server_pid = server.pid,
+                            "not sending this rank's timeline: the socket is served by another \
+                             user, not this job"
+                        );
+                        self.refused.push((path.clone(), server.uid));
+                    }
+                }
+                Err(error) => tracing::debug!(
+                    socket = %path.display(),
+                    %error,
+                    "cannot read the socket server's credentials"
+                ),
+            }
+        }
+        None
     }
 
     /// Whether this cycle's events are wanted (connecting first, at most once a second);
@@ -841,7 +946,7 @@ impl Feeder {
             return;
         }
         self.last_try = Some(now);
-        let Ok(mut stream) = UnixStream::connect(&self.path) else {
+        let Some(mut stream) = self.connect_to_the_job() else {
             return;
         };
         let Ok(reader) = stream.try_clone() else {
@@ -931,6 +1036,103 @@ mod tests {
             claims: Arc::new(TuningClaims::new(AutotuneState::Off, None)),
         };
         (ControlServer::start(Some(dir.clone()), state).unwrap(), dir)
+    }
+
+    /// A process of user `nobody` serving a Unix socket at `path` until killed
+    /// (`None`, saying why, where the test cannot make one: not root, no
+    /// setpriv or /usr/bin/python3).
+    fn squatter(path: &Path) -> Option<std::process::Child> {
+        // SAFETY: geteuid has no preconditions.
+        if unsafe { libc::geteuid() } != 0
+            || !Path::new("/usr/bin/setpriv").exists()
+            || !Path::new("/usr/bin/python3").exists()
+        {
+            eprintln!("SKIPPED: the squatter needs root, /usr/bin/setpriv and /usr/bin/python3");
+            return None;
+        }
+        let script = "import socket,sys,time\n\
+                      s=socket.socket(socket.AF_UNIX); s.bind(sys.argv[1]); s.listen(8)\n\
+                      print('ready', flush=True)\n\
+                      while True: c,_=s.accept()\n";
+        let mut child = std::process::Command::new("/usr/bin/setpriv")
+            .args([
+                "--reuid=65534",
+                "--regid=65534",
+                "--clear-groups",
+                "/usr/bin/python3",
+                "-c",
+            ])
+            .arg(script)
+            .arg(path)
+            .stdout(std::process::Stdio::piped())
+            .spawn()
+            .ok()?;
+        let mut line = String::new();
+        std::io::BufRead::read_line(
+            &mut std::io::BufReader::new(child.stdout.take()?),
+            &mut line,
+        )
+        .ok()?;
+        assert_eq!(line.trim(), "ready", "the squatter did not start");
+        Some(child)
+    }
+
+    #[test]
+    fn a_name_squatted_by_another_user_gets_the_alternate_and_no_timeline() {
+        let dir = std::env::temp_dir().join(format!("rw-squat-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(&dir).unwrap();
+        std::fs::set_permissions(&dir, std::os::unix::fs::PermissionsExt::from_mode(0o1777))
+            .unwrap();
+        let Some(mut squat) = squatter(&dir.join("relsq.sock")) else {
+            return;
+        };
+        let hello = Hello {
+            protocol_version: PROTOCOL_VERSION,
+            job_id: "relsq".into(),
+            world_size: 2,
+            local_size: 2,
+            ranks: Vec::new(),
+            knobs: Knobs::default(),
+            cycle: 0,
+            autotune: AutotuneState::Off,
+            host: None,
+            served_by_rank: Some(0),
+        };
+        let state = || ServerState {
+            hello: hello.clone(),
+            knobs: Arc::new(Mutex::new((Knobs::default(), 0))),
+            claims: Arc::new(TuningClaims::new(AutotuneState::Off, None)),
+        };
+        let me = std::process::id();
+        let server = ControlServer::start(Some(dir.clone()), state()).unwrap();
+        let alternate = format!("relsq-{me}");
+        assert_eq!(server.path(), dir.join(format!("{alternate}.sock")));
+        // The agent finds the job under its alternate name.
+        let client = ControlClient::connect(server.path(), Duration::from_secs(60)).unwrap();
+        assert_eq!(client.hello().job_id, alternate);
+        // A rank's feeder skips the squatter's socket for the job's own.
+        let mut feeder = Feeder::new(Some(dir.clone()), "relsq", me);
+        let stream = feeder.connect_to_the_job().expect("the job's own socket");
+        let server_pid = crate::control::peer_credentials(&stream).unwrap().pid;
+        assert_eq!(server_pid, me);
+        assert_eq!(feeder.refused, vec![(dir.join("relsq.sock"), 65534)]);
+        // Both names taken: the job stops, saying who holds them.
+        drop(stream);
+        drop(client);
+        server.stop();
+        let Some(mut squat2) = squatter(&dir.join(format!("{alternate}.sock"))) else {
+            return;
+        };
+        let Err(StartFailure::Taken(e)) = ControlServer::start(Some(dir.clone()), state()) else {
+            panic!("a job whose names are both squatted started")
+        };
+        assert!(e.to_string().contains("uid 65534"), "{e}");
+        for child in [&mut squat, &mut squat2] {
+            let _ = child.kill();
+            let _ = child.wait();
+        }
+        let _ = std::fs::remove_dir_all(&dir);
     }
 
     /// Polls `done` until it holds; the limit only guards against a hang.
