@@ -159,6 +159,18 @@ fn shutdown(py: Python<'_>) -> PyResult<()> {
     Ok(())
 }
 
+/// Leaves the job at once because this rank failed (an uncaught exception):
+/// the other ranks are told `reason` now, instead of finding out when their
+/// peer timeout runs out, and this rank's pending operations fail.
+#[pyfunction]
+fn leave(py: Python<'_>, reason: &str) -> PyResult<()> {
+    let interrupter = runtime()?.as_ref().map(Runtime::interrupter);
+    if let Some(interrupter) = interrupter {
+        py.detach(|| interrupter.interrupt(reason));
+    }
+    Ok(())
+}
+
 /// Whether `init()` ran and `shutdown()` did not.
 #[pyfunction]
 fn is_initialized() -> PyResult<bool> {
@@ -588,6 +600,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(shared_memory, m)?)?;
     m.add_function(wrap_pyfunction!(init, m)?)?;
     m.add_function(wrap_pyfunction!(shutdown, m)?)?;
+    m.add_function(wrap_pyfunction!(leave, m)?)?;
     m.add_function(wrap_pyfunction!(is_initialized, m)?)?;
     m.add_function(wrap_pyfunction!(rank, m)?)?;
     m.add_function(wrap_pyfunction!(size, m)?)?;

@@ -199,6 +199,38 @@ def test_a_dead_rank_raises_instead_of_hanging(run_job):
         assert "rank 2" in res["error"], res
 
 
+RAISING_RANK = r"""
+import json, time
+import torch
+import ringwatch.torch as rw
+
+rw.init()
+r = rw.rank()
+rw.allreduce_(torch.ones(8), name="warmup")
+if r == 1:
+    raise ValueError("bad batch 17")
+try:
+    for i in range(1000):
+        rw.allreduce_(torch.ones(1024), name=f"step.{i}")
+    outcome = "no error"
+except rw.RankFailedError as e:
+    outcome = str(e)
+print(json.dumps({"rank": r, "error": outcome}))
+"""
+
+
+def test_an_exception_on_one_rank_reaches_the_others_with_its_reason(run_job):
+    # The peer timeout is long: the others must hear of the exception from the
+    # rank itself, not from a timeout (whose message names no exception).
+    job = run_job(RAISING_RANK, 2, env={"RINGWATCH_COLLECTIVE_TIMEOUT_SECS": "600"}, check=False)
+    assert job.procs[1].returncode != 0, job.describe()
+    assert "ValueError: bad batch 17" in job.outputs[1][1], job.describe()
+    assert job.procs[0].returncode == 0, job.describe()
+    lines = [l for l in job.outputs[0][0].splitlines() if l.strip()]
+    res = json.loads(lines[-1])
+    assert "rank 1" in res["error"] and "exception ValueError: bad batch 17" in res["error"], res
+
+
 AUTOGRAD = r"""
 import json
 import torch

@@ -33,6 +33,7 @@ Rendezvous: rank 0 listens on ``RINGWATCH_MASTER_PORT``, by default ``MASTER_POR
 import atexit
 import ctypes
 import os
+import sys
 import threading
 import queue
 import itertools
@@ -100,6 +101,26 @@ def init():
         )
     _native.init(master_port=port)
     atexit.register(_shutdown_at_exit)
+    _leave_on_uncaught_exceptions()
+
+
+def _leave_on_uncaught_exceptions():
+    """An exception that ends this rank's script tells the other ranks at once (they
+    raise naming this rank and the exception), instead of leaving them to wait out their
+    peer timeout."""
+    previous = sys.excepthook
+    if getattr(previous, "_ringwatch_leaves", False):
+        return
+
+    def leave_then_report(kind, value, traceback):
+        try:
+            _native.leave(f"exception {kind.__name__}: {value}"[:300])
+        except Exception:  # noqa: BLE001 - the exception below is what matters
+            pass
+        previous(kind, value, traceback)
+
+    leave_then_report._ringwatch_leaves = True
+    sys.excepthook = leave_then_report
 
 
 def _shutdown_at_exit():
