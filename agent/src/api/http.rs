@@ -366,6 +366,51 @@ struct WriteDeadline<S> {
     limit: Duration,
     stalled: Option<std::pin::Pin<Box<tokio::time::Sleep>>>,
     busy: Arc<AtomicUsize>,
+    /// An answer of hyper's own being replaced (see [`with_error_body`]):
+    /// the bytes to write instead, how many are written, and the length of
+    /// hyper's write they stand for.
+    replacing: Option<(Vec<u8>, usize, usize)>,
+}
+
+/// hyper answers a request it cannot parse (a request line that is not
+/// UTF-8, headers over the buffer) itself, before any handler runs, with an
+/// empty 400 or 431. This gives such an answer the API's JSON error body.
+/// `None` for any other write.
+fn with_error_body(buf: &[u8]) -> Option<Vec<u8>> {
+    let (status, why) = if buf.starts_with(b"HTTP/1.1 400 ") {
+        (
+            400,
+            "the request could not be parsed as HTTP/1.1 (its request line or headers are malformed)",
+        )
+    } else if buf.starts_with(b"HTTP/1.1 431 ") {
+        (431, "the request's headers are too large")
+    } else {
+        return None;
+    };
+    let end = buf.windows(4).position(|w| w == b"\r\n\r\n")?;
+    let head = std::str::from_utf8(&buf[..end]).ok()?;
+    // Only hyper's own: the API's errors always have a body.
+    if end + 4 != buf.len()
+        || !head
+            .lines()
+            .any(|l| l.eq_ignore_ascii_case("content-length: 0"))
+    {
+        return None;
+    }
+    let body = serde_json::json!({ "error": { "status": status, "message": why } }).to_string();
+    let mut out = Vec::with_capacity(end + body.len() + 64);
+    for line in head.lines() {
+        if line.eq_ignore_ascii_case("content-length: 0") {
+            out.extend_from_slice(format!("content-length: {}\r\n", body.len()).as_bytes());
+            out.extend_from_slice(b"content-type: application/json\r\n");
+        } else {
+            out.extend_from_slice(line.as_bytes());
+            out.extend_from_slice(b"\r\n");
+        }
+    }
+    out.extend_from_slice(b"\r\n");
+    out.extend_from_slice(body.as_bytes());
+    Some(out)
 }
 
 impl<S> WriteDeadline<S> {
@@ -375,6 +420,7 @@ impl<S> WriteDeadline<S> {
             limit,
             stalled: None,
             busy,
+            replacing: None,
         }
     }
 
@@ -430,6 +476,32 @@ impl<S: tokio::io::AsyncWrite + Unpin> tokio::io::AsyncWrite for WriteDeadline<S
         cx: &mut std::task::Context<'_>,
         buf: &[u8],
     ) -> std::task::Poll<std::io::Result<usize>> {
+        if self.replacing.is_none()
+            && let Some(replacement) = with_error_body(buf)
+        {
+            self.replacing = Some((replacement, 0, buf.len()));
+        }
+        if let Some((bytes, written, stands_for)) = self.replacing.take() {
+            let this = &mut *self;
+            return match std::pin::Pin::new(&mut this.inner).poll_write(cx, &bytes[written..]) {
+                std::task::Poll::Pending => {
+                    this.replacing = Some((bytes, written, stands_for));
+                    this.stalled(cx)
+                }
+                std::task::Poll::Ready(Ok(n)) if written + n < bytes.len() => {
+                    this.moving();
+                    this.replacing = Some((bytes, written + n, stands_for));
+                    // Ask to be called again for the rest.
+                    cx.waker().wake_by_ref();
+                    std::task::Poll::Pending
+                }
+                std::task::Poll::Ready(Ok(_)) => {
+                    this.moving();
+                    std::task::Poll::Ready(Ok(stands_for))
+                }
+                std::task::Poll::Ready(Err(e)) => std::task::Poll::Ready(Err(e)),
+            };
+        }
         match std::pin::Pin::new(&mut self.inner).poll_write(cx, buf) {
             std::task::Poll::Pending => self.stalled(cx),
             ready => {
@@ -590,6 +662,44 @@ mod tests {
             assert!(Instant::now() < deadline, "connections stay over the cap");
             tokio::time::sleep(Duration::from_millis(20)).await;
         }
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn requests_hyper_cannot_parse_get_the_json_error_body() {
+        let (address, _counters, _stop) = start(HttpLimits::default()).await;
+        let ask = move |request: Vec<u8>| {
+            tokio::task::spawn_blocking(move || {
+                let mut stream = TcpStream::connect(address).unwrap();
+                stream
+                    .set_read_timeout(Some(Duration::from_secs(60)))
+                    .unwrap();
+                // The server may answer before it has read it all.
+                let _ = stream.write_all(&request);
+                let mut answer = Vec::new();
+                let _ = stream.read_to_end(&mut answer);
+                String::from_utf8_lossy(&answer).into_owned()
+            })
+        };
+        let not_utf8 = ask(b"GET /api/health\xff\xfe HTTP/1.1\r\nHost: x\r\n\r\n".to_vec())
+            .await
+            .unwrap();
+        let mut huge = b"GET /api/health HTTP/1.1\r\nHost: x\r\nX-Big: ".to_vec();
+        huge.extend(std::iter::repeat_n(b'a', 2 * MAX_BUFFER_BYTES));
+        huge.extend_from_slice(b"\r\n\r\n");
+        let too_large = ask(huge).await.unwrap();
+        for (answer, status) in [(not_utf8, "400"), (too_large, "431")] {
+            assert!(
+                answer.starts_with(&format!("HTTP/1.1 {status} ")),
+                "{answer}"
+            );
+            let (head, body) = answer.split_once("\r\n\r\n").unwrap();
+            assert!(head.contains("content-type: application/json"), "{head}");
+            let body: serde_json::Value = serde_json::from_str(body).unwrap();
+            assert_eq!(body["error"]["status"].to_string(), status, "{body}");
+            assert!(body["error"]["message"].as_str().unwrap().len() > 10);
+        }
+        // The API's own errors are left as they are.
+        assert_eq!(get_status(address, "/api/health").await, "HTTP/1.1 200 OK");
     }
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
