@@ -10,7 +10,11 @@ def test_it_starts_each_rank_with_torchruns_variables(tmp_path):
     script.write_text(textwrap.dedent("""
         import os
         names = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
-        print("seen", *(os.environ[n] for n in names[:4]), flush=True)
+        # One write of the whole line: the two ranks share the pipe, and
+        # print() may write its parts one by one (torchrun's ranks run
+        # unbuffered), interleaving the ranks' lines.
+        line = " ".join(["seen", *(os.environ[n] for n in names[:4])]) + "\\n"
+        os.write(1, line.encode())
         assert all(os.environ.get(n) for n in names)
     """))
     done = subprocess.run(
