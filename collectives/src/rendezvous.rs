@@ -215,7 +215,7 @@ fn sanitize_job_id(id: &str) -> String {
 
 /// 48 random bits from the kernel, in hex: the part of a default job id no
 /// other user can guess (and so squat before the job binds its socket).
-fn random_suffix() -> String {
+pub(crate) fn random_suffix() -> String {
     use std::io::Read;
     let mut bytes = [0u8; 6];
     let read = std::fs::File::open("/dev/urandom").and_then(|mut f| f.read_exact(&mut bytes));

@@ -37,6 +37,10 @@ use crate::discovery::{self, PidSource};
 #[path = "../../tests/common/procs.rs"]
 mod test_procs;
 
+/// What a job's socket name has between its id and random part when the job
+/// took an alternate name (`collectives`' runtime does; see the trust model).
+pub const ALTERNATE_MARK: &str = ".taken-";
+
 /// How the registry looks for jobs and how much it keeps.
 #[derive(Debug, Clone)]
 pub struct JobsConfig {
@@ -180,10 +184,15 @@ pub struct JobSnapshot {
     pub owner_uid: u32,
     /// The pid of that process, in the agent's pid namespace.
     pub owner_pid: u32,
-    /// Set when a socket of another user claims the same job id: which one,
-    /// and whose. Neither is believed to be the job then: it is not tuned.
+    /// Set when another user's socket claims this job's id, or when one job
+    /// runs under an alternate name (`<id>.taken-…`) because another user
+    /// holds its name: which, and whose.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub conflict: Option<String>,
+    /// Another user's socket claims this very id: the id names neither job
+    /// for sure, so it is not tuned.
+    #[serde(skip)]
+    pub id_claimed_twice: bool,
 }
 
 struct Job {
@@ -215,8 +224,9 @@ struct Job {
     stop_reader: Arc<AtomicBool>,
     /// Distinguishes this connection from an earlier one of the same job id.
     connection: u64,
-    /// Another user's socket claims the same job id (`None` while none has).
-    conflict: Option<String>,
+    /// Another user's socket that claims the same job id (its path, its
+    /// serving uid and pid), while its file is there.
+    claimed_also_by: Option<(PathBuf, u32, u32)>,
 }
 
 impl Job {
@@ -250,7 +260,20 @@ impl Job {
             }),
             owner_uid: self.owner.uid,
             owner_pid: self.owner.pid,
-            conflict: self.conflict.clone(),
+            conflict: self
+                .claimed_also_by
+                .as_ref()
+                .filter(|(path, _, _)| path.exists())
+                .map(|(path, uid, pid)| {
+                    format!(
+                        "job id {job_id:?} is also claimed by uid {uid} (pid {pid}) at {}",
+                        path.display()
+                    )
+                }),
+            id_claimed_twice: self
+                .claimed_also_by
+                .as_ref()
+                .is_some_and(|(path, _, _)| path.exists()),
         }
     }
 
@@ -540,11 +563,47 @@ impl Jobs {
     /// Every job known now (connected, or lost within the retention window),
     /// by job id.
     pub fn jobs(&self) -> Vec<JobSnapshot> {
-        self.lock()
+        let registry = self.lock();
+        let mut jobs: Vec<JobSnapshot> = registry
             .jobs
             .iter()
             .map(|(id, job)| job.snapshot(id))
-            .collect()
+            .collect();
+        // A job under an alternate name (its own was held when it started)
+        // and the job of another user that holds the name: both listed as a
+        // conflict, each naming the other.
+        let mut held: Vec<(String, String)> = Vec::new();
+        for job in &jobs {
+            let Some((wanted, _)) = job.job_id.split_once(ALTERNATE_MARK) else {
+                continue;
+            };
+            if let Some(holder) = registry.jobs.get(wanted)
+                && holder.owner.uid != job.owner_uid
+            {
+                held.push((
+                    job.job_id.clone(),
+                    format!(
+                        "its name {wanted:?} is held by uid {} (pid {}) at {}",
+                        holder.owner.uid,
+                        holder.owner.pid,
+                        holder.socket.display()
+                    ),
+                ));
+                held.push((
+                    wanted.to_owned(),
+                    format!(
+                        "job {:?} of uid {} (pid {}) wanted this name",
+                        job.job_id, job.owner_uid, job.owner_pid
+                    ),
+                ));
+            }
+        }
+        for (id, why) in held {
+            if let Some(job) = jobs.iter_mut().find(|j| j.job_id == id) {
+                job.conflict.get_or_insert(why);
+            }
+        }
+        jobs
     }
 
     /// The newest per-cycle statistics of `job_id` (oldest first), or `None`
@@ -778,13 +837,6 @@ impl Jobs {
                 && other.state == JobState::Connected
             {
                 if other.owner.uid != owner.uid {
-                    let conflict = format!(
-                        "job id {:?} is also claimed by uid {} (pid {}) at {}",
-                        hello.job_id,
-                        owner.uid,
-                        owner.pid,
-                        path.display()
-                    );
                     tracing::warn!(
                         job_id = hello.job_id,
                         uid = other.owner.uid,
@@ -793,7 +845,7 @@ impl Jobs {
                         "two users' sockets claim one job id: the job is listed as a conflict \
                          and not tuned"
                     );
-                    other.conflict = Some(conflict);
+                    other.claimed_also_by = Some((path.to_owned(), owner.uid, owner.pid));
                 }
                 let other = other.socket.display().to_string();
                 drop(registry);
@@ -835,7 +887,7 @@ impl Jobs {
                     owner,
                     stop_reader: stop_reader.clone(),
                     connection,
-                    conflict: None,
+                    claimed_also_by: None,
                 },
             );
             connection
@@ -1414,6 +1466,50 @@ mod tests {
     }
 
     #[test]
+    fn a_job_under_its_alternate_name_and_the_squatter_are_listed_as_a_conflict() {
+        if trust::agent_uid() != 0 || !Path::new("/usr/bin/python3").exists() {
+            eprintln!("skipped: needs root (to serve a socket as nobody) and /usr/bin/python3");
+            return;
+        }
+        let shared = TempDir::new("alternate");
+        chmod(&shared.0, 0o1777);
+        let hello = Hello {
+            protocol_version: collectives::control::PROTOCOL_VERSION,
+            job_id: "relsq".to_owned(),
+            world_size: 1,
+            local_size: 1,
+            ranks: Vec::new(),
+            knobs: Knobs::default(),
+            cycle: 0,
+            autotune: Default::default(),
+            host: None,
+            served_by_rank: None,
+        };
+        let _squatter = JobOfAnotherUser::start(&shared.0.join("relsq.sock"), 65534, &hello);
+        let alternate = "relsq.taken-0123456789ab";
+        let _real = fake_job(
+            &shared.0.join(format!("{alternate}.sock")),
+            alternate,
+            Vec::new(),
+        );
+        let jobs = Jobs::start(config(&shared.0)).unwrap();
+        let (real, squatter) = wait_for(Duration::from_secs(60), "both jobs", || {
+            let all = jobs.jobs();
+            let real = all.iter().find(|j| j.job_id == alternate)?.clone();
+            let squatter = all.iter().find(|j| j.job_id == "relsq")?.clone();
+            Some((real, squatter))
+        });
+        let why = real.conflict.expect("the real job listed as a conflict");
+        assert!(why.contains("held by uid 65534"), "{why}");
+        let why = squatter
+            .conflict
+            .expect("the squatter listed as a conflict");
+        assert!(why.contains(alternate), "{why}");
+        // Each id names one job: the real one can be tuned under its name.
+        assert!(!real.id_claimed_twice && !squatter.id_claimed_twice);
+    }
+
+    #[test]
     fn one_job_id_claimed_by_two_users_is_a_conflict_and_not_tuned() {
         if trust::agent_uid() != 0 || !Path::new("/usr/bin/python3").exists() {
             eprintln!("skipped: needs root (to serve a socket as nobody) and /usr/bin/python3");
@@ -1448,6 +1544,7 @@ mod tests {
         let conflict = job.conflict.unwrap();
         let other_uid = if job.owner_uid == 0 { 65534 } else { 0 };
         assert!(conflict.contains(&format!("uid {other_uid}")), "{conflict}");
+        assert!(job.id_claimed_twice);
         let listed = serde_json::to_value(jobs.jobs()).unwrap();
         assert!(listed.to_string().contains("also claimed by"), "{listed}");
     }

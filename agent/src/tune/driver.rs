@@ -384,6 +384,9 @@ impl TuningSessions {
         client
             .release_tuning(true, limits.connect_timeout)
             .map_err(|e| broken("releasing the tuning claim", e))?;
+        handle
+            .released
+            .store(true, std::sync::atomic::Ordering::Release);
         let state = if stopped.is_some() {
             SessionState::Stopped
         } else {
@@ -529,6 +532,13 @@ pub(super) fn with_the_claim(
     let result = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| session(client)))
         .unwrap_or_else(|payload| {
             let why = panic_message(payload.as_ref());
+            if handle.released.load(std::sync::atomic::Ordering::Acquire) {
+                tracing::error!(why, "the tuning session panicked after it released the job");
+                return Err(SessionFailure::Failed(format!(
+                    "the tuning session panicked after it pinned the job's knobs and released \
+                     it ({why}); the job keeps them"
+                )));
+            }
             tracing::error!(
                 why,
                 "the tuning session panicked; the job goes back to its start knobs"
@@ -545,7 +555,7 @@ pub(super) fn with_the_claim(
                 "the tuning session panicked ({why}); {back}"
             )))
         });
-    if result.is_err() {
+    if result.is_err() && !handle.released.load(std::sync::atomic::Ordering::Acquire) {
         // Best effort: a broken connection already ended the claim.
         let _ = client.release_tuning(false, Duration::from_secs(2));
     }
@@ -719,6 +729,7 @@ mod tests {
                 confirmation: None,
             }),
             stop: Mutex::new(None),
+            released: std::sync::atomic::AtomicBool::new(false),
         };
         let mut client = ControlClient::connect(&socket, Duration::from_secs(60)).unwrap();
         client.claim_tuning(Duration::from_secs(60)).unwrap();

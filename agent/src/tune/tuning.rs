@@ -77,6 +77,9 @@ pub enum KnobsOnStop {
 pub(super) struct Handle {
     pub(super) view: Mutex<SessionView>,
     pub(super) stop: Mutex<Option<KnobsOnStop>>,
+    /// The session released the job's claim (its knobs are pinned): a panic
+    /// after that leaves the job as it is.
+    pub(super) released: std::sync::atomic::AtomicBool,
 }
 
 impl Handle {
@@ -228,9 +231,12 @@ impl TuningSessions {
                     "no job {job_id:?} on this node (GET /api/jobs lists the jobs found)"
                 ))
             })?;
-        if let Some(conflict) = &job.conflict {
+        if job.id_claimed_twice {
             return Err(StartError::Conflict(format!(
-                "job {job_id} cannot be tuned: {conflict} (the agent believes neither socket)"
+                "job {job_id} cannot be tuned: {} (the agent believes neither socket)",
+                job.conflict
+                    .as_deref()
+                    .unwrap_or("two users' sockets claim its id")
             )));
         }
         if job.state != JobState::Connected {
@@ -275,6 +281,7 @@ impl TuningSessions {
                     confirmation: None,
                 }),
                 stop: Mutex::new(None),
+                released: std::sync::atomic::AtomicBool::new(false),
             });
             sessions.insert(job_id.to_owned(), handle.clone());
             forget_oldest_finished(&mut sessions);

@@ -268,27 +268,17 @@ impl Runtime {
                 },
             ) {
                 Ok(s) => Some(s),
-                Err(server::StartFailure::Unavailable(e)) => {
+                Err(e) => {
                     // The agent is an observer: a job runs without it.
                     tracing::warn!(error = %e, "control socket unavailable; the job runs without it");
                     None
-                }
-                Err(server::StartFailure::Taken(e)) => {
-                    tracing::error!(error = %e, "this job's control socket names are taken");
-                    return Err(e);
                 }
             }
         } else {
             None
         };
-        let feeder = (!first_on_host && config.control_socket).then(|| {
-            let host = ranks.get(rank).map(|r| r.host.as_str());
-            let first_pid = ranks
-                .iter()
-                .find(|r| Some(r.host.as_str()) == host)
-                .map_or(0, |r| r.pid);
-            Feeder::new(config.runtime_dir.clone(), &job_id, first_pid)
-        });
+        let feeder = (!first_on_host && config.control_socket)
+            .then(|| Feeder::new(config.runtime_dir.clone(), &job_id));
         let control_path = server.as_ref().map(|s| s.path().to_path_buf());
         let (finished_tx, finished) = mpsc::channel();
         let cycle = CycleThread {

@@ -269,85 +269,91 @@ fn writable(dir: &Path) -> bool {
     ok
 }
 
-/// Who serves the socket at `path` now, if a live process does.
-fn live_server(path: &Path) -> Option<crate::control::PeerCredentials> {
-    let stream = UnixStream::connect(path).ok()?;
-    crate::control::peer_credentials(&stream).ok()
+/// What holds the name `path` so that this job may not take it, if anything
+/// does: anything of another user (a socket, a plain file, a socket nobody
+/// serves or nobody may connect to), a file of this user that is not a
+/// socket, or a live socket of this user (another job of the same id). A
+/// socket of this user that nobody serves was left by a crashed job: it is
+/// removed, and the name is free. Another user's socket is never connected
+/// to (a full backlog would block the connect).
+fn holder(path: &Path) -> Option<String> {
+    use std::os::unix::fs::{FileTypeExt, MetadataExt};
+    let meta = std::fs::symlink_metadata(path).ok()?;
+    // SAFETY: geteuid has no preconditions.
+    let me = unsafe { libc::geteuid() };
+    let kind = if meta.file_type().is_socket() {
+        "socket"
+    } else if meta.file_type().is_symlink() {
+        "symlink"
+    } else {
+        "file"
+    };
+    if meta.uid() != me {
+        return Some(format!("a {kind} of uid {}", meta.uid()));
+    }
+    if kind != "socket" {
+        return Some(format!("a {kind} of this user"));
+    }
+    match UnixStream::connect(path) {
+        Ok(stream) => Some(match crate::control::peer_credentials(&stream) {
+            Ok(server) => format!("a live job of this user (pid {})", server.pid),
+            Err(_) => "a live job of this user".to_owned(),
+        }),
+        Err(_) => {
+            let _ = std::fs::remove_file(path);
+            None
+        }
+    }
 }
 
-/// The name a job's socket takes on a host where its own name is taken by
-/// another live process: the job id with the serving rank's pid, which the
-/// host's other ranks know (and try when the first name is not served by
-/// their user).
-pub(crate) fn alternate_job_id(job_id: &str, pid: u32) -> String {
-    format!("{job_id}-{pid}")
-}
+/// The marker between a job's id and the random part of its alternate name.
+pub(crate) const ALTERNATE_MARK: &str = ".taken-";
 
-/// Why a job has no control socket.
-#[derive(Debug)]
-pub(crate) enum StartFailure {
-    /// No usable directory, or the socket could not be bound: the job runs
-    /// without a socket (the agent is an observer), saying why.
-    Unavailable(CollectiveError),
-    /// Its name and the alternate name are both served by other live
-    /// processes: someone squats them. The job must not run unwatched
-    /// without saying so loudly; it stops.
-    Taken(CollectiveError),
+/// The name a job's socket takes where its own is held (see [`holder`]): the
+/// id, [`ALTERNATE_MARK`] and 48 random bits, which nobody can take first.
+/// The host's other ranks find it by its prefix; the agent lists both names
+/// as a conflict.
+pub(crate) fn alternate_job_id(job_id: &str) -> String {
+    format!(
+        "{job_id}{ALTERNATE_MARK}{}",
+        crate::rendezvous::random_suffix()
+    )
 }
 
 impl ControlServer {
-    /// Binds `<dir>/<job_id>.sock` and starts accepting clients. When another
-    /// live process serves that name (another user squatting it, or a job of
-    /// the same id), the socket takes the alternate name
-    /// [`alternate_job_id`] (and the hello says so), with a warning naming
-    /// the holder; when that is taken too, it fails with
-    /// [`StartFailure::Taken`].
-    pub(crate) fn start(
-        dir: Option<PathBuf>,
-        mut state: ServerState,
-    ) -> std::result::Result<Arc<Self>, StartFailure> {
-        let dir = pick_dir(dir).map_err(StartFailure::Unavailable)?;
+    /// Binds `<dir>/<job_id>.sock` and starts accepting clients. When that
+    /// name is held (see [`holder`]), the socket takes an alternate name
+    /// ([`alternate_job_id`]; the hello says so) and an error is logged
+    /// naming the holder: the job is watched under the other name, never
+    /// unwatched in silence. Without a usable directory the job runs without
+    /// a socket, saying why.
+    pub(crate) fn start(dir: Option<PathBuf>, mut state: ServerState) -> Result<Arc<Self>> {
+        let dir = pick_dir(dir)?;
         let mut path = socket_path(&dir, &state.hello.job_id);
-        if let Some(holder) = live_server(&path) {
-            let alternate = alternate_job_id(&state.hello.job_id, std::process::id());
-            tracing::warn!(
-                socket = %path.display(),
-                holder_uid = holder.uid,
-                holder_pid = holder.pid,
-                alternate,
-                "another live process serves this job's socket name; the job's socket takes \
-                 the alternate name (the agent lists the job under it)"
-            );
-            let taken = path.clone();
-            path = socket_path(&dir, &alternate);
-            if let Some(other) = live_server(&path) {
-                return Err(StartFailure::Taken(CollectiveError::Control {
-                    path: path.display().to_string(),
-                    message: format!(
-                        "this job's socket name is served by uid {} (pid {}) at {}, and its \
-                         alternate name by uid {} (pid {}): someone squats them, so the job would \
-                         run unwatched. Remove them, or set RINGWATCH_JOB_ID to another name \
-                         (RINGWATCH_CONTROL_SOCKET=0 runs the job without a socket)",
-                        holder.uid,
-                        holder.pid,
-                        taken.display(),
-                        other.uid,
-                        other.pid
-                    ),
-                }));
+        if let Some(held_by) = holder(&path) {
+            let mut alternate = alternate_job_id(&state.hello.job_id);
+            // 48 random bits: a second draw only if the kernel's randomness failed.
+            for _ in 0..3 {
+                if holder(&socket_path(&dir, &alternate)).is_none() {
+                    break;
+                }
+                alternate = alternate_job_id(&state.hello.job_id);
             }
+            tracing::error!(
+                socket = %path.display(),
+                held_by,
+                alternate,
+                "this job's socket name is held by someone else; the job's socket takes the \
+                 alternate name, and the node's agent lists the job under it (set \
+                 RINGWATCH_JOB_ID to a name of your own)"
+            );
+            path = socket_path(&dir, &alternate);
             state.hello.job_id = alternate;
         }
-        let err = |message: String| {
-            StartFailure::Unavailable(CollectiveError::Control {
-                path: path.display().to_string(),
-                message,
-            })
+        let err = |message: String| CollectiveError::Control {
+            path: path.display().to_string(),
+            message,
         };
-        if path.exists() {
-            // Not served (checked above): a socket a crashed job left.
-            let _ = std::fs::remove_file(&path);
-        }
         let listener = UnixListener::bind(&path).map_err(|e| err(format!("cannot bind: {e}")))?;
         let server = Arc::new(ControlServer {
             path: path.clone(),
@@ -864,9 +870,10 @@ fn adjust(counter: &AtomicUsize, was: bool, now: bool) -> bool {
 /// connection and the cycle's events), and builds events only while the socket says a
 /// client wants them.
 pub(crate) struct Feeder {
-    /// The socket's name, then its alternate name (the host's first rank's
-    /// when its own was taken).
-    paths: [PathBuf; 2],
+    /// The runtime dir and the job's id: the socket is `<id>.sock`, or an
+    /// alternate name `<id>.taken-…` where that was held.
+    dir: PathBuf,
+    job_id: String,
     stream: Option<UnixStream>,
     wanted: Arc<AtomicBool>,
     last_try: Option<std::time::Instant>,
@@ -879,15 +886,11 @@ const FEEDER_WRITE_TIMEOUT: Duration = Duration::from_millis(20);
 
 impl Feeder {
     /// A feeder for the socket of `job_id` in `dir` (the runtime dir the host's first rank
-    /// picks by the same rules), served by the host's first rank, `first_pid` (as it
-    /// reported its pid: the alternate name it takes when its own is taken).
-    pub fn new(dir: Option<PathBuf>, job_id: &str, first_pid: u32) -> Self {
-        let dir = dir.unwrap_or_else(default_runtime_dir);
+    /// picks by the same rules).
+    pub fn new(dir: Option<PathBuf>, job_id: &str) -> Self {
         Feeder {
-            paths: [
-                socket_path(&dir, job_id),
-                socket_path(&dir, &alternate_job_id(job_id, first_pid)),
-            ],
+            dir: dir.unwrap_or_else(default_runtime_dir),
+            job_id: job_id.to_owned(),
             stream: None,
             wanted: Arc::new(AtomicBool::new(false)),
             last_try: None,
@@ -895,35 +898,61 @@ impl Feeder {
         }
     }
 
-    /// A connection to the first of the feeder's paths served by this job's
-    /// user (or root): the events carry the job's tensor names, so a socket
-    /// served by anyone else (a squatter of the name) gets nothing.
+    /// The job's socket name, then its alternate names in the directory (at most 16).
+    fn candidates(&self) -> Vec<PathBuf> {
+        let mut paths = vec![socket_path(&self.dir, &self.job_id)];
+        let prefix = format!("{}{ALTERNATE_MARK}", self.job_id);
+        if let Ok(entries) = std::fs::read_dir(&self.dir) {
+            paths.extend(
+                entries
+                    .flatten()
+                    .filter(|e| {
+                        e.file_name()
+                            .to_str()
+                            .is_some_and(|n| n.starts_with(&prefix) && n.ends_with(".sock"))
+                    })
+                    .take(16)
+                    .map(|e| e.path()),
+            );
+        }
+        paths
+    }
+
+    /// A connection to the first of the job's socket names served by this job's user
+    /// (or root): the events carry the job's tensor names, so a socket of anyone else (a
+    /// squatter of the name) gets nothing. Another user's socket is not even connected
+    /// to (its backlog could block the connect); the server is checked again once
+    /// connected (`SO_PEERCRED`).
     fn connect_to_the_job(&mut self) -> Option<UnixStream> {
+        use std::os::unix::fs::MetadataExt;
         // SAFETY: geteuid has no preconditions.
         let me = unsafe { libc::geteuid() };
-        for path in &self.paths {
-            let Ok(stream) = UnixStream::connect(path) else {
+        for path in self.candidates() {
+            let Ok(meta) = std::fs::symlink_metadata(&path) else {
                 continue;
             };
-            match crate::control::peer_credentials(&stream) {
-                Ok(server) if server.uid == me || server.uid == 0 => return Some(stream),
-                Ok(server) => {
-                    if !self.refused.contains(&(path.clone(), server.uid)) {
-                        tracing::warn!(
-                            socket = %path.display(),
-                            server_uid = server.uid,
-                            server_pid = server.pid,
-                            "not sending this rank's timeline: the socket is served by another \
-                             user, not this job"
-                        );
-                        self.refused.push((path.clone(), server.uid));
-                    }
+            let owner = if meta.uid() == me || meta.uid() == 0 {
+                match UnixStream::connect(&path) {
+                    Ok(stream) => match crate::control::peer_credentials(&stream) {
+                        Ok(server) if server.uid == me || server.uid == 0 => return Some(stream),
+                        Ok(server) => server.uid,
+                        Err(_) => continue,
+                    },
+                    Err(_) => continue,
                 }
-                Err(error) => tracing::debug!(
+            } else {
+                meta.uid()
+            };
+            if !self.refused.contains(&(path.clone(), owner)) {
+                tracing::warn!(
                     socket = %path.display(),
-                    %error,
-                    "cannot read the socket server's credentials"
-                ),
+                    owner_uid = owner,
+                    "not sending this rank's timeline there: the socket is another user's, \
+                     not this job's"
+                );
+                if self.refused.len() < 16 {
+                    self.refused.push((path, owner));
+                }
             }
         }
         None
@@ -1106,32 +1135,53 @@ mod tests {
         };
         let me = std::process::id();
         let server = ControlServer::start(Some(dir.clone()), state()).unwrap();
-        let alternate = format!("relsq-{me}");
-        assert_eq!(server.path(), dir.join(format!("{alternate}.sock")));
+        let stem = server
+            .path()
+            .file_stem()
+            .unwrap()
+            .to_str()
+            .unwrap()
+            .to_owned();
+        let suffix = stem
+            .strip_prefix("relsq.taken-")
+            .expect("the alternate name");
+        assert!(
+            suffix.len() == 12 && suffix.chars().all(|c| c.is_ascii_hexdigit()),
+            "{stem}"
+        );
         // The agent finds the job under its alternate name.
         let client = ControlClient::connect(server.path(), Duration::from_secs(60)).unwrap();
-        assert_eq!(client.hello().job_id, alternate);
+        assert_eq!(client.hello().job_id, stem);
         // A rank's feeder skips the squatter's socket for the job's own.
-        let mut feeder = Feeder::new(Some(dir.clone()), "relsq", me);
+        let mut feeder = Feeder::new(Some(dir.clone()), "relsq");
         let stream = feeder.connect_to_the_job().expect("the job's own socket");
         let server_pid = crate::control::peer_credentials(&stream).unwrap().pid;
         assert_eq!(server_pid, me);
         assert_eq!(feeder.refused, vec![(dir.join("relsq.sock"), 65534)]);
-        // Both names taken: the job stops, saying who holds them.
         drop(stream);
         drop(client);
         server.stop();
-        let Some(mut squat2) = squatter(&dir.join(format!("{alternate}.sock"))) else {
-            return;
-        };
-        let Err(StartFailure::Taken(e)) = ControlServer::start(Some(dir.clone()), state()) else {
-            panic!("a job whose names are both squatted started")
-        };
-        assert!(e.to_string().contains("uid 65534"), "{e}");
-        for child in [&mut squat, &mut squat2] {
-            let _ = child.kill();
-            let _ = child.wait();
-        }
+        // Not only a live socket holds a name: another user's plain file
+        // does too (a socket nobody serves cannot be told from one whose
+        // backlog is full without connecting).
+        let _ = squat.kill();
+        let _ = squat.wait();
+        std::fs::remove_file(dir.join("relsq.sock")).unwrap();
+        std::fs::write(dir.join("relsq.sock"), b"squat").unwrap();
+        std::os::unix::fs::chown(dir.join("relsq.sock"), Some(65534), Some(65534)).unwrap();
+        let server = ControlServer::start(Some(dir.clone()), state()).unwrap();
+        assert!(
+            server.path().to_str().unwrap().contains("relsq.taken-"),
+            "{}",
+            server.path().display()
+        );
+        server.stop();
+        // This user's socket that nobody serves was left by a crash: reused.
+        std::fs::remove_file(dir.join("relsq.sock")).unwrap();
+        drop(std::os::unix::net::UnixListener::bind(dir.join("relsq.sock")).unwrap());
+        let server = ControlServer::start(Some(dir.clone()), state()).unwrap();
+        assert_eq!(server.path(), dir.join("relsq.sock"));
+        server.stop();
         let _ = std::fs::remove_dir_all(&dir);
     }
 
