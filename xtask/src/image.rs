@@ -519,7 +519,7 @@ fn children_of(parent: u32) -> BTreeSet<u32> {
 /// GET `path` from the agent at `base`; the status and the body as JSON.
 fn get_json(base: &str, path: &str) -> Result<(u16, Value)> {
     let response = match ureq::get(&format!("{base}{path}"))
-        .timeout(Duration::from_secs(10))
+        .timeout(Duration::from_secs(30))
         .call()
     {
         Ok(r) => r,
@@ -533,15 +533,23 @@ fn get_json(base: &str, path: &str) -> Result<(u16, Value)> {
     Ok((status, body))
 }
 
-/// Polls `probe` every 300 ms until it returns Some, for at most `limit`.
+/// Polls `probe` every 300 ms until it returns Some, for at most `limit` (a
+/// hang guard: on a loaded machine the agent may take seconds to answer). A
+/// probe's error (an answer that timed out, a 503) is tried again; the last
+/// one is the result when the limit passes without an answer.
 fn wait_for<T>(limit: Duration, mut probe: impl FnMut() -> Result<Option<T>>) -> Result<Option<T>> {
     let deadline = Instant::now() + limit;
     loop {
-        if let Some(value) = probe()? {
-            return Ok(Some(value));
-        }
+        let error = match probe() {
+            Ok(Some(value)) => return Ok(Some(value)),
+            Ok(None) => None,
+            Err(error) => Some(error),
+        };
         if Instant::now() > deadline {
-            return Ok(None);
+            return match error {
+                Some(error) => Err(error.context(format!("still failing after {limit:?}"))),
+                None => Ok(None),
+            };
         }
         std::thread::sleep(Duration::from_millis(300));
     }
@@ -809,7 +817,7 @@ pub fn check(options: &CheckOptions) -> Result<CheckReport> {
         );
     }
     let container = ContainerGuard(name.clone());
-    let up = wait_for(Duration::from_secs(60), || {
+    let up = wait_for(Duration::from_secs(180), || {
         if !container.running() {
             bail!("the agent's container exited:\n{}", container.logs());
         }
@@ -819,7 +827,7 @@ pub fn check(options: &CheckOptions) -> Result<CheckReport> {
     })?;
     if up.is_none() {
         bail!(
-            "the container's /api/health did not answer within 60 s:\n{}",
+            "the container's /api/health did not answer within 180 s:\n{}",
             container.logs()
         );
     }
@@ -872,7 +880,7 @@ pub fn check(options: &CheckOptions) -> Result<CheckReport> {
     };
 
     // The container's agent finds the job and names its ranks' host pids.
-    let found = wait_for(Duration::from_secs(45), || {
+    let found = wait_for(Duration::from_secs(180), || {
         let ranks = job.ranks();
         let (status, jobs) = get_json(&base, "/api/jobs")?;
         if status != 200 {
@@ -900,7 +908,7 @@ pub fn check(options: &CheckOptions) -> Result<CheckReport> {
     let Some(ranks) = found else {
         let (_, jobs) = get_json(&base, "/api/jobs").unwrap_or((0, Value::Null));
         bail!(
-            "the container's agent did not list job {job_id} with ranks {:?} within 45 s: {jobs}\n\
+            "the container's agent did not list job {job_id} with ranks {:?} within 180 s: {jobs}\n\
              agent log:\n{}\njob log:\n{}",
             job.ranks(),
             container.logs(),
@@ -918,7 +926,7 @@ pub fn check(options: &CheckOptions) -> Result<CheckReport> {
     // the request timeout to write, and with the job's own events beside
     // them more than the event limit.
     let timeline_path = format!("/api/timeline?job={job_id}&from=now-5s&width=1000");
-    let states = wait_for(Duration::from_secs(30), || {
+    let states = wait_for(Duration::from_secs(180), || {
         let (status, trace) = get_json(&base, &timeline_path)?;
         if status != 200 {
             return Ok(None);
@@ -938,7 +946,7 @@ pub fn check(options: &CheckOptions) -> Result<CheckReport> {
         Ok(counts.values().all(|&n| n > 0).then_some(counts))
     })?;
     let Some(thread_states) = states else {
-        bail!("no thread states of both ranks of {job_id} on {timeline_path} within 30 s");
+        bail!("no thread states of both ranks of {job_id} on {timeline_path} within 180 s");
     };
     let (status, processes) = get_json(&base, "/api/processes")?;
     if status != 200 || processes["source"] != "live" {
