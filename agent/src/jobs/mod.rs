@@ -1465,17 +1465,11 @@ mod tests {
         assert_eq!(JobPids::new(jobs.clone()).pids(), vec![server.0.id()]);
     }
 
-    #[test]
-    fn a_job_under_its_alternate_name_and_the_squatter_are_listed_as_a_conflict() {
-        if trust::agent_uid() != 0 || !Path::new("/usr/bin/python3").exists() {
-            eprintln!("skipped: needs root (to serve a socket as nobody) and /usr/bin/python3");
-            return;
-        }
-        let shared = TempDir::new("alternate");
-        chmod(&shared.0, 0o1777);
-        let hello = Hello {
+    /// A `hello` of a one-rank job named `job_id` (no ranks listed).
+    fn one_rank_hello(job_id: &str) -> Hello {
+        Hello {
             protocol_version: collectives::control::PROTOCOL_VERSION,
-            job_id: "relsq".to_owned(),
+            job_id: job_id.to_owned(),
             world_size: 1,
             local_size: 1,
             ranks: Vec::new(),
@@ -1484,7 +1478,18 @@ mod tests {
             autotune: Default::default(),
             host: None,
             served_by_rank: None,
-        };
+        }
+    }
+
+    #[test]
+    fn a_job_under_its_alternate_name_and_the_squatter_are_listed_as_a_conflict() {
+        if trust::agent_uid() != 0 || !Path::new("/usr/bin/python3").exists() {
+            eprintln!("skipped: needs root (to serve a socket as nobody) and /usr/bin/python3");
+            return;
+        }
+        let shared = TempDir::new("alternate");
+        chmod(&shared.0, 0o1777);
+        let hello = one_rank_hello("relsq");
         let _squatter = JobOfAnotherUser::start(&shared.0.join("relsq.sock"), 65534, &hello);
         let alternate = "relsq.taken-0123456789ab";
         let _real = fake_job(
@@ -1519,18 +1524,7 @@ mod tests {
         let shared = TempDir::new("conflict-shared");
         chmod(&shared.0, 0o1777);
         let own = TempDir::new("conflict-own");
-        let hello = Hello {
-            protocol_version: collectives::control::PROTOCOL_VERSION,
-            job_id: "relsq".to_owned(),
-            world_size: 1,
-            local_size: 1,
-            ranks: Vec::new(),
-            knobs: Knobs::default(),
-            cycle: 0,
-            autotune: Default::default(),
-            host: None,
-            served_by_rank: None,
-        };
+        let hello = one_rank_hello("relsq");
         let _squatter = JobOfAnotherUser::start(&shared.0.join("relsq.sock"), 65534, &hello);
         let _real = fake_job(&own.0.join("relsq.sock"), "relsq", Vec::new());
         let mut config = config(&shared.0);
