@@ -2,7 +2,8 @@
 //! autotune on and no claim tunes itself on rank 0 with a short budget, pins the session's
 //! best knobs on every rank, writes the report, and every result stays bitwise correct
 //! while the knobs change under it. Then: a job whose throughput changes after the pin
-//! (every rank sleeps between steps) is re-checked by a second session with its own report.
+//! (once the watch learned the pinned knobs' usual rate, every step is stretched to five
+//! times its usual length) is re-checked by a second session with its own report.
 #![cfg(feature = "autotune")]
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
@@ -87,9 +88,14 @@ fn run_rank(
         );
     }
     let mut seen: Vec<Knobs> = Vec::new();
-    let deadline = Instant::now() + Duration::from_secs(120);
+    // A hang guard, not a bound on speed: the re-check's path is a fixed number of windows.
+    let deadline = Instant::now() + Duration::from_secs(300);
     let mut step = 0;
-    let mut first_pin: Option<Instant> = None;
+    // Rank 0, after the pin: how long its steps took while the watch learned the pinned
+    // knobs' usual rate.
+    let mut pinned_steps: Vec<Duration> = Vec::new();
+    // Every rank, once rank 0 said so: the slowed step's period.
+    let mut slow_period: Option<Duration> = None;
     loop {
         let work_started = Instant::now();
         let handles: Vec<_> = SIZES
@@ -116,43 +122,63 @@ fn run_rank(
         if seen.last() != Some(&knobs) {
             seen.push(knobs);
         }
-        // Rank 0 says where self-tuning is (0 tuning, or pinned and the watch still
-        // learning the pinned knobs' rate; 1 slow down; 2 over); every rank acts on the same
-        // step. The slowdown waits 5 s after the pin so that the watch's first windows are
-        // at the pinned knobs' own rate.
-        let phase = match rt.self_tune_outcome() {
-            _ if rank != 0 => 0,
-            None => 0,
-            Some(_) if !slow_after_pin => 2,
+        // Rank 0 says where self-tuning is: 0 tuning (or pinned, the watch still learning
+        // the pinned knobs' usual rate), 1 slow down to the period it sends, 2 over. Every
+        // rank acts on the same step.
+        let (phase, period_ms) = match rt.self_tune_outcome() {
+            _ if rank != 0 => (0, 0),
+            None => (0, 0),
+            Some(_) if !slow_after_pin => (2, 0),
             Some(o) => {
                 let rechecked = o
                     .report
                     .as_ref()
                     .is_some_and(|p| p.to_string_lossy().contains("recheck1"));
-                let pinned_at = *first_pin.get_or_insert_with(Instant::now);
                 if rechecked {
-                    2
-                } else if pinned_at.elapsed() >= Duration::from_secs(5) {
-                    1
+                    (2, 0)
+                } else if let Some(p) = slow_period {
+                    (1, p.as_millis() as i32)
+                } else if rt
+                    .self_tune_watch()
+                    .is_some_and(|w| w.usual_bytes_per_s.is_some())
+                {
+                    // The usual rate is learned from these steps: from now on every step
+                    // takes five times their median, so the rate falls to at most a fifth
+                    // of it however the machine's load moves (a faster machine only
+                    // sleeps longer).
+                    pinned_steps.sort();
+                    let median = pinned_steps
+                        .get(pinned_steps.len() / 2)
+                        .copied()
+                        .unwrap_or(Duration::from_millis(20));
+                    let p = (5 * median).max(Duration::from_millis(60));
+                    (1, p.as_millis() as i32)
                 } else {
-                    0
+                    (0, 0)
                 }
             }
         };
         let flag = rt
             .allreduce(
                 &format!("done{step}"),
-                Tensor::from_slice(&[phase]),
+                Tensor::from_slice(&[phase, period_ms]),
                 ReduceOp::Max,
             )
+            .unwrap()
+            .to_vec::<i32>()
             .unwrap();
         step += 1;
-        match flag.to_vec::<i32>().unwrap()[0] {
+        match flag[0] {
             2 => break,
-            // After the pin every rank idles twice its step's work, so the throughput
-            // falls to about a third however loaded the machine is.
-            1 => std::thread::sleep((2 * work_started.elapsed()).max(Duration::from_millis(60))),
-            _ => {}
+            1 => {
+                let period = *slow_period.get_or_insert(Duration::from_millis(flag[1] as u64));
+                std::thread::sleep(period.saturating_sub(work_started.elapsed()));
+            }
+            _ => {
+                if rt.self_tune_watch().is_some() {
+                    pinned_steps.push(work_started.elapsed());
+                }
+            }
         }
         assert!(
             Instant::now() < deadline,
@@ -201,7 +227,7 @@ fn run_job(
     let mut results: Vec<Option<RankResult>> = (0..WORLD).map(|_| None).collect();
     for _ in 0..WORLD {
         let (rank, r) = rx
-            .recv_timeout(Duration::from_secs(180))
+            .recv_timeout(Duration::from_secs(360))
             .expect("a rank hung or panicked");
         results[rank] = Some(r);
     }

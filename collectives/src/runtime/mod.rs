@@ -90,6 +90,20 @@ pub struct SelfTuneOutcome {
     pub report: Option<PathBuf>,
 }
 
+/// Rank 0's watch over the knobs a self-tuning session pinned (see
+/// [`Runtime::self_tune_watch`]).
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct WatchStatus {
+    /// The knobs watched.
+    pub pinned: Knobs,
+    /// Windows scored since the pin.
+    pub windows: usize,
+    /// The pinned knobs' usual rate (bytes reduced per second, median of the first
+    /// windows), once enough windows closed to learn it; a later move beyond noise starts a
+    /// re-check.
+    pub usual_bytes_per_s: Option<f64>,
+}
+
 /// Totals since the runtime started.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct Totals {
@@ -219,6 +233,7 @@ impl Runtime {
             staged_allreduces: AtomicU64::new(0),
             claims: claims.clone(),
             self_tune: Arc::new(Mutex::new(None)),
+            watch: Mutex::new(None),
             interrupted: Mutex::new(None),
             callers_drive: AtomicBool::new(false),
         });
@@ -403,6 +418,13 @@ impl Runtime {
     /// self-tuning; the report, if asked for, is written by then).
     pub fn self_tune_outcome(&self) -> Option<SelfTuneOutcome> {
         self.shared.self_tune.lock().ok().and_then(|o| o.clone())
+    }
+
+    /// Rank 0's watch over the knobs its self-tuning pinned, while it watches
+    /// (`RINGWATCH_AUTOTUNE_WATCH`); `None` before the pin, during a re-check, and on the
+    /// other ranks.
+    pub fn self_tune_watch(&self) -> Option<WatchStatus> {
+        self.shared.watch.lock().ok().and_then(|w| *w)
     }
 
     /// Totals since start.

@@ -240,6 +240,9 @@ impl CycleThread {
                     d.report_threads.retain(|t| !t.is_finished());
                     d.report_threads.extend(thread);
                     d.watcher = watcher;
+                    if let Ok(mut w) = self.shared.watch.lock() {
+                        *w = d.watcher.as_ref().map(|w| w.status());
+                    }
                 }
             }
             Ok(response)

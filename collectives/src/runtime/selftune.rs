@@ -133,6 +133,15 @@ impl Watcher {
         })
     }
 
+    /// Where the watch stands, for [`crate::Runtime::self_tune_watch`].
+    pub fn status(&self) -> crate::runtime::WatchStatus {
+        crate::runtime::WatchStatus {
+            pinned: self.pinned,
+            windows: self.watch.windows().len(),
+            usual_bytes_per_s: self.watch.usual(),
+        }
+    }
+
     /// The knobs watched, the start they are re-checked against, and the round.
     pub fn recheck_of(&self) -> (Knobs, Knobs, usize) {
         (self.pinned, self.start, self.round + 1)

@@ -83,6 +83,8 @@ pub(super) struct Shared {
     pub(super) staged_allreduces: AtomicU64,
     pub(super) claims: Arc<TuningClaims>,
     pub(super) self_tune: Arc<Mutex<Option<SelfTuneOutcome>>>,
+    /// [`super::Runtime::self_tune_watch`], kept by the cycle thread.
+    pub(super) watch: Mutex<Option<super::WatchStatus>>,
     /// Set by an [`Interrupter`]: why this rank leaves.
     pub(super) interrupted: Mutex<Option<String>>,
     /// The last cycle was run by a waiting caller ([`Handle::drive`]).

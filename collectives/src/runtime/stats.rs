@@ -71,7 +71,12 @@ impl CycleThread {
         if let Some(d) = self.autotune.as_mut() {
             if let Some(t) = d.tuner.as_mut() {
                 t.observe(stats);
-            } else if let Some(context) = d.watcher.as_mut().and_then(|w| w.observe(stats)) {
+            } else if let Some(w) = d.watcher.as_mut() {
+                let changed = w.observe(stats);
+                if let Ok(mut published) = self.shared.watch.lock() {
+                    *published = changed.is_none().then(|| w.status());
+                }
+                let Some(context) = changed else { return };
                 // The pinned knobs' throughput moved: re-check them (and tune again
                 // if they lost), unless an agent holds the tuning now.
                 let recheck = d.watcher.take().map(|w| w.recheck_of());
