@@ -19,7 +19,8 @@ use tokio::signal::unix::{Signal, SignalKind, signal};
 use crate::discovery::{self, ByCgroup, ByComm, Discovery, FixedPids, GpuPids};
 use crate::events::decode;
 use crate::gpu::Gpus;
-use crate::jobs::{JobPids, JobTimeline, Jobs, JobsConfig};
+use crate::jobs::launched::{self, NodeScope};
+use crate::jobs::{JobPids, JobTimeline, Jobs, JobsConfig, LaunchDiscovery};
 use crate::lock::{AgentLock, DEFAULT_LOCK_FILE};
 use crate::model::Model;
 use crate::probes::{ProbeConfig, ProbeSet, Probes};
@@ -56,6 +57,31 @@ pub struct TargetArgs {
     /// Do not look for jobs' control sockets.
     #[arg(long, overrides_with = "jobs")]
     pub no_jobs: bool,
+
+    /// Also find the training jobs that do not run on ringwatch's runtime
+    /// (torchrun, env:// jobs, MPI, Slurm's srun, Horovod) from the
+    /// variables their launcher set in each process's environment: only
+    /// those variables are read (docs/guide/jobs.md lists them and the
+    /// rules). On whenever jobs are watched.
+    #[arg(long, overrides_with = "no_launchers")]
+    pub launchers: bool,
+
+    /// Find jobs only through their control sockets.
+    #[arg(long, overrides_with = "launchers")]
+    pub no_launchers: bool,
+
+    /// Count as this node's only the processes in this network namespace
+    /// (`/run/netns/NAME`, `/proc/PID/ns/net`), when finding jobs from
+    /// launcher variables: for pretend nodes that share one kernel. Default:
+    /// every process of the kernel is this node's.
+    #[arg(long, value_name = "PATH", env = "RINGWATCH_NODE_NETNS")]
+    pub node_netns: Option<PathBuf>,
+
+    /// This node's name: the host of the ranks found from launcher variables,
+    /// and the node cluster answers name (a DaemonSet passes
+    /// `spec.nodeName`). Default: the host name.
+    #[arg(long, env = "RINGWATCH_NODE_NAME")]
+    pub node_name: Option<String>,
 
     /// Also watch the compute processes NVML lists on this node's GPUs
     /// (they join the watched set within a second). On by default whenever
@@ -187,6 +213,14 @@ impl TargetArgs {
         }
     }
 
+    /// This node's name (`--node-name`, else the host name).
+    pub fn node_name(&self) -> String {
+        self.node_name
+            .clone()
+            .filter(|n| !n.trim().is_empty())
+            .unwrap_or_else(crate::jobs::host_name)
+    }
+
     /// Whether to watch GPU compute processes: `--gpu-processes` or
     /// `--no-gpu-processes` if given, else whether jobs are watched.
     pub fn watch_gpu_processes(&self, jobs_watched: bool) -> bool {
@@ -218,6 +252,21 @@ pub fn start_jobs(args: &TargetArgs) -> Result<Jobs> {
     dirs.extend(args.also_scan.iter().cloned());
     let mut config = JobsConfig::new(dirs, args.retention);
     config.job_timeline = args.job_timeline;
+    if !args.no_launchers {
+        let scope = match &args.node_netns {
+            None => NodeScope::Kernel,
+            Some(path) => {
+                NodeScope::NetNamespace(launched::netns_inode(path).with_context(|| {
+                    format!("--node-netns {}: not a network namespace", path.display())
+                })?)
+            }
+        };
+        config.launchers = Some(LaunchDiscovery {
+            node_name: args.node_name(),
+            scope,
+            proc_root: PathBuf::from("/proc"),
+        });
+    }
     Jobs::start(config).context("starting the control-socket scanner thread")
 }
 

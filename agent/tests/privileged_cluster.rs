@@ -19,98 +19,11 @@ use std::path::PathBuf;
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
+use common::nodes::{Nodes, Ranks};
 use common::procs::collbench;
 use common::{ApiServer, skip_unless_privileged};
 use serde_json::Value;
-use test_support::{eventually, eventually_reporting, free_port, ip};
-
-/// The pretend nodes: two namespaces and the veth link between them.
-struct Nodes {
-    prefix: String,
-}
-
-impl Nodes {
-    fn create() -> Self {
-        let prefix = format!("rwc{}", std::process::id() % 100_000);
-        let nodes = Self { prefix };
-        for node in 0..2 {
-            ip(&["netns", "add", &nodes.ns(node)]);
-            ip(&["-n", &nodes.ns(node), "link", "set", "lo", "up"]);
-        }
-        let (a, b) = (format!("{}a", nodes.prefix), format!("{}b", nodes.prefix));
-        ip(&[
-            "link",
-            "add",
-            &a,
-            "netns",
-            &nodes.ns(0),
-            "type",
-            "veth",
-            "peer",
-            "name",
-            &b,
-            "netns",
-            &nodes.ns(1),
-        ]);
-        for (node, dev) in [(0, &a), (1, &b)] {
-            let ns = nodes.ns(node);
-            ip(&[
-                "-n",
-                &ns,
-                "addr",
-                "add",
-                &format!("{}/24", Self::addr(node)),
-                "dev",
-                dev,
-            ]);
-            ip(&["-n", &ns, "link", "set", dev, "up"]);
-            // Scarce bandwidth between nodes, as in a cluster.
-            let status = Command::new("ip")
-                .args([
-                    "netns", "exec", &ns, "tc", "qdisc", "add", "dev", dev, "root",
-                ])
-                .args(["tbf", "rate", "2000mbit", "burst", "1mb", "latency", "50ms"])
-                .status()
-                .unwrap();
-            assert!(status.success(), "tc in {ns}");
-        }
-        nodes
-    }
-
-    fn ns(&self, node: usize) -> String {
-        format!("{}-n{node}", self.prefix)
-    }
-
-    fn addr(node: usize) -> String {
-        format!("10.78.0.{}", node + 1)
-    }
-
-    fn host(node: usize) -> String {
-        format!("rw-node-{node}")
-    }
-}
-
-impl Drop for Nodes {
-    fn drop(&mut self) {
-        for node in 0..2 {
-            let _ = Command::new("ip")
-                .args(["netns", "del", &self.ns(node)])
-                .status();
-        }
-    }
-}
-
-/// The job's ranks, killed on drop.
-struct Ranks(Vec<Child>);
-
-impl Drop for Ranks {
-    fn drop(&mut self) {
-        for child in &mut self.0 {
-            let _ = child.kill();
-            let _ = child.wait();
-        }
-    }
-}
+use test_support::{eventually, eventually_reporting, free_port};
 
 /// Starts rank `rank` of a 2 × 2 job on node `rank / 2`: in the node's
 /// network namespace and a UTS namespace named after the node (`ip netns

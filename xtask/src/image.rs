@@ -565,12 +565,16 @@ struct Socket {
     bytes_received: u64,
 }
 
-/// Every TCP socket of the host (`ss -tinpH`), by (local, peer) address.
-fn tcp_sockets() -> Result<BTreeMap<(String, String), Socket>> {
-    let out = Command::new("ss")
-        .args(["-tinpH"])
-        .output()
-        .context("could not run ss (iproute2)")?;
+/// Every TCP socket of the host's network namespace, or of the named one
+/// (`ss -tinpH`), by (local, peer) address.
+fn tcp_sockets(netns: Option<&str>) -> Result<BTreeMap<(String, String), Socket>> {
+    let out = match netns {
+        None => Command::new("ss").args(["-tinpH"]).output(),
+        Some(ns) => Command::new("ip")
+            .args(["netns", "exec", ns, "ss", "-tinpH"])
+            .output(),
+    }
+    .context("could not run ss (iproute2)")?;
     if !out.status.success() {
         bail!("ss -tinpH failed: {}", String::from_utf8_lossy(&out.stderr));
     }
@@ -673,68 +677,82 @@ fn signal_all(pids: &BTreeSet<u32>, signal: i32) {
 /// agent's bytes sent and read.
 type Snapshot = BTreeMap<u32, (BTreeSet<(String, String)>, u64, u64, u64, u64)>;
 
-/// Stops the ranks (the caller continues them), then takes the kernel's
-/// counts, then the agent's once they stop changing (it republishes its view
-/// every second).
-fn stopped_snapshot(base: &str, ranks: &BTreeSet<u32>) -> Result<Snapshot> {
-    signal_all(ranks, libc::SIGSTOP);
-    // Wait until every byte the ranks sent is acknowledged (Send-Q 0 on all
-    // their sockets): then tcp_info's bytes_acked is all they sent.
-    let deadline = Instant::now() + Duration::from_secs(10);
-    let sockets = loop {
-        std::thread::sleep(Duration::from_millis(200));
-        let sockets = tcp_sockets()?;
-        let unacked: u64 = sockets
-            .values()
-            .filter(|s| s.pids.iter().any(|pid| ranks.contains(pid)))
-            .map(|s| s.send_q)
-            .sum();
-        if unacked == 0 {
-            break sockets;
-        }
-        if Instant::now() > deadline {
-            bail!(
-                "the stopped ranks' sockets still hold {unacked} unacknowledged bytes after 10 s"
-            );
-        }
-    };
-    // Three equal reads 1.2 s apart: the view is republished every second,
-    // so an agent slow to drain its ring buffer on a loaded machine is given
-    // two republications to catch up.
-    let mut previous: Option<Vec<(u64, u64)>> = None;
-    let mut equal_reads = 0;
-    let deadline = Instant::now() + Duration::from_secs(20);
-    let agent = loop {
-        let (status, processes) = get_json(base, "/api/processes")?;
-        if status != 200 {
-            bail!("/api/processes answered {status}: {processes}");
-        }
-        let now: Vec<(u64, u64)> = ranks
-            .iter()
-            .map(|&pid| agent_tcp(&processes, pid).unwrap_or((0, 0)))
-            .collect();
-        if previous.as_ref() == Some(&now) {
-            equal_reads += 1;
-            if equal_reads == 2 {
-                break now;
+/// Where some of a job's ranks run: the agent that watches them, their pids,
+/// and the network namespace their sockets are in (`None`: the host's).
+pub struct NodeRanks<'a> {
+    pub base: &'a str,
+    pub ranks: BTreeSet<u32>,
+    pub netns: Option<&'a str>,
+}
+
+/// Stops the ranks of every node (the caller continues them), then takes the
+/// kernel's counts, then each agent's once they stop changing (it
+/// republishes its view every second).
+fn stopped_snapshot(nodes: &[NodeRanks<'_>]) -> Result<Snapshot> {
+    for node in nodes {
+        signal_all(&node.ranks, libc::SIGSTOP);
+    }
+    let mut snapshot = Snapshot::new();
+    for node in nodes {
+        let ranks = &node.ranks;
+        // Wait until every byte the ranks sent is acknowledged (Send-Q 0 on
+        // all their sockets): then tcp_info's bytes_acked is all they sent.
+        let deadline = Instant::now() + Duration::from_secs(10);
+        let sockets = loop {
+            std::thread::sleep(Duration::from_millis(200));
+            let sockets = tcp_sockets(node.netns)?;
+            let unacked: u64 = sockets
+                .values()
+                .filter(|s| s.pids.iter().any(|pid| ranks.contains(pid)))
+                .map(|s| s.send_q)
+                .sum();
+            if unacked == 0 {
+                break sockets;
             }
-        } else {
-            equal_reads = 0;
-        }
-        if Instant::now() > deadline {
-            bail!("the agent's TCP totals of the stopped ranks kept changing for 20 s: {now:?}");
-        }
-        previous = Some(now);
-        std::thread::sleep(Duration::from_millis(1200));
-    };
-    Ok(ranks
-        .iter()
-        .zip(agent)
-        .map(|(&pid, (tx, rx))| {
+            if Instant::now() > deadline {
+                bail!(
+                    "the stopped ranks' sockets still hold {unacked} unacknowledged bytes after \
+                     10 s"
+                );
+            }
+        };
+        // Three equal reads 1.2 s apart: the view is republished every
+        // second, so an agent slow to drain its ring buffer on a loaded
+        // machine is given two republications to catch up.
+        let mut previous: Option<Vec<(u64, u64)>> = None;
+        let mut equal_reads = 0;
+        let deadline = Instant::now() + Duration::from_secs(20);
+        let agent = loop {
+            let (status, processes) = get_json(node.base, "/api/processes")?;
+            if status != 200 {
+                bail!("/api/processes answered {status}: {processes}");
+            }
+            let now: Vec<(u64, u64)> = ranks
+                .iter()
+                .map(|&pid| agent_tcp(&processes, pid).unwrap_or((0, 0)))
+                .collect();
+            if previous.as_ref() == Some(&now) {
+                equal_reads += 1;
+                if equal_reads == 2 {
+                    break now;
+                }
+            } else {
+                equal_reads = 0;
+            }
+            if Instant::now() > deadline {
+                bail!(
+                    "the agent's TCP totals of the stopped ranks kept changing for 20 s: {now:?}"
+                );
+            }
+            previous = Some(now);
+            std::thread::sleep(Duration::from_millis(1200));
+        };
+        for (&pid, (tx, rx)) in ranks.iter().zip(agent) {
             let (keys, acked, read) = kernel_tcp(&sockets, pid);
-            (pid, (keys, acked, read, tx, rx))
-        })
-        .collect())
+            snapshot.insert(pid, (keys, acked, read, tx, rx));
+        }
+    }
+    Ok(snapshot)
 }
 
 /// Runs `image` as the DaemonSet runs it and checks it traces a collbench job
@@ -962,46 +980,12 @@ pub fn check(options: &CheckOptions) -> Result<CheckReport> {
     // ranks are stopped equals what the kernel's tcp_info says they sent
     // and read in between (the agent saw the job only after its start, so
     // totals since the start cannot be compared; differences can).
-    let mut tcp = BTreeMap::new();
-    for attempt in 1..=3 {
-        let first = stopped_snapshot(&base, &ranks);
-        signal_all(&ranks, libc::SIGCONT);
-        let first = first?;
-        std::thread::sleep(Duration::from_secs(2));
-        let second = stopped_snapshot(&base, &ranks);
-        signal_all(&ranks, libc::SIGCONT);
-        let second = second?;
-        if ranks.iter().any(|pid| first[pid].0 != second[pid].0) {
-            say(&format!(
-                "attempt {attempt}: the ranks' sockets changed in between; again"
-            ));
-            continue;
-        }
-        for &pid in &ranks {
-            let (_, acked1, read1, tx1, rx1) = &first[&pid];
-            let (_, acked2, read2, tx2, rx2) = &second[&pid];
-            let kernel = (acked2 - acked1, read2 - read1);
-            let agent = (tx2.saturating_sub(*tx1), rx2.saturating_sub(*rx1));
-            if kernel.0 == 0 {
-                bail!("rank pid {pid} sent nothing in 2 s: is the job running?");
-            }
-            if agent != kernel {
-                bail!(
-                    "rank pid {pid}: the agent counted {} bytes sent and {} read, the kernel \
-                     (tcp_info: bytes_acked, bytes_received - Recv-Q) {} and {}",
-                    agent.0,
-                    agent.1,
-                    kernel.0,
-                    kernel.1
-                );
-            }
-            tcp.insert(pid, agent);
-        }
-        break;
-    }
-    if tcp.len() != ranks.len() {
-        bail!("the ranks' sockets changed during each of 3 measurements");
-    }
+    let node = NodeRanks {
+        base: &base,
+        ranks: ranks.clone(),
+        netns: None,
+    };
+    let tcp = tcp_between_stops(&[node], &say)?;
     say("TCP bytes of both ranks: the agent's equal the kernel's");
     drop(job);
     drop(container);
@@ -1016,6 +1000,92 @@ pub fn check(options: &CheckOptions) -> Result<CheckReport> {
         start_s,
         total_s: started.elapsed().as_secs_f64(),
     })
+}
+
+/// Per rank pid: the TCP bytes (sent, read) its node's agent counted between
+/// two moments every rank of the job is stopped, checked equal to what the
+/// kernel's tcp_info says the rank sent and read in between. Totals since a
+/// job's start cannot be compared (an agent may see it only later);
+/// differences can. Tried 3 times when the ranks' sockets change in between.
+pub fn tcp_between_stops(
+    nodes: &[NodeRanks<'_>],
+    say: &dyn Fn(&str),
+) -> Result<BTreeMap<u32, (u64, u64)>> {
+    let continue_all = || {
+        for node in nodes {
+            signal_all(&node.ranks, libc::SIGCONT);
+        }
+    };
+    let all: BTreeSet<u32> = nodes.iter().flat_map(|n| n.ranks.iter().copied()).collect();
+    for attempt in 1..=3 {
+        let first = stopped_snapshot(nodes);
+        continue_all();
+        let first = first?;
+        // Until every rank sent something (the kernel says), however long a
+        // loaded machine takes: a hang guard, not a rate.
+        let deadline = Instant::now() + Duration::from_secs(120);
+        loop {
+            std::thread::sleep(Duration::from_millis(500));
+            let mut idle: Vec<u32> = Vec::new();
+            for node in nodes {
+                let sockets = tcp_sockets(node.netns)?;
+                idle.extend(
+                    node.ranks
+                        .iter()
+                        .filter(|pid| kernel_tcp(&sockets, **pid).1 <= first[*pid].1)
+                        .copied(),
+                );
+            }
+            if idle.is_empty() {
+                break;
+            }
+            if Instant::now() > deadline {
+                bail!("rank pids {idle:?} sent nothing in 120 s: is the job running?");
+            }
+        }
+        let second = stopped_snapshot(nodes);
+        continue_all();
+        let second = second?;
+        let changed: Vec<String> = all
+            .iter()
+            .filter(|pid| first[*pid].0 != second[*pid].0)
+            .map(|pid| {
+                let (before, after) = (&first[pid].0, &second[pid].0);
+                format!(
+                    "pid {pid}: gone {:?}, new {:?}",
+                    before.difference(after).collect::<Vec<_>>(),
+                    after.difference(before).collect::<Vec<_>>()
+                )
+            })
+            .collect();
+        if !changed.is_empty() {
+            say(&format!(
+                "attempt {attempt}: the ranks' sockets changed in between ({}); again",
+                changed.join("; ")
+            ));
+            continue;
+        }
+        let mut tcp = BTreeMap::new();
+        for &pid in &all {
+            let (_, acked1, read1, tx1, rx1) = &first[&pid];
+            let (_, acked2, read2, tx2, rx2) = &second[&pid];
+            let kernel = (acked2 - acked1, read2 - read1);
+            let agent = (tx2.saturating_sub(*tx1), rx2.saturating_sub(*rx1));
+            if agent != kernel {
+                bail!(
+                    "rank pid {pid}: the agent counted {} bytes sent and {} read, the kernel \
+                     (tcp_info: bytes_acked, bytes_received - Recv-Q) {} and {}",
+                    agent.0,
+                    agent.1,
+                    kernel.0,
+                    kernel.1
+                );
+            }
+            tcp.insert(pid, agent);
+        }
+        return Ok(tcp);
+    }
+    bail!("the ranks' sockets changed during each of 3 measurements")
 }
 
 /// `cargo xtask image`: build (release by default), stage, `podman build`,

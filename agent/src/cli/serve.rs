@@ -105,11 +105,6 @@ pub struct ServeArgs {
     #[arg(long, default_value = "30s", value_parser = humantime::parse_duration, env = "RINGWATCH_REQUEST_TIMEOUT")]
     pub request_timeout: std::time::Duration,
 
-    /// This node's name, as the cluster answers name it (a DaemonSet passes
-    /// `spec.nodeName`). Default: the host name.
-    #[arg(long, env = "RINGWATCH_NODE_NAME")]
-    pub node_name: Option<String>,
-
     /// The other agents of the cluster, `host:port,…`: job-wide answers
     /// (`/api/cluster/jobs`, `/api/timeline?scope=cluster`, tuning windows of
     /// multi-node jobs) ask them. Read-only calls, each with --peer-timeout.
@@ -246,11 +241,7 @@ pub async fn run(args: ServeArgs) -> Result<()> {
         check_peer_addr("--peers-dns", name)?;
     }
     let cluster = Cluster::new(ClusterConfig {
-        node_name: args
-            .node_name
-            .clone()
-            .filter(|n| !n.trim().is_empty())
-            .unwrap_or_else(crate::jobs::host_name),
+        node_name: args.targets.node_name(),
         peers: args.peers.clone(),
         peers_dns: args.peers_dns.clone(),
         timeout: args.peer_timeout,

@@ -119,20 +119,26 @@ fn print_frame(
     );
     for job in jobs {
         let pids: Vec<String> = job.ranks.iter().map(|r| r.pid.to_string()).collect();
+        let knobs = job.knobs.map_or_else(String::new, |k| {
+            format!(
+                ", cycle {}, fusion {} B, cycle time {} µs{}",
+                job.cycle,
+                k.fusion_threshold_bytes,
+                k.cycle_time_us,
+                if k.hierarchical_allreduce {
+                    ", hierarchical"
+                } else {
+                    ""
+                }
+            )
+        });
         println!(
-            "job {} ({:?}): {} ranks, pids {}, cycle {}, fusion {} B, cycle time {} µs{}",
+            "job {} ({}, {:?}): {} ranks, pids {}{knobs}",
             job.job_id,
+            job.kind.as_str(),
             job.state,
             job.world_size,
             pids.join(","),
-            job.cycle,
-            job.knobs.fusion_threshold_bytes,
-            job.knobs.cycle_time_us,
-            if job.knobs.hierarchical_allreduce {
-                ", hierarchical"
-            } else {
-                ""
-            }
         );
     }
     println!(

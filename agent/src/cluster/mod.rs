@@ -498,11 +498,29 @@ pub fn merge_jobs(local_node: &str, local_jobs: &[Value], answers: &[PeerAnswer]
     let list: Vec<Value> = jobs
         .into_iter()
         .map(|(id, (summary, nodes))| {
-            let hosts = job_hosts(&summary);
+            let kind = summary
+                .get("kind")
+                .and_then(Value::as_str)
+                .unwrap_or("ringwatch");
             let covered: BTreeSet<&str> = nodes
                 .iter()
                 .filter_map(|n| n.get("host").and_then(Value::as_str))
                 .collect();
+            // A ringwatch job's hello names every rank and host; a job found
+            // from its launcher's variables is known only by the ranks each
+            // node's agent sees: whole once they add up to its world size.
+            let ranks_seen: BTreeSet<u64> = nodes
+                .iter()
+                .filter_map(|n| n.get("ranks").and_then(Value::as_array))
+                .flatten()
+                .filter_map(|r| r.get("rank").and_then(Value::as_u64))
+                .collect();
+            let world_size = summary.get("world_size").and_then(Value::as_u64);
+            let hosts: Vec<String> = if kind == "ringwatch" {
+                job_hosts(&summary)
+            } else {
+                covered.iter().map(|h| (*h).to_owned()).collect()
+            };
             let missing: Vec<&String> = hosts
                 .iter()
                 .filter(|h| !covered.contains(h.as_str()))
@@ -511,8 +529,15 @@ pub fn merge_jobs(local_node: &str, local_jobs: &[Value], answers: &[PeerAnswer]
                 .get("ranks")
                 .and_then(Value::as_array)
                 .map_or(0, Vec::len);
+            let whole = if kind == "ringwatch" {
+                missing.is_empty()
+            } else {
+                world_size.is_some_and(|w| w > 0 && ranks_seen.len() as u64 == w)
+            };
             json!({
                 "job_id": id,
+                "kind": kind,
+                "ranks_seen": ranks_seen.len(),
                 "world_size": summary.get("world_size").cloned().unwrap_or(Value::Null),
                 // At MAX_JOB_HOSTS the list is cut: the view cannot say the job is whole.
                 "hosts_cut_at": (hosts.len() == MAX_JOB_HOSTS && listed > MAX_JOB_HOSTS)
@@ -520,7 +545,7 @@ pub fn merge_jobs(local_node: &str, local_jobs: &[Value], answers: &[PeerAnswer]
                 "hosts": hosts,
                 "nodes": nodes,
                 "missing_hosts": missing,
-                "complete": missing.is_empty() && hosts.len() < MAX_JOB_HOSTS,
+                "complete": whole && hosts.len() < MAX_JOB_HOSTS,
             })
         })
         .collect();

@@ -28,7 +28,10 @@ use collectives::control::{
 };
 use serde::Serialize;
 
+pub mod launched;
 pub mod trust;
+
+pub use launched::JobKind;
 
 use crate::containers;
 use crate::discovery::{self, PidSource};
@@ -73,6 +76,21 @@ pub struct JobsConfig {
     /// With [`JobTimeline::OnDemand`]: how long a read of a job's timeline
     /// keeps the jobs streaming it.
     pub timeline_interest: Duration,
+    /// Also find jobs from their launchers' environment variables
+    /// ([`launched`]); `None`: only jobs with a control socket.
+    pub launchers: Option<LaunchDiscovery>,
+}
+
+/// How jobs are found from their launchers' variables.
+#[derive(Debug, Clone)]
+pub struct LaunchDiscovery {
+    /// The host name given to this node's ranks of such jobs (the agent's
+    /// node name: agents of a cluster then agree on where each rank runs).
+    pub node_name: String,
+    /// Which processes are this node's.
+    pub scope: launched::NodeScope,
+    /// Where processes are listed (`/proc`).
+    pub proc_root: PathBuf,
 }
 
 /// When the agent asks jobs for their tensor timeline.
@@ -111,6 +129,7 @@ impl JobsConfig {
             max_connects_per_scan: 16,
             job_timeline: JobTimeline::OnDemand,
             timeline_interest: Duration::from_secs(60),
+            launchers: None,
         }
     }
 }
@@ -129,9 +148,19 @@ pub enum JobState {
 /// What the registry knows about one job, for the API and the commands.
 #[derive(Debug, Clone, Serialize, serde::Deserialize)]
 pub struct JobSnapshot {
-    /// The job's id (from its `hello`).
+    /// The job's id: from its `hello` for a ringwatch job; for a job found
+    /// from its launcher's variables, `KIND/KEY/uidUID` (see [`launched`]).
     pub job_id: String,
-    /// The control socket it was found at.
+    /// Who launched it: `ringwatch` (found through its control socket) or
+    /// the launcher whose variables its processes carry.
+    #[serde(default)]
+    pub kind: JobKind,
+    /// For a ringwatch job: the launcher whose variables its ranks also
+    /// carry (the job is listed once, as a ringwatch job).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub launched_by: Option<JobKind>,
+    /// The control socket it was found at (none for other kinds).
+    #[serde(default, skip_serializing_if = "path_is_empty")]
     pub socket: PathBuf,
     /// The protocol version the job speaks.
     pub protocol_version: u32,
@@ -154,8 +183,9 @@ pub struct JobSnapshot {
     /// pids (ranks in a container's pid namespace): rank -> reported pid.
     #[serde(skip_serializing_if = "BTreeMap::is_empty")]
     pub ns_pids: BTreeMap<usize, u32>,
-    /// The knobs in force, as last reported.
-    pub knobs: Knobs,
+    /// The knobs in force, as last reported (ringwatch jobs only: other
+    /// kinds have none that ringwatch knows).
+    pub knobs: Option<Knobs>,
     /// The last cycle the job reported.
     pub cycle: u64,
     /// Whether the job asked to be tuned, as its `hello` said when the
@@ -193,6 +223,22 @@ pub struct JobSnapshot {
     /// for sure, so it is not tuned.
     #[serde(skip)]
     pub id_claimed_twice: bool,
+    /// Jobs found from launcher variables: the launcher processes on this
+    /// node (torchrun's agent, `mpirun`, `prted`), which are not ranks.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub launcher_pids: Vec<u32>,
+    /// Jobs found from launcher variables: each local rank's child processes
+    /// in the job (data-loader workers), watched as part of their rank.
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub rank_children: BTreeMap<usize, Vec<u32>>,
+    /// Jobs found from launcher variables: processes of the job whose rank
+    /// their environment does not say (or that claim a rank another holds).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub unknown_rank_pids: Vec<u32>,
+}
+
+fn path_is_empty(path: &Path) -> bool {
+    path.as_os_str().is_empty()
 }
 
 struct Job {
@@ -233,6 +279,8 @@ impl Job {
     fn snapshot(&self, job_id: &str) -> JobSnapshot {
         JobSnapshot {
             job_id: job_id.to_owned(),
+            kind: JobKind::Ringwatch,
+            launched_by: None,
             socket: self.socket.clone(),
             protocol_version: self.protocol_version,
             world_size: self.world_size,
@@ -241,7 +289,7 @@ impl Job {
             host: self.host.clone(),
             served_by_rank: self.served_by_rank,
             ns_pids: self.ns_pids.clone(),
-            knobs: self.knobs,
+            knobs: Some(self.knobs),
             cycle: self.cycle,
             autotune: self.autotune,
             state: self.state,
@@ -274,6 +322,9 @@ impl Job {
                 .claimed_also_by
                 .as_ref()
                 .is_some_and(|(path, _, _)| path.exists()),
+            launcher_pids: Vec::new(),
+            rank_children: BTreeMap::new(),
+            unknown_rank_pids: Vec::new(),
         }
     }
 
@@ -433,9 +484,88 @@ fn check_hello(path: &Path, hello: &collectives::control::Hello) -> Result<(), S
 /// Sockets that failed are retried this rarely (a job may have been starting).
 const RETRY_REJECTED: Duration = Duration::from_secs(10);
 
+/// A job found from its launcher's variables, as the registry keeps it.
+struct Launched {
+    job: launched::LaunchedJob,
+    last_seen: SystemTime,
+    lost_at: Option<Instant>,
+}
+
+impl Launched {
+    fn snapshot(&self, node: &str) -> JobSnapshot {
+        let job = &self.job;
+        let local_size = job.ranks.len();
+        let ranks: Vec<RankInfo> = job
+            .ranks
+            .iter()
+            .enumerate()
+            .map(|(i, (&rank, &(pid, local_rank, local)))| RankInfo {
+                rank,
+                local_rank: local_rank.unwrap_or(i),
+                local_size: local.unwrap_or(local_size),
+                host: node.to_owned(),
+                pid,
+            })
+            .collect();
+        let highest = job.ranks.keys().next_back().map_or(0, |&r| r + 1);
+        JobSnapshot {
+            job_id: job.job_id.clone(),
+            kind: job.kind,
+            launched_by: None,
+            socket: PathBuf::new(),
+            protocol_version: 0,
+            world_size: job.world_size.unwrap_or(0).max(highest),
+            local_size,
+            served_by_rank: job.ranks.keys().next().copied().unwrap_or(0),
+            ranks,
+            host: node.to_owned(),
+            ns_pids: BTreeMap::new(),
+            knobs: None,
+            cycle: 0,
+            autotune: AutotuneState::Off,
+            state: if self.lost_at.is_some() {
+                JobState::Lost
+            } else {
+                JobState::Connected
+            },
+            lost_reason: self
+                .lost_at
+                .map(|_| "its processes on this node are gone".to_owned()),
+            last_seen_unix_ms: self
+                .last_seen
+                .duration_since(UNIX_EPOCH)
+                .map_or(0, |d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX)),
+            stats_received: 0,
+            timeline_events_received: 0,
+            timeline_events_dropped: 0,
+            timeline_bytes: 0,
+            timeline_streaming_since_unix_ms: None,
+            owner_uid: job.uid,
+            owner_pid: job
+                .launcher_pids
+                .first()
+                .or(job.ranks.values().map(|r| &r.0).next())
+                .copied()
+                .unwrap_or(0),
+            conflict: (!job.notes.is_empty()).then(|| job.notes.join("; ")),
+            id_claimed_twice: false,
+            launcher_pids: job.launcher_pids.clone(),
+            rank_children: job.children.clone(),
+            unknown_rank_pids: job.unknown_rank_pids.clone(),
+        }
+    }
+}
+
 #[derive(Default)]
 struct Registry {
     jobs: BTreeMap<String, Job>,
+    /// Jobs found from their launchers' variables, by id.
+    launched: BTreeMap<String, Launched>,
+    /// The scanner's count of unreadable environments that was last logged
+    /// (rounded up to a power of two: a log line each time it doubles).
+    launcher_unreadable_logged: usize,
+    /// Launched jobs left out by the caps, by id (logged once).
+    launched_refused: std::collections::BTreeSet<String>,
     rejected: HashMap<PathBuf, Rejected>,
     /// Runtime directories refused by the last scan, and why (logged when
     /// the reason changes).
@@ -507,6 +637,9 @@ pub struct Jobs {
 struct Shared {
     config: JobsConfig,
     registry: Mutex<Registry>,
+    /// What the launcher scan learned of each process (only the jobs thread
+    /// uses it).
+    scanner: Mutex<Option<launched::Scanner>>,
     stop: Arc<AtomicBool>,
     /// The clock of `timeline_read_ms`.
     epoch: Instant,
@@ -532,6 +665,12 @@ impl Jobs {
         let stop = Arc::new(AtomicBool::new(false));
         let jobs = Jobs {
             inner: Arc::new(Shared {
+                scanner: Mutex::new(
+                    config
+                        .launchers
+                        .as_ref()
+                        .map(|l| launched::Scanner::new(l.proc_root.clone(), l.scope)),
+                ),
                 config,
                 registry: Mutex::new(Registry::default()),
                 stop: stop.clone(),
@@ -601,6 +740,27 @@ impl Jobs {
         for (id, why) in held {
             if let Some(job) = jobs.iter_mut().find(|j| j.job_id == id) {
                 job.conflict.get_or_insert(why);
+            }
+        }
+        // Jobs found from launcher variables; a ringwatch job whose ranks
+        // carry a launcher's variables is listed once, as the ringwatch job.
+        if let Some(launchers) = &self.inner.config.launchers {
+            let ringwatch_pids: HashMap<u32, usize> = jobs
+                .iter()
+                .enumerate()
+                .filter(|(_, j)| j.state == JobState::Connected)
+                .flat_map(|(i, j)| j.local_ranks().map(move |r| (r.pid, i)))
+                .filter(|(pid, _)| *pid != 0)
+                .collect();
+            for launched in registry.launched.values() {
+                let same = launched
+                    .job
+                    .pids()
+                    .find_map(|pid| ringwatch_pids.get(&pid).copied());
+                match same {
+                    Some(i) => jobs[i].launched_by = Some(launched.job.kind),
+                    None => jobs.push(launched.snapshot(&launchers.node_name)),
+                }
             }
         }
         jobs
@@ -730,6 +890,95 @@ impl Jobs {
         registry
             .rejected
             .retain(|path, _| present.contains_key(path));
+        drop(registry);
+        self.scan_launched();
+    }
+
+    /// One pass of the launcher scan ([`launched::Scanner`]): new jobs are
+    /// kept (within the caps), jobs no longer found are lost, and forgotten
+    /// after the retention window.
+    fn scan_launched(&self) {
+        let found = {
+            let mut scanner = self
+                .inner
+                .scanner
+                .lock()
+                .unwrap_or_else(std::sync::PoisonError::into_inner);
+            let Some(scanner) = scanner.as_mut() else {
+                return;
+            };
+            let found = scanner.scan();
+            let unreadable = scanner.unreadable();
+            let mut registry = self.lock();
+            if unreadable > registry.launcher_unreadable_logged {
+                // Each time more are unreadable than ever before: rare lines.
+                tracing::warn!(
+                    unreadable,
+                    examined = scanner.known(),
+                    "the environments of some processes cannot be read (another user's \
+                     processes need CAP_SYS_PTRACE): their jobs are not found from launcher \
+                     variables"
+                );
+                registry.launcher_unreadable_logged = unreadable.next_power_of_two();
+            }
+            found
+        };
+        let config = &self.inner.config;
+        let now = Instant::now();
+        let mut registry = self.lock();
+        let mut seen = std::collections::BTreeSet::new();
+        for job in found {
+            seen.insert(job.job_id.clone());
+            if let Some(known) = registry.launched.get_mut(&job.job_id) {
+                known.job = job;
+                known.last_seen = SystemTime::now();
+                known.lost_at = None;
+                continue;
+            }
+            let of_user = registry
+                .launched
+                .values()
+                .filter(|l| l.job.uid == job.uid)
+                .count();
+            if registry.launched.len() >= config.max_jobs
+                || (job.uid != 0 && of_user >= config.max_jobs_per_user)
+            {
+                if registry.launched_refused.insert(job.job_id.clone()) {
+                    tracing::warn!(
+                        job_id = job.job_id,
+                        uid = job.uid,
+                        max_jobs = config.max_jobs,
+                        max_jobs_per_user = config.max_jobs_per_user,
+                        "not following a job found from its launcher's variables: too many jobs"
+                    );
+                }
+                continue;
+            }
+            tracing::info!(
+                job_id = job.job_id,
+                kind = job.kind.as_str(),
+                ranks = job.ranks.len(),
+                "found a job from its launcher's variables"
+            );
+            registry.launched.insert(
+                job.job_id.clone(),
+                Launched {
+                    job,
+                    last_seen: SystemTime::now(),
+                    lost_at: None,
+                },
+            );
+        }
+        registry.launched_refused.retain(|id| seen.contains(id));
+        for (id, job) in registry.launched.iter_mut() {
+            if !seen.contains(id) && job.lost_at.is_none() {
+                job.lost_at = Some(now);
+            }
+        }
+        registry.launched.retain(|_, job| {
+            job.lost_at
+                .is_none_or(|at| now.duration_since(at) < config.retention)
+        });
     }
 
     /// Whether `dir` may be scanned now; a refusal is logged when it is new
@@ -1053,19 +1302,28 @@ impl PidSource for JobPids {
         let mut pids = Vec::new();
         let jobs = self.jobs.jobs();
         for job in jobs.iter().filter(|job| job.state == JobState::Connected) {
-            for rank in job.local_ranks() {
-                if rank.pid == 0 || !discovery::process_exists(rank.pid) {
+            let local = job.local_ranks().map(|r| (Some(r.rank), r.pid));
+            // Of a job found from launcher variables, also its ranks' children
+            // and the processes of unknown rank.
+            let children = job
+                .rank_children
+                .iter()
+                .flat_map(|(&rank, pids)| pids.iter().map(move |&pid| (Some(rank), pid)));
+            let unknown = job.unknown_rank_pids.iter().map(|&pid| (None, pid));
+            for (rank, pid) in local.chain(children).chain(unknown) {
+                if pid == 0 || !discovery::process_exists(pid) {
                     continue;
                 }
-                match trust::check_rank_pid(rank.pid, job.owner_uid) {
-                    Ok(()) => pids.push(rank.pid),
+                match trust::check_rank_pid(pid, job.owner_uid) {
+                    Ok(()) => pids.push(pid),
                     Err(why) => {
-                        if self.refused.insert((job.job_id.clone(), rank.pid)) {
+                        if self.refused.insert((job.job_id.clone(), pid)) {
                             tracing::warn!(
                                 job_id = job.job_id,
-                                rank = rank.rank,
+                                rank,
+                                pid,
                                 why,
-                                "not watching a rank the job named"
+                                "not watching a process of a job"
                             );
                         }
                     }
@@ -1140,6 +1398,7 @@ mod tests {
             max_connects_per_scan: 16,
             job_timeline: JobTimeline::OnDemand,
             timeline_interest: Duration::from_secs(60),
+            launchers: None,
         }
     }
 

@@ -4,6 +4,8 @@
 //! is never stale and nothing is registered twice. Only formats: it never
 //! reads a device or a map itself.
 
+use std::collections::HashMap;
+
 use prometheus_client::encoding::text::encode_registry;
 use prometheus_client::encoding::{DescriptorEncoder, EncodeMetric};
 use prometheus_client::metrics::MetricType;
@@ -35,6 +37,7 @@ pub fn render_metrics(
     if let Some(live) = live {
         registry.register_collector(Box::new(ProcessCollector {
             processes: live.processes.clone(),
+            jobs_of: jobs_of_pids(jobs),
             ringbuf_drops: live.ringbuf_drops,
             intervals_late: live.intervals_late,
         }));
@@ -332,6 +335,8 @@ impl prometheus_client::collector::Collector for GpuCollector {
 #[derive(Debug)]
 struct ProcessCollector {
     processes: Vec<NamedProcess>,
+    /// pid -> (job id, rank) of the processes some job names.
+    jobs_of: HashMap<u32, (String, String)>,
     ringbuf_drops: u64,
     intervals_late: u64,
 }
@@ -341,11 +346,38 @@ struct ProcessCollector {
 /// pod: every series of a family has the same label names, and Prometheus
 /// reads an empty label as an absent one, so `{container_id=""}` selects
 /// the processes outside containers.
+///
+/// `job` and `rank` name the job and rank the process is of (a rank's
+/// children, such as data-loader workers, carry their rank's; a process of
+/// unknown rank an empty rank), empty for processes of no job. They add no
+/// series: each stays one per watched process, so their cardinality is the
+/// number of watched processes (bounded by the agent's thread and process
+/// caps), whatever jobs say about themselves.
 /// The labels of every `ringwatch_process_*` series.
-const PROCESS_LABELS: [&str; 4] = ["pid", "comm", "container_id", "pod_uid"];
+const PROCESS_LABELS: [&str; 6] = ["pid", "comm", "container_id", "pod_uid", "job", "rank"];
 
-fn process_labels(p: &NamedProcess) -> Labels {
-    let [pid, comm, container_id, pod_uid] = PROCESS_LABELS;
+/// pid -> (job id, rank) of every local process a job names.
+fn jobs_of_pids(jobs: &[JobSnapshot]) -> HashMap<u32, (String, String)> {
+    let mut of = HashMap::new();
+    for job in jobs {
+        for rank in job.local_ranks().filter(|r| r.pid != 0) {
+            of.insert(rank.pid, (job.job_id.clone(), rank.rank.to_string()));
+        }
+        for (rank, pids) in &job.rank_children {
+            for &pid in pids {
+                of.insert(pid, (job.job_id.clone(), rank.to_string()));
+            }
+        }
+        for &pid in &job.unknown_rank_pids {
+            of.insert(pid, (job.job_id.clone(), String::new()));
+        }
+    }
+    of
+}
+
+fn process_labels(p: &NamedProcess, jobs_of: &HashMap<u32, (String, String)>) -> Labels {
+    let [pid, comm, container_id, pod_uid, job, rank] = PROCESS_LABELS;
+    let (job_id, rank_no) = jobs_of.get(&p.snapshot.pid).cloned().unwrap_or_default();
     vec![
         (pid, p.snapshot.pid.to_string()),
         (comm, p.name.clone()),
@@ -354,6 +386,8 @@ fn process_labels(p: &NamedProcess) -> Labels {
             p.container.container_id.clone().unwrap_or_default(),
         ),
         (pod_uid, p.container.pod_uid.clone().unwrap_or_default()),
+        (job, job_id),
+        (rank, rank_no),
     ]
 }
 
@@ -361,10 +395,17 @@ fn process_gauge(
     encoder: &mut DescriptorEncoder,
     name: &str,
     help: &str,
-    processes: &[NamedProcess],
+    collector: &ProcessCollector,
     value: impl Fn(&NamedProcess) -> Option<f64>,
 ) -> Result<(), std::fmt::Error> {
-    gauge_family(encoder, name, help, processes, process_labels, value)
+    gauge_family(
+        encoder,
+        name,
+        help,
+        &collector.processes,
+        |p| process_labels(p, &collector.jobs_of),
+        value,
+    )
 }
 
 impl prometheus_client::collector::Collector for ProcessCollector {
@@ -382,7 +423,7 @@ impl prometheus_client::collector::Collector for ProcessCollector {
             None,
             MetricType::Counter,
         )?)?;
-        let p = &self.processes;
+        let p = self;
         let e = &mut encoder;
         process_gauge(
             e,
@@ -462,7 +503,7 @@ impl prometheus_client::collector::Collector for TuningCollector {
         gauge_family(
             e,
             "ringwatch_job_connected",
-            "1 while the agent talks to the job's control socket, 0 once lost",
+            "1 while the agent talks to the job's control socket (or, for a job found from its launcher's variables, sees its processes), 0 once lost",
             j,
             job_labels,
             |job| Some(f64::from(u8::from(job.state == JobState::Connected))),
@@ -473,7 +514,7 @@ impl prometheus_client::collector::Collector for TuningCollector {
             "The job's fusion threshold (0: fusion off)",
             j,
             job_labels,
-            |job| Some(job.knobs.fusion_threshold_bytes as f64),
+            |job| job.knobs.map(|k| k.fusion_threshold_bytes as f64),
         )?;
         gauge_family(
             e,
@@ -481,7 +522,7 @@ impl prometheus_client::collector::Collector for TuningCollector {
             "The job's cycle time",
             j,
             job_labels,
-            |job| Some(job.knobs.cycle_time_us as f64 / 1e6),
+            |job| job.knobs.map(|k| k.cycle_time_us as f64 / 1e6),
         )?;
         gauge_family(
             e,
@@ -489,7 +530,10 @@ impl prometheus_client::collector::Collector for TuningCollector {
             "1 when the job uses hierarchical allreduce",
             j,
             job_labels,
-            |job| Some(f64::from(u8::from(job.knobs.hierarchical_allreduce))),
+            |job| {
+                job.knobs
+                    .map(|k| f64::from(u8::from(k.hierarchical_allreduce)))
+            },
         )?;
         let s = &self.sessions;
         gauge_family(
@@ -636,6 +680,18 @@ mod tests {
 
     #[test]
     fn process_series_carry_the_container_and_pod_empty_when_unknown() {
+        // Pid 7 is rank 3 of a torchrun job.
+        let job: JobSnapshot = serde_json::from_value(serde_json::json!({
+            "job_id": "torchrun/r@a:1/uid0", "kind": "torchrun", "protocol_version": 0,
+            "world_size": 4, "local_size": 1,
+            "ranks": [{"rank": 3, "local_rank": 1, "local_size": 2, "host": "n", "pid": 7}],
+            "host": "n", "served_by_rank": 3, "ns_pids": {}, "knobs": null, "cycle": 0,
+            "autotune": "off", "state": "connected", "lost_reason": null,
+            "last_seen_unix_ms": 0, "stats_received": 0, "timeline_events_received": 0,
+            "timeline_events_dropped": 0, "timeline_bytes": 0,
+            "timeline_streaming_since_unix_ms": null, "owner_uid": 0, "owner_pid": 1,
+        }))
+        .unwrap();
         let id = "0a1b2c3d4e5f60718293a4b5c6d7e8f90a1b2c3d4e5f60718293a4b5c6d7e8f9";
         let uid = "1234abcd-5678-4ef0-9abc-def012345678";
         let live = view(vec![
@@ -654,20 +710,29 @@ mod tests {
                 unavailable_reason: Some("test".into()),
             },
             Some(&live),
-            &[],
+            &[job],
             &[],
         )
         .unwrap();
         assert!(
             text.contains(&format!(
-                "ringwatch_process_cpu_ratio{{pid=\"7\",comm=\"collbench\",container_id=\"{id}\",pod_uid=\"{uid}\"}} "
+                "ringwatch_process_cpu_ratio{{pid=\"7\",comm=\"collbench\",container_id=\"{id}\",pod_uid=\"{uid}\",job=\"torchrun/r@a:1/uid0\",rank=\"3\"}} "
             )),
             "{text}"
         );
         assert!(
             text.contains(
-                "ringwatch_process_cpu_ratio{pid=\"8\",comm=\"collbench\",container_id=\"\",pod_uid=\"\"} "
+                "ringwatch_process_cpu_ratio{pid=\"8\",comm=\"collbench\",container_id=\"\",pod_uid=\"\",job=\"\",rank=\"\"} "
             ),
+            "{text}"
+        );
+        // A job found from its launcher's variables has no knobs: no knob series.
+        assert!(
+            !text.contains("ringwatch_job_fusion_threshold_bytes{"),
+            "{text}"
+        );
+        assert!(
+            text.contains("ringwatch_job_connected{job=\"torchrun/r@a:1/uid0\"} 1"),
             "{text}"
         );
     }

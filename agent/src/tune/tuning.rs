@@ -239,6 +239,13 @@ impl TuningSessions {
                     .unwrap_or("two users' sockets claim its id")
             )));
         }
+        let Some(knobs) = job.knobs else {
+            return Err(StartError::Conflict(format!(
+                "job {job_id} is a {} job: ringwatch tunes only jobs on its own runtime \
+                 (its knobs are the runtime's); it watches this one",
+                job.kind.as_str()
+            )));
+        };
         if job.state != JobState::Connected {
             return Err(StartError::Conflict(format!(
                 "job {job_id} is lost ({}); it cannot be tuned",
@@ -249,7 +256,7 @@ impl TuningSessions {
         // Checked now (with the knobs the registry last saw) so a bad body
         // is a 400 at once; the session proper starts from the knobs the
         // job names on its own connection.
-        TuningSession::new(config.session_config(&job.knobs))
+        TuningSession::new(config.session_config(&knobs))
             .map_err(|e| StartError::BadRequest(format!("bad tuning configuration: {e}")))?;
         let handle = {
             let mut sessions = self.sessions();
@@ -270,8 +277,8 @@ impl TuningSessions {
                     error: None,
                     started_unix_ms: unix_ms(),
                     config: config.clone(),
-                    start_knobs: job.knobs,
-                    current_knobs: job.knobs,
+                    start_knobs: knobs,
+                    current_knobs: knobs,
                     samples: Vec::new(),
                     best: None,
                     speedup_over_start: None,

@@ -3,6 +3,7 @@
 //! the test instead of hanging it.
 #![allow(dead_code, clippy::unwrap_used, clippy::expect_used)]
 
+pub mod nodes;
 pub mod procs;
 
 use std::io::{BufRead, BufReader, Write};

@@ -1,0 +1,403 @@
+//! Privileged: a PyTorch DDP job with gloo, launched by torchrun across two
+//! pretend nodes × 2 ranks (network namespaces joined by a veth link; the
+//! script knows nothing of ringwatch and no ringwatch variable is set), is
+//! found by an agent per node from the variables torchrun gave each process:
+//! agent 0 started before the job, agent 1 after it. Each lists one job of
+//! kind `torchrun` with its node's two ranks (the ranks torchrun started, not
+//! torchrun itself, which is listed as the launcher); the cluster view holds
+//! the four ranks, the cluster timeline their threads; each rank's gloo TCP
+//! bytes, as its node's agent counted them, equal the kernel's tcp_info
+//! counts; `/metrics` labels the ranks' series with job and rank. Processes
+//! that only look like the job's are not merged into it: another user's
+//! process that claims rank 0 of the same run, and a stray `MASTER_ADDR`.
+//!
+//! Each agent counts as its node's only the processes of its node's network
+//! namespace (`--node-netns`): pretend nodes share one kernel.
+//!
+//! Skips, saying why, when not root, without BTF, without `ip`, `setpriv` or
+//! `ss`, or without a Python whose torch has torch.distributed.
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+mod common;
+#[path = "../../xtask/src/image.rs"]
+#[allow(dead_code)] // `cargo xtask image`'s own entry point and flags
+mod image;
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::Duration;
+
+use common::nodes::{Nodes, Ranks};
+use common::procs::children_of;
+use common::{ApiServer, skip_unless_privileged};
+use serde_json::Value;
+use test_support::{TempDir, eventually, eventually_reporting, free_port};
+
+/// The training script: DDP over gloo, unchanged by ringwatch. Every rank
+/// stops on the same step, once the stop file exists.
+const SCRIPT: &str = r#"
+import os, sys
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+dist.init_process_group("gloo")
+torch.manual_seed(dist.get_rank())
+model = DDP(torch.nn.Linear(256, 256))
+opt = torch.optim.SGD(model.parameters(), lr=0.01)
+stop = sys.argv[1]
+while True:
+    loss = model(torch.randn(32, 256)).sum()
+    opt.zero_grad()
+    loss.backward()
+    opt.step()
+    flag = torch.tensor([1.0 if os.path.exists(stop) else 0.0])
+    dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+    if flag.item() > 0:
+        break
+dist.destroy_process_group()
+"#;
+
+/// A Python with torch.distributed (Debian's python3-torch is for 3.11).
+fn python_with_torch() -> Option<PathBuf> {
+    ["/usr/bin/python3.11", "/usr/bin/python3"]
+        .into_iter()
+        .map(PathBuf::from)
+        .find(|python| {
+            Command::new(python)
+                .args(["-c", "import torch.distributed.run, torch.distributed"])
+                .stderr(Stdio::null())
+                .status()
+                .is_ok_and(|s| s.success())
+        })
+}
+
+/// The Python package's directory: its `ringwatch.run` is torchrun, with
+/// PyTorch 1.13's crash on Python 3.11 corrected (see its docstring).
+fn python_package() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("../collectives/python")
+}
+
+/// Starts node `node`'s torchrun (2 ranks) in its network namespace.
+fn start_torchrun(
+    nodes: &Nodes,
+    node: usize,
+    python: &Path,
+    port: u16,
+    script: &Path,
+    stop: &Path,
+) -> Child {
+    Command::new("ip")
+        .args(["netns", "exec", &nodes.ns(node), "env"])
+        .arg(format!("PYTHONPATH={}", python_package().display()))
+        // gloo picks its interface from the host name otherwise, which does
+        // not resolve inside the namespace.
+        .arg(format!("GLOO_SOCKET_IFNAME={}", nodes.dev(node)))
+        .arg(python)
+        .args([
+            "-m",
+            "ringwatch.run",
+            "--nnodes",
+            "2",
+            "--nproc_per_node",
+            "2",
+        ])
+        .args(["--node_rank", &node.to_string()])
+        .args(["--master_addr", &Nodes::addr(0)])
+        .args(["--master_port", &port.to_string()])
+        .arg(script)
+        .arg(stop)
+        .stdout(Stdio::null())
+        .spawn()
+        .unwrap()
+}
+
+fn jobs_of_kind(answer: &Value, kind: &str) -> Vec<Value> {
+    answer["jobs"]
+        .as_array()
+        .map(|jobs| jobs.iter().filter(|j| j["kind"] == kind).cloned().collect())
+        .unwrap_or_default()
+}
+
+/// rank -> pid of a job's ranks as an answer lists them.
+fn ranks_of(job: &Value) -> BTreeMap<u64, u64> {
+    job["ranks"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|r| (r["rank"].as_u64().unwrap(), r["pid"].as_u64().unwrap()))
+        .collect()
+}
+
+fn agent_args<'a>(dir: &'a str, node: &'a str, netns: &'a str, peer: &'a str) -> Vec<&'a str> {
+    vec![
+        "--jobs",
+        "--no-autotune",
+        "--runtime-dir",
+        dir,
+        "--node-name",
+        node,
+        "--node-netns",
+        netns,
+        "--peers",
+        peer,
+        "--peer-timeout",
+        "20s",
+    ]
+}
+
+#[test]
+fn a_torchrun_job_on_two_pretend_nodes_is_found_whole_without_a_code_change() {
+    if skip_unless_privileged() {
+        return;
+    }
+    for tool in ["ip", "setpriv", "ss"] {
+        if Command::new(tool).arg("-V").output().is_err() {
+            eprintln!("SKIPPED: `{tool}` is missing (iproute2, util-linux)");
+            return;
+        }
+    }
+    let Some(python) = python_with_torch() else {
+        eprintln!("SKIPPED: no Python here imports torch.distributed (apt install python3-torch)");
+        return;
+    };
+    let nodes = Nodes::create();
+    let dir = TempDir::new(&format!("launchers-{}", std::process::id()));
+    let script = dir.path().join("ddp.py");
+    std::fs::write(&script, SCRIPT).unwrap();
+    let stop = dir.path().join("stop");
+    let runtime: Vec<String> = (0..2)
+        .map(|n| {
+            let d = dir.path().join(format!("run{n}"));
+            std::fs::create_dir_all(&d).unwrap();
+            d.display().to_string()
+        })
+        .collect();
+    let netns: Vec<String> = (0..2)
+        .map(|n| format!("/run/netns/{}", nodes.ns(n)))
+        .collect();
+    let first = free_port();
+    let second = std::iter::repeat_with(free_port)
+        .find(|&p| p != first)
+        .unwrap();
+    let listen = [format!("127.0.0.1:{first}"), format!("127.0.0.1:{second}")];
+    let names = ["node-0", "node-1"];
+
+    // Agent 0 before the job.
+    let agent0 = ApiServer::start_listening(
+        &listen[0],
+        &agent_args(&runtime[0], names[0], &netns[0], &listen[1]),
+        false,
+    );
+    let port = free_port();
+    let launchers = Ranks(
+        (0..2)
+            .map(|n| start_torchrun(&nodes, n, &python, port, &script, &stop))
+            .collect(),
+    );
+    let job_id = format!("torchrun/none@{}:{port}/uid0", Nodes::addr(0));
+    // Node n's ranks: the children torchrun started.
+    let ranks: Vec<BTreeSet<u32>> = launchers
+        .0
+        .iter()
+        .map(|launcher| {
+            eventually(Duration::from_secs(120), "torchrun starts 2 ranks", || {
+                let ranks = children_of(launcher.id());
+                (ranks.len() == 2).then_some(ranks)
+            })
+        })
+        .collect();
+    // Agent 1 after it.
+    let agent1 = ApiServer::start_listening(
+        &listen[1],
+        &agent_args(&runtime[1], names[1], &netns[1], &listen[0]),
+        false,
+    );
+    let agents = [&agent0, &agent1];
+
+    for (n, agent) in agents.iter().enumerate() {
+        let job = eventually_reporting(
+            Duration::from_secs(60),
+            "the agent lists the torchrun job with its node's ranks",
+            || {
+                let (status, answer) = agent.get_json("/api/jobs");
+                let found = jobs_of_kind(&answer, "torchrun");
+                match found.as_slice() {
+                    [job] if status == 200 && ranks_of(job).len() == 2 => Ok(job.clone()),
+                    _ => Err(format!("{status} {answer:#}")),
+                }
+            },
+        );
+        assert_eq!(job["job_id"], job_id.as_str(), "{job:#}");
+        assert_eq!(job["world_size"], 4, "{job:#}");
+        assert_eq!(job["host"], names[n], "{job:#}");
+        let listed: BTreeSet<u32> = ranks_of(&job).values().map(|&p| p as u32).collect();
+        assert_eq!(
+            listed, ranks[n],
+            "node {n}'s ranks are torchrun's children: {job:#}"
+        );
+        let numbers: Vec<u64> = ranks_of(&job).keys().copied().collect();
+        assert_eq!(numbers, [2 * n as u64, 2 * n as u64 + 1], "{job:#}");
+        assert_eq!(
+            job["launcher_pids"],
+            serde_json::json!([launchers.0[n].id()]),
+            "torchrun itself is the launcher, not a rank: {job:#}"
+        );
+        assert!(job.get("knobs").is_none_or(Value::is_null), "{job:#}");
+    }
+
+    // One job of four ranks in the cluster view, from either agent.
+    for agent in agents {
+        let job = eventually_reporting(
+            Duration::from_secs(60),
+            "the cluster view has the job whole",
+            || {
+                let (status, merged) = agent.get_json("/api/cluster/jobs");
+                let job = merged["jobs"]
+                    .as_array()
+                    .and_then(|jobs| jobs.iter().find(|j| j["job_id"] == job_id.as_str()));
+                match job {
+                    Some(job) if status == 200 && job["complete"] == true => Ok(job.clone()),
+                    _ => Err(format!("{status} {merged:#}")),
+                }
+            },
+        );
+        assert_eq!(job["nodes"].as_array().unwrap().len(), 2, "{job:#}");
+    }
+
+    // The cluster timeline holds the four ranks' threads.
+    let expected: Vec<String> = (0..2)
+        .flat_map(|n| ranks[n].iter().map(move |pid| format!("node-{n}/{pid}")))
+        .collect();
+    let path = format!(
+        "/api/timeline?scope=cluster&job={job_id}&from=now-4s&to=now-1500ms&max_events=20000&downsample=true"
+    );
+    eventually_reporting(
+        Duration::from_secs(90),
+        "every rank's thread states on the cluster timeline",
+        || {
+            let (status, trace) = agent0.get_json(&path);
+            if status != 200 {
+                return Err(format!("{status} {trace:#}"));
+            }
+            let seen: BTreeSet<String> = trace["traceEvents"]
+                .as_array()
+                .into_iter()
+                .flatten()
+                .filter(|e| e["cat"] == "thread_state")
+                .filter_map(|e| e["pid"].as_str().map(str::to_owned))
+                .collect();
+            let missing: Vec<&String> = expected.iter().filter(|k| !seen.contains(*k)).collect();
+            if missing.is_empty() {
+                Ok(())
+            } else {
+                Err(format!("missing {missing:?}; seen {seen:?}"))
+            }
+        },
+    );
+
+    // Each rank's gloo TCP bytes: its node's agent = the kernel.
+    let bases: Vec<String> = agents
+        .iter()
+        .map(|a| format!("http://{}", a.addr))
+        .collect();
+    let ns_names: Vec<String> = (0..2).map(|n| nodes.ns(n)).collect();
+    let per_node: Vec<image::NodeRanks<'_>> = (0..2)
+        .map(|n| image::NodeRanks {
+            base: &bases[n],
+            ranks: ranks[n].clone(),
+            netns: Some(&ns_names[n]),
+        })
+        .collect();
+    let tcp = image::tcp_between_stops(&per_node, &|line| eprintln!("{line}")).unwrap();
+    for (pid, (tx, rx)) in &tcp {
+        eprintln!("rank pid {pid}: {tx} bytes sent, {rx} read: agent = kernel (tcp_info)");
+    }
+    assert_eq!(tcp.len(), 4);
+
+    // The ranks' series carry their job and rank.
+    let (status, _, metrics) = agent0.request("GET", "/metrics");
+    assert_eq!(status, 200);
+    let listed = ranks_of(&jobs_of_kind(&agent0.get_json("/api/jobs").1, "torchrun")[0]);
+    for (rank, pid) in listed {
+        let line = metrics
+            .lines()
+            .find(|l| {
+                l.starts_with("ringwatch_process_cpu_ratio{")
+                    && l.contains(&format!("pid=\"{pid}\""))
+            })
+            .unwrap_or_else(|| panic!("no series of rank pid {pid}: {metrics}"));
+        assert!(line.contains(&format!("job=\"{job_id}\"")), "{line}");
+        assert!(line.contains(&format!("rank=\"{rank}\"")), "{line}");
+    }
+
+    // Look-alikes on node 0: a stray MASTER_ADDR, and another user's process
+    // that says it is rank 0 of this very run. Neither joins the job.
+    let lookalike = |uid: &str, vars: &[String]| -> Child {
+        Command::new("ip")
+            .args(["netns", "exec", &nodes.ns(0), "setpriv"])
+            .args(["--reuid", uid, "--regid", uid, "--clear-groups"])
+            .args(["env", "-i"])
+            .args(vars)
+            .args(["sleep", "600"])
+            .spawn()
+            .unwrap()
+    };
+    let master = [
+        format!("MASTER_ADDR={}", Nodes::addr(0)),
+        format!("MASTER_PORT={port}"),
+    ];
+    let stray = lookalike("0", &master);
+    let mut claim = vec![
+        "TORCHELASTIC_RUN_ID=none".to_owned(),
+        "RANK=0".into(),
+        "WORLD_SIZE=4".into(),
+    ];
+    claim.extend(master.iter().cloned());
+    let impostor = lookalike("65534", &claim);
+    let _lookalikes = Ranks(vec![stray, impostor]);
+    let (stray, impostor) = (_lookalikes.0[0].id(), _lookalikes.0[1].id());
+    let answer = eventually_reporting(
+        Duration::from_secs(60),
+        "the other user's process is a job of its own",
+        || {
+            let (status, answer) = agent0.get_json("/api/jobs");
+            let theirs = format!("torchrun/none@{}:{port}/uid65534", Nodes::addr(0));
+            let found = jobs_of_kind(&answer, "torchrun").into_iter().any(|j| {
+                j["job_id"] == theirs.as_str() && ranks_of(&j).get(&0) == Some(&u64::from(impostor))
+            });
+            if status == 200 && found {
+                Ok(answer)
+            } else {
+                Err(format!("{status} {answer:#}"))
+            }
+        },
+    );
+    let ours = jobs_of_kind(&answer, "torchrun")
+        .into_iter()
+        .find(|j| j["job_id"] == job_id.as_str())
+        .unwrap();
+    let ours_ranks: BTreeSet<u32> = ranks_of(&ours).values().map(|&p| p as u32).collect();
+    assert_eq!(ours_ranks, ranks[0], "{ours:#}");
+    let listed_anywhere = |pid: u32| {
+        answer.to_string().contains(&format!("\"pid\":{pid}"))
+            || answer["jobs"].as_array().unwrap().iter().any(|j| {
+                j["unknown_rank_pids"]
+                    .as_array()
+                    .is_some_and(|p| p.contains(&Value::from(pid)))
+            })
+    };
+    assert!(
+        !listed_anywhere(stray),
+        "a stray MASTER_ADDR is no job: {answer:#}"
+    );
+
+    // The job ends on its own once asked.
+    std::fs::write(&stop, b"").unwrap();
+    let mut launchers = launchers;
+    for launcher in &mut launchers.0 {
+        let status = common::wait_within(launcher, Duration::from_secs(120));
+        assert!(status.success(), "torchrun: {status}");
+    }
+}
