@@ -14,8 +14,13 @@
 //! Each agent counts as its node's only the processes of its node's network
 //! namespace (`--node-netns`): pretend nodes share one kernel.
 //!
+//! And an Open MPI job (`mpirun -np 4` of a small C program doing
+//! allreduces) is listed as one job of kind `mpi` with its four ranks and
+//! `mpirun` as its launcher.
+//!
 //! Skips, saying why, when not root, without BTF, without `ip`, `setpriv` or
-//! `ss`, or without a Python whose torch has torch.distributed.
+//! `ss`, without a Python whose torch has torch.distributed (the torchrun
+//! test), or without `mpicc` and `mpirun` (the MPI test).
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
 mod common;
@@ -400,4 +405,106 @@ fn a_torchrun_job_on_two_pretend_nodes_is_found_whole_without_a_code_change() {
         let status = common::wait_within(launcher, Duration::from_secs(120));
         assert!(status.success(), "torchrun: {status}");
     }
+}
+
+/// The MPI program: allreduces until the stop file exists (every rank stops
+/// on the same step).
+const MPI_PROGRAM: &str = r#"
+#include <mpi.h>
+#include <unistd.h>
+int main(int argc, char **argv) {
+    MPI_Init(&argc, &argv);
+    int rank;
+    MPI_Comm_rank(MPI_COMM_WORLD, &rank);
+    static float buf[65536], out[65536];
+    int stop = 0;
+    while (!stop) {
+        for (int i = 0; i < 65536; i++) buf[i] = (float)(rank + i);
+        MPI_Allreduce(buf, out, 65536, MPI_FLOAT, MPI_SUM, MPI_COMM_WORLD);
+        int mine = access(argv[1], F_OK) == 0;
+        MPI_Allreduce(&mine, &stop, 1, MPI_INT, MPI_MAX, MPI_COMM_WORLD);
+    }
+    MPI_Finalize();
+    return 0;
+}
+"#;
+
+#[test]
+fn an_mpirun_job_is_one_mpi_job_with_its_ranks_and_mpirun_as_launcher() {
+    if skip_unless_privileged() {
+        return;
+    }
+    for tool in ["mpicc", "mpirun"] {
+        if Command::new(tool).arg("--version").output().is_err() {
+            eprintln!("SKIPPED: `{tool}` is missing (apt install openmpi-bin libopenmpi-dev)");
+            return;
+        }
+    }
+    let dir = TempDir::new(&format!("launchers-mpi-{}", std::process::id()));
+    let source = dir.path().join("allreduce.c");
+    std::fs::write(&source, MPI_PROGRAM).unwrap();
+    let program = dir.path().join("allreduce");
+    let built = Command::new("mpicc")
+        .arg("-O2")
+        .arg("-o")
+        .arg(&program)
+        .arg(&source)
+        .status()
+        .unwrap();
+    assert!(built.success(), "mpicc: {built}");
+    let runtime = dir.path().join("run");
+    std::fs::create_dir_all(&runtime).unwrap();
+    let agent = ApiServer::start(
+        &[
+            "--jobs",
+            "--no-autotune",
+            "--runtime-dir",
+            runtime.to_str().unwrap(),
+        ],
+        false,
+    );
+    let stop = dir.path().join("stop");
+    let mpirun = Command::new("mpirun")
+        .args(["--allow-run-as-root", "--oversubscribe", "-np", "4"])
+        // TCP between the ranks, as between nodes (the agent counts it).
+        .args(["--mca", "btl", "tcp,self"])
+        .arg(&program)
+        .arg(&stop)
+        .stdout(Stdio::null())
+        .spawn()
+        .unwrap();
+    let launcher = mpirun.id();
+    let mut mpirun = Ranks(vec![mpirun]);
+    let ranks = eventually(Duration::from_secs(120), "mpirun starts 4 ranks", || {
+        let ranks = children_of(launcher);
+        (ranks.len() == 4).then_some(ranks)
+    });
+    let job = eventually_reporting(
+        Duration::from_secs(60),
+        "the agent lists the MPI job with its four ranks",
+        || {
+            let (status, answer) = agent.get_json("/api/jobs");
+            let job = jobs_of_kind(&answer, "mpi")
+                .into_iter()
+                .find(|j| j["launcher_pids"] == serde_json::json!([launcher]));
+            match job {
+                Some(job) if status == 200 && ranks_of(&job).len() == 4 => Ok(job),
+                _ => Err(format!("{status} {answer:#}")),
+            }
+        },
+    );
+    let job_id = job["job_id"].as_str().unwrap();
+    assert!(
+        job_id.starts_with("mpi/") && job_id.ends_with("/uid0"),
+        "{job:#}"
+    );
+    assert_eq!(job["world_size"], 4, "{job:#}");
+    let numbers: Vec<u64> = ranks_of(&job).keys().copied().collect();
+    assert_eq!(numbers, [0, 1, 2, 3], "{job:#}");
+    let listed: BTreeSet<u32> = ranks_of(&job).values().map(|&p| p as u32).collect();
+    assert_eq!(listed, ranks, "the ranks are mpirun's children: {job:#}");
+
+    std::fs::write(&stop, b"").unwrap();
+    let status = common::wait_within(&mut mpirun.0[0], Duration::from_secs(120));
+    assert!(status.success(), "mpirun: {status}");
 }

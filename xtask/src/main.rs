@@ -322,6 +322,14 @@ const APT_PACKAGES: &[(&str, &str)] = &[
         "prometheus",
         "promtool, Prometheus' checker of the agent's /metrics in the tests",
     ),
+    (
+        "openmpi-bin",
+        "mpirun, for the test that finds an MPI job from its launcher's variables",
+    ),
+    (
+        "libopenmpi-dev",
+        "mpicc, which builds that test's MPI program",
+    ),
 ];
 
 /// Whether one of [`APT_PACKAGES`] is installed (checked by what the build
@@ -335,6 +343,8 @@ fn package_present(package: &str) -> bool {
         "chromium" => Path::new(&chromium_path()).exists(),
         "podman" | "runc" => which(package),
         "prometheus" => which("promtool"),
+        "openmpi-bin" => which("mpirun"),
+        "libopenmpi-dev" => which("mpicc"),
         _ => false,
     }
 }

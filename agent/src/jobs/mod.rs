@@ -1724,6 +1724,94 @@ mod tests {
         assert_eq!(JobPids::new(jobs.clone()).pids(), vec![server.0.id()]);
     }
 
+    /// A process in a fake `/proc` under `root`: its stat, its uid and its
+    /// environment.
+    fn fake_proc(root: &Path, pid: u32, ppid: u32, uid: u32, environ: &[u8]) {
+        let dir = root.join(pid.to_string());
+        std::fs::create_dir_all(&dir).unwrap();
+        std::fs::write(
+            dir.join("stat"),
+            format!("{pid} (python3) S {ppid} 1 1 0 -1 0 0 0 0 0 0 0 0 0 20 0 1 0 5 1 2"),
+        )
+        .unwrap();
+        std::fs::write(
+            dir.join("status"),
+            format!("Name:\tpython3\nUid:\t{uid}\t{uid}\t{uid}\t{uid}\n"),
+        )
+        .unwrap();
+        std::fs::write(dir.join("environ"), environ).unwrap();
+    }
+
+    #[test]
+    fn jobs_found_from_launcher_variables_are_listed_once_and_lost_when_gone() {
+        let dir = TempDir::new("launched");
+        let proc_root = dir.0.join("proc");
+        let torchrun = |port: u16, rank: usize| {
+            format!(
+                "HOME=/root\0TORCHELASTIC_RUN_ID=none\0MASTER_ADDR=10.0.0.1\0\
+                 MASTER_PORT={port}\0RANK={rank}\0WORLD_SIZE=2\0"
+            )
+        };
+        // This process: rank 0 of a ringwatch job (the fake job's socket
+        // names it) that torchrun started.
+        let me = std::process::id();
+        fake_proc(&proc_root, me, 1, 0, torchrun(29500, 0).as_bytes());
+        // Another torchrun job, with no socket: ranks 0 and 1, a worker of
+        // rank 1, and torchrun itself.
+        fake_proc(&proc_root, 4000, 1, 0, b"HOME=/root\0");
+        fake_proc(&proc_root, 4001, 4000, 0, torchrun(29600, 0).as_bytes());
+        fake_proc(&proc_root, 4002, 4000, 0, torchrun(29600, 1).as_bytes());
+        fake_proc(&proc_root, 4003, 4002, 0, torchrun(29600, 1).as_bytes());
+        let runtime = dir.0.join("run");
+        std::fs::create_dir_all(&runtime).unwrap();
+        let _job = fake_job(&runtime.join("rw.sock"), "rw", Vec::new());
+        let mut config = config(&runtime);
+        config.launchers = Some(LaunchDiscovery {
+            node_name: "node-a".into(),
+            scope: launched::NodeScope::Kernel,
+            proc_root: proc_root.clone(),
+        });
+        let jobs = Jobs::start(config).unwrap();
+        let other = "torchrun/none@10.0.0.1:29600/uid0";
+        let all = wait_for(Duration::from_secs(60), "both jobs", || {
+            let all = jobs.jobs();
+            let rw = all.iter().find(|j| j.job_id == "rw")?;
+            (rw.launched_by.is_some() && all.iter().any(|j| j.job_id == other)).then_some(all)
+        });
+        assert_eq!(all.len(), 2, "the ringwatch job once: {all:#?}");
+        let rw = all.iter().find(|j| j.job_id == "rw").unwrap();
+        assert_eq!(rw.kind, JobKind::Ringwatch);
+        assert_eq!(rw.launched_by, Some(JobKind::Torchrun));
+        let job = all.iter().find(|j| j.job_id == other).unwrap();
+        assert_eq!(job.kind, JobKind::Torchrun);
+        assert_eq!(job.knobs, None);
+        assert_eq!(job.world_size, 2);
+        assert_eq!(job.host, "node-a");
+        let ranks: Vec<(usize, u32, &str)> = job
+            .ranks
+            .iter()
+            .map(|r| (r.rank, r.pid, r.host.as_str()))
+            .collect();
+        assert_eq!(ranks, [(0, 4001, "node-a"), (1, 4002, "node-a")]);
+        assert_eq!(job.rank_children[&1], [4003]);
+        assert_eq!(job.launcher_pids, [4000]);
+        assert_eq!(job.state, JobState::Connected);
+        let json = serde_json::to_value(job).unwrap();
+        assert_eq!(json["kind"], "torchrun");
+        assert!(json.get("socket").is_none(), "{json}");
+        // Its processes end: the job is lost, then forgotten.
+        for pid in [4001, 4002, 4003] {
+            std::fs::remove_dir_all(proc_root.join(pid.to_string())).unwrap();
+        }
+        wait_for(Duration::from_secs(60), "the job lost", || {
+            let job = jobs.jobs().into_iter().find(|j| j.job_id == other)?;
+            (job.state == JobState::Lost).then_some(())
+        });
+        wait_for(Duration::from_secs(60), "the job forgotten", || {
+            (!jobs.jobs().iter().any(|j| j.job_id == other)).then_some(())
+        });
+    }
+
     /// A `hello` of a one-rank job named `job_id` (no ranks listed).
     fn one_rank_hello(job_id: &str) -> Hello {
         Hello {
