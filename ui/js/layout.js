@@ -33,7 +33,9 @@ export const Layout = (Base) => class extends Base {
     const add = (v, label) => { if (!seen.has(v)) { seen.add(v); opts.push([v, label]); } };
     for (const j of this.live.apiJobs) {
       const id = j && (j.id ?? j.job_id ?? j.name ?? j.job);
-      if (id != null) add('job:' + id, 'job ' + id);
+      // A job found from its launcher's variables says which (torchrun, mpi, ...).
+      const kind = j && j.kind && j.kind !== 'ringwatch' ? ' (' + j.kind + ')' : '';
+      if (id != null) add('job:' + id, 'job ' + id + kind);
     }
     if (this.data) {
       for (const g of this.data.groups) {

@@ -88,7 +88,9 @@ export class TuningPanel {
       const res = await fetch('/api/jobs', { headers: { accept: 'application/json' } });
       if (!res.ok) { this.say('jobs: ' + await errorOf(res), true); return; }
       const body = await res.json();
-      const jobs = Array.isArray(body) ? body : Array.isArray(body && body.jobs) ? body.jobs : [];
+      const all = Array.isArray(body) ? body : Array.isArray(body && body.jobs) ? body.jobs : [];
+      // Only jobs on ringwatch's runtime have knobs to tune (others are only watched).
+      const jobs = all.filter((j) => !(j && j.kind && j.kind !== 'ringwatch'));
       const ids = jobs.map((j) => j && (j.id ?? j.job_id ?? j.name)).filter((id) => id != null).map(String);
       const keep = this.job;
       this.jobSel.replaceChildren(el('option', { value: '', text: ids.length ? 'pick a job' : 'no jobs found' }),
