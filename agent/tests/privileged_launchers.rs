@@ -52,11 +52,16 @@ torch.manual_seed(dist.get_rank())
 model = DDP(torch.nn.Linear(256, 256))
 opt = torch.optim.SGD(model.parameters(), lr=0.01)
 stop = sys.argv[1]
+step = 0
 while True:
     loss = model(torch.randn(32, 256)).sum()
     opt.zero_grad()
     loss.backward()
     opt.step()
+    step += 1
+    if step == 1:
+        # Connected and training: the test measures from here on.
+        open(stop + ".ready-%d" % dist.get_rank(), "w").close()
     flag = torch.tensor([1.0 if os.path.exists(stop) else 0.0])
     dist.all_reduce(flag, op=dist.ReduceOp.MAX)
     if flag.item() > 0:
@@ -302,7 +307,13 @@ fn a_torchrun_job_on_two_pretend_nodes_is_found_whole_without_a_code_change() {
         },
     );
 
-    // Each rank's gloo TCP bytes: its node's agent = the kernel.
+    // Each rank's gloo TCP bytes: its node's agent = the kernel, once every
+    // rank is connected and training (its sockets all open).
+    eventually(Duration::from_secs(300), "every rank trains", || {
+        (0..4)
+            .all(|rank| dir.path().join(format!("stop.ready-{rank}")).exists())
+            .then_some(())
+    });
     let bases: Vec<String> = agents
         .iter()
         .map(|a| format!("http://{}", a.addr))
