@@ -16,7 +16,7 @@
 //! - **A job key per launcher**, built from variables every rank of the job
 //!   shares on every node, so that the agents of a cluster agree on it
 //!   without talking: torchrun `TORCHELASTIC_RUN_ID` + `MASTER_ADDR:MASTER_PORT`;
-//!   env:// `MASTER_ADDR:MASTER_PORT` (with `RANK` and `WORLD_SIZE`);
+//!   env:// `MASTER_ADDR:MASTER_PORT` (with `WORLD_SIZE`);
 //!   Horovod its gloo rendezvous address; Open MPI `PMIX_NAMESPACE` (or its
 //!   job id); MPICH `PMI_KVSNAME`; Slurm `SLURM_JOB_ID.SLURM_STEP_ID`. The
 //!   innermost launcher wins: torchrun inside an `sbatch` allocation is a
@@ -320,7 +320,9 @@ pub fn classify(env: &LaunchEnv) -> Option<Launch> {
             local_size: n("MPI_LOCALNRANKS"),
         });
     }
-    if n("RANK").is_some() && n("WORLD_SIZE").is_some() {
+    // env:// wants the world size; a job whose ranks are numbered in code
+    // (`mp.spawn`) has no RANK: its processes join with their rank unknown.
+    if n("WORLD_SIZE").is_some() {
         let master = addr_port("MASTER_ADDR", "MASTER_PORT")?;
         return Some(Launch {
             kind: JobKind::Pytorch,
@@ -858,6 +860,34 @@ mod tests {
         assert_eq!(theirs.job_id, "torchrun/none@10.0.0.1:29500/uid1001");
         assert_eq!(theirs.ranks.len(), 1);
         assert!(theirs.launcher_pids.is_empty(), "init is nobody's launcher");
+    }
+
+    #[test]
+    fn an_mp_spawn_job_joins_with_its_ranks_unknown() {
+        // The parent knows the world size and the address; it numbers the
+        // ranks in code, so neither it nor its children say their rank.
+        let launch = classify(&env(&[
+            ("MASTER_ADDR", "127.0.0.1"),
+            ("MASTER_PORT", "29500"),
+            ("WORLD_SIZE", "2"),
+        ]));
+        assert_eq!(
+            launch.as_ref().map(|l| (l.kind, l.rank)),
+            Some((JobKind::Pytorch, None))
+        );
+        let procs: HashMap<u32, Proc> = [
+            proc(10, 1, 1000, 1, launch.clone()),
+            proc(11, 10, 1000, 2, launch.clone()),
+            proc(12, 10, 1000, 3, launch),
+        ]
+        .into_iter()
+        .map(|p| (p.pid, p))
+        .collect();
+        let jobs = group(&procs, |_| true);
+        assert_eq!(jobs.len(), 1);
+        assert!(jobs[0].ranks.is_empty(), "{jobs:?}");
+        assert_eq!(jobs[0].unknown_rank_pids, [10, 11, 12]);
+        assert_eq!(jobs[0].world_size, Some(2));
     }
 
     #[test]
