@@ -509,13 +509,16 @@ pub fn merge_jobs(local_node: &str, local_jobs: &[Value], answers: &[PeerAnswer]
             // A ringwatch job's hello names every rank and host; a job found
             // from its launcher's variables is known only by the ranks each
             // node's agent sees: whole once they add up to its world size.
+            let world_size = summary.get("world_size").and_then(Value::as_u64);
+            // Of connected nodes, the ranks below the world size.
             let ranks_seen: BTreeSet<u64> = nodes
                 .iter()
+                .filter(|n| n.get("state").and_then(Value::as_str) != Some("lost"))
                 .filter_map(|n| n.get("ranks").and_then(Value::as_array))
                 .flatten()
                 .filter_map(|r| r.get("rank").and_then(Value::as_u64))
+                .filter(|&r| world_size.is_some_and(|w| r < w))
                 .collect();
-            let world_size = summary.get("world_size").and_then(Value::as_u64);
             let hosts: Vec<String> = if kind == "ringwatch" {
                 job_hosts(&summary)
             } else {

@@ -50,14 +50,12 @@ use serde::{Deserialize, Serialize};
 /// an environment longer than this is read up to here.
 pub const MAX_ENVIRON_BYTES: usize = 1 << 20;
 
+/// Ranks and sizes at or above this are not believed (the control sockets'
+/// limit on a job's ranks).
+pub const MAX_RANKS: usize = 16_384;
+
 /// Longest value kept of a named variable; a longer one is ignored.
 pub const MAX_VALUE_BYTES: usize = 128;
-
-/// Local ranks (and unknown-rank processes) kept of one job on this node.
-pub const MAX_LOCAL_PROCESSES: usize = 1024;
-
-/// Children (data-loader workers) kept of one rank.
-pub const MAX_CHILDREN_PER_RANK: usize = 64;
 
 /// The only variables ever read of a process's environment.
 pub const LAUNCH_VARS: &[&str] = &[
@@ -170,14 +168,15 @@ impl LaunchEnv {
         let Some(&known) = LAUNCH_VARS.iter().find(|v| v.as_bytes() == name) else {
             return;
         };
-        if value.is_empty()
-            || value.len() > MAX_VALUE_BYTES
-            || !value.iter().all(|b| b.is_ascii_graphic())
-        {
+        // Host names, addresses, ids and numbers: nothing that could mean
+        // something in a label, a log or a JSON string.
+        let allowed = |b: &u8| b.is_ascii_alphanumeric() || b"._:@-[]".contains(b);
+        if value.is_empty() || value.len() > MAX_VALUE_BYTES || !value.iter().all(allowed) {
             return;
         }
         if let Ok(value) = std::str::from_utf8(value) {
-            self.vars.insert(known, value.to_owned());
+            // The first definition wins, as for getenv(3).
+            self.vars.entry(known).or_insert_with(|| value.to_owned());
         }
     }
 
@@ -185,8 +184,9 @@ impl LaunchEnv {
         self.vars.get(name).map(String::as_str)
     }
 
+    /// A rank or a size: below [`MAX_RANKS`], or nothing.
     fn number(&self, name: &str) -> Option<usize> {
-        self.get(name)?.parse().ok()
+        self.get(name)?.parse().ok().filter(|&n| n < MAX_RANKS)
     }
 }
 
@@ -199,39 +199,66 @@ pub fn read_environ(proc_root: &Path, pid: u32) -> std::io::Result<LaunchEnv> {
 
 /// The named variables of a NUL-separated environment.
 pub fn parse_environ(mut from: impl Read) -> std::io::Result<LaunchEnv> {
-    // Longest entry worth looking at: the longest name, `=`, the longest value.
-    const MAX_ENTRY: usize = 40 + 1 + MAX_VALUE_BYTES;
+    /// Where the reader is in the current entry.
+    enum At {
+        /// In its name: the bytes so far start some listed name.
+        Name,
+        /// In the value of this listed name.
+        Value(&'static str),
+        /// In an entry not kept (its name is not listed, or it is too long):
+        /// until its end.
+        Skip,
+    }
     let mut env = LaunchEnv::default();
-    let mut entry: Vec<u8> = Vec::with_capacity(MAX_ENTRY);
-    // The current entry is longer than any worth keeping: skip to its end.
-    let mut skipping = false;
+    // Only the bytes of a listed name and its value ever land here.
+    let mut name: Vec<u8> = Vec::with_capacity(64);
+    let mut value: Vec<u8> = Vec::with_capacity(MAX_VALUE_BYTES);
+    let mut at = At::Name;
     let mut buf = [0u8; 8192];
-    loop {
+    let result = loop {
         let n = match from.read(&mut buf) {
-            Ok(0) => break,
+            Ok(0) => break Ok(()),
             Ok(n) => n,
             Err(e) if e.kind() == std::io::ErrorKind::Interrupted => continue,
-            Err(e) => return Err(e),
+            Err(e) => break Err(e),
         };
         for &b in &buf[..n] {
             if b == 0 {
-                if !skipping && let Some(eq) = entry.iter().position(|&c| c == b'=') {
-                    env.offer(&entry[..eq], &entry[eq + 1..]);
+                if let At::Value(known) = at {
+                    env.offer(known.as_bytes(), &value);
                 }
-                entry.clear();
-                skipping = false;
-            } else if !skipping {
-                if entry.len() == MAX_ENTRY {
-                    entry.clear();
-                    skipping = true;
-                } else {
-                    entry.push(b);
+                name.clear();
+                value.clear();
+                at = At::Name;
+                continue;
+            }
+            match at {
+                At::Skip => {}
+                At::Name if b == b'=' => {
+                    at = match LAUNCH_VARS.iter().find(|v| v.as_bytes() == name.as_slice()) {
+                        Some(known) => At::Value(known),
+                        None => At::Skip,
+                    };
+                }
+                At::Name => {
+                    name.push(b);
+                    if !LAUNCH_VARS.iter().any(|v| v.as_bytes().starts_with(&name)) {
+                        at = At::Skip;
+                    }
+                }
+                At::Value(_) => {
+                    if value.len() == MAX_VALUE_BYTES {
+                        value.clear();
+                        at = At::Skip;
+                    } else {
+                        value.push(b);
+                    }
                 }
             }
         }
-    }
+    };
     // An environment cut at the cap ends mid-entry: that entry is dropped.
-    Ok(env)
+    result.map(|()| env)
 }
 
 /// What one process's environment says about the job it is in.
@@ -259,8 +286,12 @@ pub fn classify(env: &LaunchEnv) -> Option<Launch> {
         let port: u16 = env.get(port)?.parse().ok()?;
         Some(format!("{}:{port}", env.get(addr)?))
     };
-    if let Some(run_id) = env.get("TORCHELASTIC_RUN_ID") {
-        let master = addr_port("MASTER_ADDR", "MASTER_PORT")?;
+    // Innermost launcher first; a launcher whose key is incomplete makes way
+    // for the next.
+    if let (Some(run_id), Some(master)) = (
+        env.get("TORCHELASTIC_RUN_ID"),
+        addr_port("MASTER_ADDR", "MASTER_PORT"),
+    ) {
         return Some(Launch {
             kind: JobKind::Torchrun,
             key: format!("{run_id}@{master}"),
@@ -270,11 +301,12 @@ pub fn classify(env: &LaunchEnv) -> Option<Launch> {
             local_size: n("LOCAL_WORLD_SIZE"),
         });
     }
-    if env.get("HOROVOD_RANK").is_some() {
-        let rendezvous = addr_port(
+    if env.get("HOROVOD_RANK").is_some()
+        && let Some(rendezvous) = addr_port(
             "HOROVOD_GLOO_RENDEZVOUS_ADDR",
             "HOROVOD_GLOO_RENDEZVOUS_PORT",
-        )?;
+        )
+    {
         return Some(Launch {
             kind: JobKind::Horovod,
             key: rendezvous,
@@ -284,11 +316,12 @@ pub fn classify(env: &LaunchEnv) -> Option<Launch> {
             local_size: n("HOROVOD_LOCAL_SIZE"),
         });
     }
-    if env.get("OMPI_COMM_WORLD_RANK").is_some() {
-        let key = env
+    if env.get("OMPI_COMM_WORLD_RANK").is_some()
+        && let Some(key) = env
             .get("PMIX_NAMESPACE")
             .or_else(|| env.get("OMPI_MCA_ess_base_jobid"))
-            .or_else(|| env.get("OMPI_MCA_orte_ess_jobid"))?;
+            .or_else(|| env.get("OMPI_MCA_orte_ess_jobid"))
+    {
         return Some(Launch {
             kind: JobKind::Mpi,
             key: key.to_owned(),
@@ -296,6 +329,20 @@ pub fn classify(env: &LaunchEnv) -> Option<Launch> {
             world_size: n("OMPI_COMM_WORLD_SIZE"),
             local_rank: n("OMPI_COMM_WORLD_LOCAL_RANK"),
             local_size: n("OMPI_COMM_WORLD_LOCAL_SIZE"),
+        });
+    }
+    // MPICH's Hydra (also under Slurm, whose SLURM_PROCID then numbers the
+    // proxies, not the ranks).
+    if env.get("PMI_RANK").is_some()
+        && let Some(kvs) = env.get("PMI_KVSNAME")
+    {
+        return Some(Launch {
+            kind: JobKind::Mpi,
+            key: kvs.to_owned(),
+            rank: n("PMI_RANK"),
+            world_size: n("PMI_SIZE"),
+            local_rank: n("MPI_LOCALRANKID"),
+            local_size: n("MPI_LOCALNRANKS"),
         });
     }
     if let (Some(job), Some(step)) = (env.get("SLURM_JOB_ID"), env.get("SLURM_STEP_ID"))
@@ -310,20 +357,11 @@ pub fn classify(env: &LaunchEnv) -> Option<Launch> {
             local_size: n("SLURM_NTASKS_PER_NODE"),
         });
     }
-    if env.get("PMI_RANK").is_some() {
-        return Some(Launch {
-            kind: JobKind::Mpi,
-            key: env.get("PMI_KVSNAME")?.to_owned(),
-            rank: n("PMI_RANK"),
-            world_size: n("PMI_SIZE"),
-            local_rank: n("MPI_LOCALRANKID"),
-            local_size: n("MPI_LOCALNRANKS"),
-        });
-    }
     // env:// wants the world size; a job whose ranks are numbered in code
     // (`mp.spawn`) has no RANK: its processes join with their rank unknown.
-    if n("WORLD_SIZE").is_some() {
-        let master = addr_port("MASTER_ADDR", "MASTER_PORT")?;
+    if n("WORLD_SIZE").is_some()
+        && let Some(master) = addr_port("MASTER_ADDR", "MASTER_PORT")
+    {
         return Some(Launch {
             kind: JobKind::Pytorch,
             key: master,
@@ -334,6 +372,27 @@ pub fn classify(env: &LaunchEnv) -> Option<Launch> {
         });
     }
     None
+}
+
+/// A key whose address is this machine's loopback names a job only within
+/// its network namespace (two pods' default `127.0.0.1:29500` are two
+/// jobs): the namespace's inode is added to it.
+fn localized(mut launch: Launch, netns: Option<u64>) -> Launch {
+    let host = launch
+        .key
+        .rsplit_once('@')
+        .map_or(launch.key.as_str(), |(_, at)| at);
+    let host = host.rsplit_once(':').map_or(host, |(h, _)| h);
+    let loopback = host == "localhost"
+        || host == "[::1]"
+        || host == "::1"
+        || host
+            .parse::<std::net::Ipv4Addr>()
+            .is_ok_and(|a| a.is_loopback());
+    if loopback {
+        launch.key = format!("{}~net{}", launch.key, netns.unwrap_or(0));
+    }
+    launch
 }
 
 /// One process as the scanner keeps it.
@@ -351,6 +410,10 @@ pub struct Proc {
     pub netns: Option<u64>,
     /// What its environment says, if it is in a job.
     pub launch: Option<Launch>,
+    /// When it was examined, clock ticks after boot.
+    pub examined_ticks: u64,
+    /// Examined a second time already (it was young the first time).
+    pub rechecked: bool,
 }
 
 /// A job's id: kind, key and user, e.g. `torchrun/none@10.0.0.1:29500/uid1000`.
@@ -393,97 +456,139 @@ impl LaunchedJob {
     }
 }
 
+/// Every pid a job lists on this node (ranks, children, unknown ones), at most.
+pub const MAX_JOB_PIDS: usize = 1024;
+
+/// Notes kept per job (the rest are counted).
+const MAX_NOTES: usize = 8;
+
 /// Groups `procs` (every process the scanner knows, by pid) into jobs, by the
 /// rules of the module doc. `in_scope` says which processes are this node's.
 pub fn group(procs: &HashMap<u32, Proc>, in_scope: impl Fn(&Proc) -> bool) -> Vec<LaunchedJob> {
     fn job_of(p: &Proc) -> Option<(JobKind, &str, u32)> {
         p.launch.as_ref().map(|l| (l.kind, l.key.as_str(), p.uid))
     }
-    // The top of each process's chain of ancestors in the same job: its rank's
-    // process (itself, for a rank). Bounded walk: pids may form no cycle, but
-    // a racing reuse could.
+    // A launcher started by an outer launcher (torchrun's agent under srun,
+    // prted under a PyTorchJob) carries the outer one's variables: it is the
+    // inner job's launcher, not a member of the outer job.
+    let outer_launchers: std::collections::HashSet<u32> = procs
+        .values()
+        .filter(|p| p.launch.is_some())
+        .filter_map(|p| {
+            let parent = procs.get(&p.ppid)?;
+            (parent.pid != p.pid
+                && parent.uid == p.uid
+                && job_of(parent).is_some()
+                && job_of(parent) != job_of(p))
+            .then_some(parent.pid)
+        })
+        .collect();
+    let member = |p: &Proc| p.launch.is_some() && in_scope(p) && !outer_launchers.contains(&p.pid);
+    // The process whose rank `p` is of: itself, or the nearest ancestor in
+    // the same job that says a rank (a worker inherits its rank's
+    // environment). A child that says another rank than its parent is a rank
+    // of its own (a launcher inside the job started it). Bounded walk: a
+    // racing pid reuse could make a cycle.
     let root_of = |p: &Proc| -> u32 {
         let mut at = p;
         for _ in 0..64 {
-            match procs.get(&at.ppid) {
-                Some(parent) if parent.pid != at.pid && job_of(parent) == job_of(p) => at = parent,
-                _ => break,
+            let Some(parent) = procs.get(&at.ppid) else {
+                break;
+            };
+            let rank = |q: &Proc| q.launch.as_ref().and_then(|l| l.rank);
+            if parent.pid == at.pid
+                || job_of(parent) != job_of(p)
+                || !member(parent)
+                || (rank(at).is_some() && rank(parent).is_some() && rank(at) != rank(parent))
+            {
+                break;
             }
+            at = parent;
         }
         at.pid
     };
-    let mut jobs: BTreeMap<String, LaunchedJob> = BTreeMap::new();
-    // Roots in start order, so that the older of two claimants keeps a rank.
-    let mut members: Vec<&Proc> = procs
-        .values()
-        .filter(|p| p.launch.is_some() && in_scope(p))
-        .collect();
+    let mut members: Vec<&Proc> = procs.values().filter(|p| member(p)).collect();
+    // Older first: of two processes that claim one rank, the older keeps it.
     members.sort_by_key(|p| (p.start_ticks, p.pid));
-    for p in members {
-        let Some(launch) = &p.launch else { continue };
-        let id = job_id(launch.kind, &launch.key, p.uid);
-        let job = jobs.entry(id.clone()).or_insert_with(|| LaunchedJob {
-            job_id: id,
-            kind: launch.kind,
-            uid: p.uid,
-            world_size: launch.world_size,
-            ranks: BTreeMap::new(),
-            unknown_rank_pids: Vec::new(),
-            children: BTreeMap::new(),
-            launcher_pids: Vec::new(),
-            notes: Vec::new(),
-        });
-        let root = root_of(p);
-        if root != p.pid {
-            // A child of a rank (or of an unknown-rank process).
-            let rank = job
-                .ranks
-                .iter()
-                .find(|(_, r)| r.0 == root)
-                .map(|(&rank, _)| rank);
-            match rank {
+    let roots: Vec<(&Proc, u32)> = members.iter().map(|p| (*p, root_of(p))).collect();
+    let mut jobs: BTreeMap<String, LaunchedJob> = BTreeMap::new();
+    let mut rank_of_pid: HashMap<u32, usize> = HashMap::new();
+    let mut pids_of: HashMap<String, usize> = HashMap::new();
+    let mut notes_dropped: HashMap<String, usize> = HashMap::new();
+    // Two passes: the ranks first, then their children (a child may sort
+    // before its parent: ticks are coarse).
+    for pass in [true, false] {
+        for &(p, root) in &roots {
+            if (root == p.pid) != pass {
+                continue;
+            }
+            let Some(launch) = &p.launch else { continue };
+            let id = job_id(launch.kind, &launch.key, p.uid);
+            let count = pids_of.entry(id.clone()).or_default();
+            if *count >= MAX_JOB_PIDS {
+                continue;
+            }
+            *count += 1;
+            let job = jobs.entry(id.clone()).or_insert_with(|| LaunchedJob {
+                job_id: id.clone(),
+                kind: launch.kind,
+                uid: p.uid,
+                world_size: None,
+                ranks: BTreeMap::new(),
+                unknown_rank_pids: Vec::new(),
+                children: BTreeMap::new(),
+                launcher_pids: Vec::new(),
+                notes: Vec::new(),
+            });
+            if launch.rank.is_some() || job.world_size.is_none() {
+                // A rank's word on the world size over an unknown one's.
+                job.world_size = launch.world_size.or(job.world_size);
+            }
+            if !pass {
+                match rank_of_pid.get(&root) {
+                    Some(&rank) => job.children.entry(rank).or_default().push(p.pid),
+                    None => job.unknown_rank_pids.push(p.pid),
+                }
+                continue;
+            }
+            match launch.rank {
+                Some(rank) if !job.ranks.contains_key(&rank) => {
+                    job.ranks
+                        .insert(rank, (p.pid, launch.local_rank, launch.local_size));
+                    rank_of_pid.insert(p.pid, rank);
+                }
                 Some(rank) => {
-                    let children = job.children.entry(rank).or_default();
-                    if children.len() < MAX_CHILDREN_PER_RANK {
-                        children.push(p.pid);
+                    let holder = job.ranks[&rank].0;
+                    if job.notes.len() < MAX_NOTES {
+                        job.notes.push(format!(
+                            "pids {holder} and {} both say they are rank {rank}; {} is \
+                             listed as of unknown rank",
+                            p.pid, p.pid
+                        ));
+                    } else {
+                        *notes_dropped.entry(id.clone()).or_default() += 1;
                     }
+                    job.unknown_rank_pids.push(p.pid);
                 }
-                None => {
-                    if job.unknown_rank_pids.len() < MAX_LOCAL_PROCESSES {
-                        job.unknown_rank_pids.push(p.pid);
-                    }
-                }
+                None => job.unknown_rank_pids.push(p.pid),
             }
-            continue;
-        }
-        if job.ranks.len() + job.unknown_rank_pids.len() >= MAX_LOCAL_PROCESSES {
-            continue;
-        }
-        match launch.rank {
-            Some(rank) if !job.ranks.contains_key(&rank) => {
-                job.ranks
-                    .insert(rank, (p.pid, launch.local_rank, launch.local_size));
+            // Its launcher: the parent, when not in the job and of the same
+            // user (an outer launcher's member included).
+            if let Some(parent) = procs.get(&p.ppid)
+                && parent.pid > 1
+                && parent.uid == p.uid
+                && (job_of(parent) != job_of(p) || !member(parent))
+                && in_scope(parent)
+                && !job.launcher_pids.contains(&parent.pid)
+                && job.launcher_pids.len() < MAX_NOTES
+            {
+                job.launcher_pids.push(parent.pid);
             }
-            Some(rank) => {
-                let holder = job.ranks[&rank].0;
-                job.notes.push(format!(
-                    "pids {holder} and {} both say they are rank {rank}; {} is listed as of \
-                     unknown rank",
-                    p.pid, p.pid
-                ));
-                job.unknown_rank_pids.push(p.pid);
-            }
-            None => job.unknown_rank_pids.push(p.pid),
         }
-        // Its launcher: the parent, when not in the job and of the same user.
-        if let Some(parent) = procs.get(&p.ppid)
-            && parent.pid > 1
-            && parent.uid == p.uid
-            && job_of(parent) != job_of(p)
-            && in_scope(parent)
-            && !job.launcher_pids.contains(&parent.pid)
-        {
-            job.launcher_pids.push(parent.pid);
+    }
+    for (id, dropped) in notes_dropped {
+        if let Some(job) = jobs.get_mut(&id) {
+            job.notes.push(format!("and {dropped} more such claims"));
         }
     }
     jobs.into_values().collect()
@@ -501,17 +606,26 @@ fn parse_stat(stat: &str) -> Option<(u32, u64)> {
 }
 
 /// Reads what the scanner keeps of `pid` (its environment only if
-/// `read_env`); `None` when it is gone (or a zombie).
-pub fn read_proc(proc_root: &Path, pid: u32, read_env: bool) -> Option<(Proc, Option<String>)> {
+/// `read_env`) at `now_ticks`; `None` when it is gone (or a zombie), or was
+/// replaced by another process while it was read.
+pub fn read_proc(
+    proc_root: &Path,
+    pid: u32,
+    read_env: bool,
+    now_ticks: u64,
+) -> Option<(Proc, Option<String>)> {
     let dir = proc_root.join(pid.to_string());
-    let stat = std::fs::read_to_string(dir.join("stat")).ok()?;
-    if stat
-        .rsplit_once(')')
-        .is_some_and(|(_, rest)| rest.trim_start().starts_with('Z'))
-    {
-        return None;
-    }
-    let (ppid, start_ticks) = parse_stat(&stat)?;
+    let stat = || -> Option<(u32, u64)> {
+        let stat = std::fs::read_to_string(dir.join("stat")).ok()?;
+        if stat
+            .rsplit_once(')')
+            .is_some_and(|(_, rest)| rest.trim_start().starts_with('Z'))
+        {
+            return None;
+        }
+        parse_stat(&stat)
+    };
+    let (ppid, start_ticks) = stat()?;
     let status = std::fs::read_to_string(dir.join("status")).ok()?;
     let uid = status
         .lines()
@@ -529,12 +643,17 @@ pub fn read_proc(proc_root: &Path, pid: u32, read_env: bool) -> Option<(Proc, Op
     });
     let (launch, env_error) = if read_env {
         match read_environ(proc_root, pid) {
-            Ok(env) => (classify(&env), None),
+            Ok(env) => (classify(&env).map(|l| localized(l, netns)), None),
             Err(e) => (None, Some(e.to_string())),
         }
     } else {
         (None, None)
     };
+    // The same process from the first read to the last (a pid reused in
+    // between would mix two processes).
+    if stat()?.1 != start_ticks {
+        return None;
+    }
     Some((
         Proc {
             pid,
@@ -543,9 +662,17 @@ pub fn read_proc(proc_root: &Path, pid: u32, read_env: bool) -> Option<(Proc, Op
             start_ticks,
             netns,
             launch,
+            examined_ticks: now_ticks,
+            rechecked: false,
         },
         env_error,
     ))
+}
+
+/// The start time of `pid` now (`None`: gone).
+fn start_ticks(proc_root: &Path, pid: u32) -> Option<u64> {
+    let stat = std::fs::read_to_string(proc_root.join(pid.to_string()).join("stat")).ok()?;
+    parse_stat(&stat).map(|(_, start)| start)
 }
 
 /// Which processes are this node's.
@@ -560,9 +687,25 @@ pub enum NodeScope {
 }
 
 /// The inode of the network namespace at `path` (`/run/netns/NAME`,
-/// `/proc/PID/ns/net`).
+/// `/proc/PID/ns/net`); an error if it is no namespace.
 pub fn netns_inode(path: &Path) -> std::io::Result<u64> {
+    use std::os::unix::ffi::OsStrExt;
     use std::os::unix::fs::MetadataExt;
+    // nsfs, the file system of namespace files.
+    const NSFS_MAGIC: i64 = 0x6e73_6673;
+    let c_path = std::ffi::CString::new(path.as_os_str().as_bytes())
+        .map_err(|e| std::io::Error::new(std::io::ErrorKind::InvalidInput, e))?;
+    // SAFETY: statfs writes into a zeroed struct we own; the path is a valid C string.
+    let mut fs: libc::statfs = unsafe { std::mem::zeroed() };
+    if unsafe { libc::statfs(c_path.as_ptr(), &mut fs) } != 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    if fs.f_type as i64 != NSFS_MAGIC {
+        return Err(std::io::Error::new(
+            std::io::ErrorKind::InvalidInput,
+            "not a namespace file (nsfs)",
+        ));
+    }
     Ok(std::fs::metadata(path)?.ino())
 }
 
@@ -618,17 +761,32 @@ impl Scanner {
         self.procs.retain(|pid, _| live_set.contains(pid));
         self.unreadable.retain(|pid, _| live_set.contains(pid));
         let now = self.uptime_ticks();
+        let second = self.ticks_per_s;
         for pid in live {
-            let young = |p: &Proc| now.saturating_sub(p.start_ticks) < self.ticks_per_s;
-            match self.procs.get(&pid) {
-                // Examined already; a process that was younger than a second
-                // and in no job then may have exec'd since: once more.
-                Some(p) if p.launch.is_some() || !young(p) => continue,
-                _ => {}
-            }
-            let Some((proc, env_error)) = read_proc(&self.proc_root, pid, true) else {
+            let recheck = match self.procs.get(&pid) {
+                None => false,
+                // A member: still the same process? (Its pid could be
+                // another's now; members are few, so this costs little.)
+                Some(p) if p.launch.is_some() => {
+                    if start_ticks(&self.proc_root, pid) == Some(p.start_ticks) {
+                        continue;
+                    }
+                    false
+                }
+                // Examined within its first second (a fork about to exec,
+                // `ip netns exec` before its setns): once more.
+                Some(p)
+                    if !p.rechecked && p.examined_ticks.saturating_sub(p.start_ticks) < second =>
+                {
+                    true
+                }
+                Some(_) => continue,
+            };
+            let Some((mut proc, env_error)) = read_proc(&self.proc_root, pid, true, now) else {
+                self.procs.remove(&pid);
                 continue;
             };
+            proc.rechecked = recheck;
             if let Some(why) = env_error
                 && !self.unreadable.contains_key(&pid)
             {
@@ -815,6 +973,8 @@ mod tests {
             start_ticks: start,
             netns: Some(if pid >= 500 { 2 } else { 1 }),
             launch,
+            examined_ticks: start + 1000,
+            rechecked: false,
         }
     }
 
@@ -891,6 +1051,81 @@ mod tests {
     }
 
     #[test]
+    fn a_loopback_key_is_its_network_namespace_s_and_odd_values_are_dropped() {
+        let local = launch_of(&torchrun(0)).map(|mut l| {
+            l.key = "none@127.0.0.1:29500".into();
+            localized(l, Some(7))
+        });
+        assert_eq!(local.unwrap().key, "none@127.0.0.1:29500~net7");
+        let remote = localized(launch_of(&torchrun(0)).unwrap(), Some(7));
+        assert_eq!(remote.key, "none@10.0.0.1:29500");
+        // Quotes, commas, braces, spaces: a value that could mean something
+        // in a label or a log is not kept; the first definition wins.
+        let env = parse_environ(
+            &b"TORCHELASTIC_RUN_ID=x\",pid=\"1\0RANK=1\0RANK=2\0MASTER_ADDR=a b\0"[..],
+        )
+        .unwrap();
+        assert_eq!(env.get("TORCHELASTIC_RUN_ID"), None);
+        assert_eq!(env.get("MASTER_ADDR"), None);
+        assert_eq!(env.get("RANK"), Some("1"));
+        // Absurd numbers are no rank.
+        assert_eq!(
+            LaunchEnv::from_pairs([("RANK", "18446744073709551615")]).number("RANK"),
+            None
+        );
+    }
+
+    #[test]
+    fn an_inner_launcher_is_the_inner_job_s_not_a_rank_of_the_outer_one() {
+        let slurm = |procid: &str| {
+            classify(&env(&[
+                ("SLURM_JOB_ID", "7"),
+                ("SLURM_STEP_ID", "0"),
+                ("SLURM_PROCID", procid),
+            ]))
+        };
+        let mut inner = torchrun(0);
+        inner.extend([
+            ("SLURM_JOB_ID", "7".to_owned()),
+            ("SLURM_STEP_ID", "0".into()),
+            ("SLURM_PROCID", "0".into()),
+        ]);
+        let mut inner1 = torchrun(1);
+        inner1.extend(inner[7..].iter().cloned());
+        // srun -> torchrun (a Slurm task) -> two torchrun ranks; and a
+        // launcher inside a job that numbers its own workers.
+        let mut own = launch_of(&torchrun(0)).unwrap();
+        own.key = "other".into();
+        let mut own1 = own.clone();
+        own1.rank = Some(1);
+        let procs: HashMap<u32, Proc> = [
+            proc(50, 1, 1000, 1, slurm("0")),
+            proc(51, 50, 1000, 2, launch_of(&inner)),
+            proc(52, 50, 1000, 3, launch_of(&inner1)),
+            proc(60, 1, 1000, 1, Some(own.clone())),
+            proc(61, 60, 1000, 2, Some(own)),
+            proc(62, 60, 1000, 3, Some(own1)),
+        ]
+        .into_iter()
+        .map(|p| (p.pid, p))
+        .collect();
+        let jobs = group(&procs, |_| true);
+        assert!(jobs.iter().all(|j| j.kind != JobKind::Slurm), "{jobs:#?}");
+        let t = jobs.iter().find(|j| j.job_id.contains("29500")).unwrap();
+        let ranks: Vec<(usize, u32)> = t.ranks.iter().map(|(r, v)| (*r, v.0)).collect();
+        assert_eq!(ranks, [(0, 51), (1, 52)]);
+        assert_eq!(t.launcher_pids, [50]);
+        let o = jobs.iter().find(|j| j.job_id.contains("other")).unwrap();
+        let ranks: Vec<(usize, u32)> = o.ranks.iter().map(|(r, v)| (*r, v.0)).collect();
+        assert_eq!(
+            ranks,
+            [(0, 60), (1, 62)],
+            "a child that says another rank is that rank"
+        );
+        assert_eq!(o.children[&0], [61]);
+    }
+
+    #[test]
     fn stat_is_parsed_past_a_name_with_parentheses() {
         let stat = "4242 (a) b) (c) S 17 4242 4242 0 -1 4194560 1 0 0 0 0 0 0 0 20 0 1 0 98765 1 2";
         assert_eq!(parse_stat(stat), Some((17, 98765)));
@@ -899,7 +1134,7 @@ mod tests {
     #[test]
     fn this_process_is_read_and_a_fake_proc_is_scanned() {
         let me = std::process::id();
-        let (p, err) = read_proc(Path::new("/proc"), me, true).unwrap();
+        let (p, err) = read_proc(Path::new("/proc"), me, true, 0).unwrap();
         assert_eq!(err, None);
         assert_eq!(p.pid, me);
         // SAFETY: getuid has no preconditions.

@@ -507,7 +507,11 @@ impl Launched {
                 pid,
             })
             .collect();
-        let highest = job.ranks.keys().next_back().map_or(0, |&r| r + 1);
+        let highest = job
+            .ranks
+            .keys()
+            .next_back()
+            .map_or(0, |&r| r.saturating_add(1));
         JobSnapshot {
             job_id: job.job_id.clone(),
             kind: job.kind,
@@ -753,12 +757,23 @@ impl Jobs {
                 .filter(|(pid, _)| *pid != 0)
                 .collect();
             for launched in registry.launched.values() {
+                // Only a job of the same user: a hello's word about another
+                // user's processes hides nothing.
                 let same = launched
                     .job
                     .pids()
-                    .find_map(|pid| ringwatch_pids.get(&pid).copied());
+                    .filter_map(|pid| ringwatch_pids.get(&pid).copied())
+                    .find(|&i| jobs[i].owner_uid == launched.job.uid);
                 match same {
-                    Some(i) => jobs[i].launched_by = Some(launched.job.kind),
+                    Some(i) => {
+                        // Listed once, as the ringwatch job, with what only
+                        // the launcher's variables tell: its workers too.
+                        let job = &mut jobs[i];
+                        job.launched_by = Some(launched.job.kind);
+                        job.launcher_pids = launched.job.launcher_pids.clone();
+                        job.rank_children = launched.job.children.clone();
+                        job.unknown_rank_pids = launched.job.unknown_rank_pids.clone();
+                    }
                     None => jobs.push(launched.snapshot(&launchers.node_name)),
                 }
             }
@@ -935,13 +950,34 @@ impl Jobs {
                 known.lost_at = None;
                 continue;
             }
-            let of_user = registry
-                .launched
-                .values()
-                .filter(|l| l.job.uid == job.uid)
-                .count();
+            // Room, as for ringwatch jobs: the job of that user (for the
+            // per-user cap) or of anyone (for the total) lost longest ago is
+            // forgotten first.
+            let of_user = |registry: &Registry| {
+                registry
+                    .launched
+                    .values()
+                    .filter(|l| l.job.uid == job.uid)
+                    .count()
+            };
+            let forget_oldest_lost = |registry: &mut Registry, uid: Option<u32>| -> bool {
+                let oldest = registry
+                    .launched
+                    .iter()
+                    .filter(|(_, l)| uid.is_none_or(|uid| l.job.uid == uid))
+                    .filter_map(|(id, l)| l.lost_at.map(|at| (at, id.clone())))
+                    .min();
+                oldest.is_some_and(|(_, id)| registry.launched.remove(&id).is_some())
+            };
+            while job.uid != 0
+                && of_user(&registry) >= config.max_jobs_per_user
+                && forget_oldest_lost(&mut registry, Some(job.uid))
+            {}
+            while registry.launched.len() >= config.max_jobs
+                && forget_oldest_lost(&mut registry, None)
+            {}
             if registry.launched.len() >= config.max_jobs
-                || (job.uid != 0 && of_user >= config.max_jobs_per_user)
+                || (job.uid != 0 && of_user(&registry) >= config.max_jobs_per_user)
             {
                 if registry.launched_refused.insert(job.job_id.clone()) {
                     tracing::warn!(
@@ -1766,6 +1802,8 @@ mod tests {
         std::fs::create_dir_all(&runtime).unwrap();
         let _job = fake_job(&runtime.join("rw.sock"), "rw", Vec::new());
         let mut config = config(&runtime);
+        // Long enough that the lost job is still there when looked at.
+        config.retention = Duration::from_secs(600);
         config.launchers = Some(LaunchDiscovery {
             node_name: "node-a".into(),
             scope: launched::NodeScope::Kernel,
@@ -1799,16 +1837,13 @@ mod tests {
         let json = serde_json::to_value(job).unwrap();
         assert_eq!(json["kind"], "torchrun");
         assert!(json.get("socket").is_none(), "{json}");
-        // Its processes end: the job is lost, then forgotten.
+        // Its processes end: the job is lost (and kept for the retention).
         for pid in [4001, 4002, 4003] {
             std::fs::remove_dir_all(proc_root.join(pid.to_string())).unwrap();
         }
         wait_for(Duration::from_secs(60), "the job lost", || {
             let job = jobs.jobs().into_iter().find(|j| j.job_id == other)?;
             (job.state == JobState::Lost).then_some(())
-        });
-        wait_for(Duration::from_secs(60), "the job forgotten", || {
-            (!jobs.jobs().iter().any(|j| j.job_id == other)).then_some(())
         });
     }
 

@@ -171,6 +171,30 @@ struct GpuCollector(GpuSnapshot);
 
 type Labels = Vec<(&'static str, String)>;
 
+/// Label values escaped as the exposition formats want (`\\`, `\"`, `\n`):
+/// prometheus-client writes them as given, and a process name or a job id
+/// comes from users.
+fn escaped(labels: Labels) -> Labels {
+    labels
+        .into_iter()
+        .map(|(name, value)| {
+            if !value.contains(['\\', '"', '\n']) {
+                return (name, value);
+            }
+            let mut out = String::with_capacity(value.len() + 8);
+            for c in value.chars() {
+                match c {
+                    '\\' => out.push_str("\\\\"),
+                    '"' => out.push_str("\\\""),
+                    '\n' => out.push_str("\\n"),
+                    c => out.push(c),
+                }
+            }
+            (name, out)
+        })
+        .collect()
+}
+
 /// The labels of every `ringwatch_gpu_*` series.
 const GPU_LABELS: [&str; 3] = ["gpu", "uuid", "name"];
 
@@ -211,7 +235,7 @@ fn gauge_family<T>(
 ) -> Result<(), std::fmt::Error> {
     let values: Vec<(Labels, f64)> = items
         .iter()
-        .filter_map(|item| value(item).map(|v| (labels(item), v)))
+        .filter_map(|item| value(item).map(|v| (escaped(labels(item)), v)))
         .collect();
     if values.is_empty() && !describing() {
         return Ok(());
@@ -356,20 +380,25 @@ struct ProcessCollector {
 /// The labels of every `ringwatch_process_*` series.
 const PROCESS_LABELS: [&str; 6] = ["pid", "comm", "container_id", "pod_uid", "job", "rank"];
 
-/// pid -> (job id, rank) of every local process a job names.
+/// pid -> (job id, rank) of every local process a connected job names,
+/// each process labelled by the first job that names it (ringwatch jobs come
+/// first in the list).
 fn jobs_of_pids(jobs: &[JobSnapshot]) -> HashMap<u32, (String, String)> {
     let mut of = HashMap::new();
-    for job in jobs {
+    for job in jobs.iter().filter(|j| j.state == JobState::Connected) {
         for rank in job.local_ranks().filter(|r| r.pid != 0) {
-            of.insert(rank.pid, (job.job_id.clone(), rank.rank.to_string()));
+            of.entry(rank.pid)
+                .or_insert_with(|| (job.job_id.clone(), rank.rank.to_string()));
         }
         for (rank, pids) in &job.rank_children {
             for &pid in pids {
-                of.insert(pid, (job.job_id.clone(), rank.to_string()));
+                of.entry(pid)
+                    .or_insert_with(|| (job.job_id.clone(), rank.to_string()));
             }
         }
         for &pid in &job.unknown_rank_pids {
-            of.insert(pid, (job.job_id.clone(), String::new()));
+            of.entry(pid)
+                .or_insert_with(|| (job.job_id.clone(), String::new()));
         }
     }
     of
@@ -735,6 +764,16 @@ mod tests {
             text.contains("ringwatch_job_connected{job=\"torchrun/r@a:1/uid0\"} 1"),
             "{text}"
         );
+    }
+
+    #[test]
+    fn label_values_are_escaped() {
+        let labels = escaped(vec![
+            ("comm", "a\"b\\c\nd".to_owned()),
+            ("job", "plain".into()),
+        ]);
+        assert_eq!(labels[0].1, "a\\\"b\\\\c\\nd");
+        assert_eq!(labels[1].1, "plain");
     }
 
     /// `docs/reference/metrics.md`: every family the agent can serve, as
