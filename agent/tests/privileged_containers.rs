@@ -267,7 +267,8 @@ fn serve_shows_the_container_and_pod_of_a_watched_process() {
     let (status, _, metrics) = agent.request("GET", "/metrics");
     assert_eq!(status, 200);
     let series = format!(
-        "ringwatch_process_cpu_ratio{{pid=\"{pid}\",comm=\"sleep\",container_id=\"{}\",pod_uid=\"{}\"}}",
+        // In no job: empty job and rank.
+        "ringwatch_process_cpu_ratio{{pid=\"{pid}\",comm=\"sleep\",container_id=\"{}\",pod_uid=\"{}\",job=\"\",rank=\"\"}}",
         pod.id, pod.uid
     );
     assert!(metrics.contains(&series), "no {series} in {metrics}");
