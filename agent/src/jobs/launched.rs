@@ -605,13 +605,103 @@ fn parse_stat(stat: &str) -> Option<(u32, u64)> {
     Some((ppid, start))
 }
 
-/// Reads what the scanner keeps of `pid` (its environment only if
-/// `read_env`) at `now_ticks`; `None` when it is gone (or a zombie), or was
+/// How long one environment read may take before the reader gives it up.
+const ENV_READ_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(5);
+
+/// Readers left hung in a read before environments are no longer read.
+const MAX_HUNG_READERS: usize = 4;
+
+/// Reads environments on a helper thread, each within [`ENV_READ_TIMEOUT`]:
+/// a process can make a read of its memory hang (a FUSE-backed page, as
+/// hangs `ps`), and the jobs thread must not hang with it. A reader that
+/// hangs is left behind (a pid it hung on is never read again); after
+/// [`MAX_HUNG_READERS`] of them, environments are no longer read.
+pub struct EnvReader {
+    proc_root: PathBuf,
+    worker: Option<(
+        std::sync::mpsc::Sender<u32>,
+        std::sync::mpsc::Receiver<std::io::Result<LaunchEnv>>,
+    )>,
+    hung: usize,
+    /// How long a read may take ([`ENV_READ_TIMEOUT`]).
+    timeout: std::time::Duration,
+    /// The pids a read hung on (never read again).
+    hung_on: std::collections::HashSet<u32>,
+}
+
+impl EnvReader {
+    /// A reader of `proc_root`'s environments.
+    pub fn new(proc_root: PathBuf) -> Self {
+        Self {
+            proc_root,
+            worker: None,
+            hung: 0,
+            timeout: ENV_READ_TIMEOUT,
+            hung_on: std::collections::HashSet::new(),
+        }
+    }
+
+    /// The named variables of `pid`'s environment.
+    pub fn read(&mut self, pid: u32) -> Result<LaunchEnv, String> {
+        use std::sync::mpsc::{RecvTimeoutError, channel};
+        if self.hung_on.contains(&pid) {
+            return Err("an earlier read of it hung".to_owned());
+        }
+        if self.hung >= MAX_HUNG_READERS {
+            return Err(format!(
+                "environments are no longer read: {} reads hung",
+                self.hung
+            ));
+        }
+        let (requests, results) = match self.worker.take() {
+            Some(worker) => worker,
+            None => {
+                let (request_tx, request_rx) = channel::<u32>();
+                let (result_tx, result_rx) = channel();
+                let root = self.proc_root.clone();
+                std::thread::Builder::new()
+                    .name("ringwatch-environ".into())
+                    .spawn(move || {
+                        for pid in request_rx {
+                            if result_tx.send(read_environ(&root, pid)).is_err() {
+                                break;
+                            }
+                        }
+                    })
+                    .map_err(|e| format!("cannot start the environment reader: {e}"))?;
+                (request_tx, result_rx)
+            }
+        };
+        if requests.send(pid).is_err() {
+            return Err("the environment reader ended".to_owned());
+        }
+        match results.recv_timeout(self.timeout) {
+            Ok(result) => {
+                self.worker = Some((requests, results));
+                result.map_err(|e| e.to_string())
+            }
+            Err(RecvTimeoutError::Timeout) => {
+                self.hung += 1;
+                self.hung_on.insert(pid);
+                tracing::error!(
+                    pid,
+                    hung = self.hung,
+                    "reading a process's environment hung; that process is never read again"
+                );
+                Err(format!("the read hung for {:?}", self.timeout))
+            }
+            Err(RecvTimeoutError::Disconnected) => Err("the environment reader ended".to_owned()),
+        }
+    }
+}
+
+/// Reads what the scanner keeps of `pid` (its environment only with a
+/// reader) at `now_ticks`; `None` when it is gone (or a zombie), or was
 /// replaced by another process while it was read.
 pub fn read_proc(
     proc_root: &Path,
     pid: u32,
-    read_env: bool,
+    env_reader: Option<&mut EnvReader>,
     now_ticks: u64,
 ) -> Option<(Proc, Option<String>)> {
     let dir = proc_root.join(pid.to_string());
@@ -641,13 +731,10 @@ pub fn read_proc(
             .parse()
             .ok()
     });
-    let (launch, env_error) = if read_env {
-        match read_environ(proc_root, pid) {
-            Ok(env) => (classify(&env).map(|l| localized(l, netns)), None),
-            Err(e) => (None, Some(e.to_string())),
-        }
-    } else {
-        (None, None)
+    let (launch, env_error) = match env_reader.map(|r| r.read(pid)) {
+        Some(Ok(env)) => (classify(&env).map(|l| localized(l, netns)), None),
+        Some(Err(e)) => (None, Some(e)),
+        None => (None, None),
     };
     // The same process from the first read to the last (a pid reused in
     // between would mix two processes).
@@ -717,6 +804,8 @@ pub struct Scanner {
     procs: HashMap<u32, Proc>,
     /// Pids whose environment could not be read (and why), logged once.
     unreadable: HashMap<u32, String>,
+    /// Reads environments within a deadline.
+    env_reader: EnvReader,
     /// Ticks per second and the boot clock, for a process's age.
     ticks_per_s: u64,
 }
@@ -727,10 +816,11 @@ impl Scanner {
         // SAFETY: sysconf has no preconditions.
         let ticks = unsafe { libc::sysconf(libc::_SC_CLK_TCK) };
         Self {
-            proc_root,
+            proc_root: proc_root.clone(),
             scope,
             procs: HashMap::new(),
             unreadable: HashMap::new(),
+            env_reader: EnvReader::new(proc_root.clone()),
             ticks_per_s: u64::try_from(ticks).ok().filter(|&t| t > 0).unwrap_or(100),
         }
     }
@@ -782,7 +872,9 @@ impl Scanner {
                 }
                 Some(_) => continue,
             };
-            let Some((mut proc, env_error)) = read_proc(&self.proc_root, pid, true, now) else {
+            let Some((mut proc, env_error)) =
+                read_proc(&self.proc_root, pid, Some(&mut self.env_reader), now)
+            else {
                 self.procs.remove(&pid);
                 continue;
             };
@@ -1126,6 +1218,32 @@ mod tests {
     }
 
     #[test]
+    fn a_read_that_hangs_is_given_up_and_never_tried_again() {
+        let root = std::env::temp_dir().join(format!("rw-hungproc-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&root);
+        std::fs::create_dir_all(root.join("20")).unwrap();
+        std::fs::create_dir_all(root.join("21")).unwrap();
+        // Opening a FIFO for reading blocks until someone writes: a read
+        // that hangs, as one of a FUSE-backed page would.
+        let fifo = root.join("20/environ");
+        let c_path = std::ffi::CString::new(fifo.to_str().unwrap()).unwrap();
+        // SAFETY: a valid C string path.
+        assert_eq!(unsafe { libc::mkfifo(c_path.as_ptr(), 0o600) }, 0);
+        std::fs::write(root.join("21/environ"), b"RANK=1\0").unwrap();
+        let mut reader = EnvReader::new(root.clone());
+        // It hangs for good, so any limit is reached.
+        reader.timeout = std::time::Duration::from_millis(200);
+        assert!(reader.read(20).unwrap_err().contains("hung"));
+        assert!(reader.read(20).unwrap_err().contains("earlier read"));
+        // A fresh reader thread serves the next process (no time bound on it).
+        reader.timeout = std::time::Duration::from_secs(600);
+        assert_eq!(reader.read(21).unwrap().get("RANK"), Some("1"));
+        // Let the hung thread go.
+        drop(std::fs::OpenOptions::new().write(true).open(&fifo).unwrap());
+        std::fs::remove_dir_all(&root).unwrap();
+    }
+
+    #[test]
     fn stat_is_parsed_past_a_name_with_parentheses() {
         let stat = "4242 (a) b) (c) S 17 4242 4242 0 -1 4194560 1 0 0 0 0 0 0 0 20 0 1 0 98765 1 2";
         assert_eq!(parse_stat(stat), Some((17, 98765)));
@@ -1134,7 +1252,13 @@ mod tests {
     #[test]
     fn this_process_is_read_and_a_fake_proc_is_scanned() {
         let me = std::process::id();
-        let (p, err) = read_proc(Path::new("/proc"), me, true, 0).unwrap();
+        let (p, err) = read_proc(
+            Path::new("/proc"),
+            me,
+            Some(&mut EnvReader::new("/proc".into())),
+            0,
+        )
+        .unwrap();
         assert_eq!(err, None);
         assert_eq!(p.pid, me);
         // SAFETY: getuid has no preconditions.
