@@ -42,7 +42,7 @@ use test_support::{TempDir, eventually, eventually_reporting, free_port};
 /// The training script: DDP over gloo, unchanged by ringwatch. Every rank
 /// stops on the same step, once the stop file exists.
 const SCRIPT: &str = r#"
-import os, sys
+import os, subprocess, sys
 import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
@@ -52,6 +52,9 @@ torch.manual_seed(dist.get_rank())
 model = DDP(torch.nn.Linear(256, 256))
 opt = torch.optim.SGD(model.parameters(), lr=0.01)
 stop = sys.argv[1]
+# Global rank 0 starts a helper, as a data loader starts its workers: a child
+# that inherits the rank's environment.
+helper = subprocess.Popen(["sleep", "600"]) if dist.get_rank() == 0 else None
 step = 0
 while True:
     loss = model(torch.randn(32, 256)).sum()
@@ -66,6 +69,9 @@ while True:
     dist.all_reduce(flag, op=dist.ReduceOp.MAX)
     if flag.item() > 0:
         break
+if helper:
+    helper.kill()
+    helper.wait()
 dist.destroy_process_group()
 "#;
 
@@ -263,6 +269,43 @@ fn a_torchrun_job_on_two_pretend_nodes_is_found_whole_without_a_code_change() {
         );
         assert!(job.get("knobs").is_none_or(Value::is_null), "{job:#}");
     }
+
+    // Rank 0's helper is its rank's child: listed and watched with it, and
+    // on the timeline with its job and rank.
+    let rank0 = ranks_of(&jobs_of_kind(&agent0.get_json("/api/jobs").1, "torchrun")[0])[&0];
+    let helper = eventually(Duration::from_secs(120), "rank 0 starts its helper", || {
+        children_of(rank0 as u32).into_iter().next()
+    });
+    eventually_reporting(
+        Duration::from_secs(60),
+        "the helper listed as rank 0's child",
+        || {
+            let (_, answer) = agent0.get_json("/api/jobs");
+            let job = jobs_of_kind(&answer, "torchrun");
+            let children = &job[0]["rank_children"]["0"];
+            if *children == serde_json::json!([helper]) {
+                Ok(())
+            } else {
+                Err(format!("{answer:#}"))
+            }
+        },
+    );
+    eventually_reporting(
+        Duration::from_secs(60),
+        "the helper on the job's timeline as rank 0's",
+        || {
+            let (_, trace) = agent0.get_json(&format!("/api/timeline?job={job_id}"));
+            let named = trace["traceEvents"].as_array().and_then(|events| {
+                events
+                    .iter()
+                    .find(|e| e["name"] == "process_name" && e["pid"] == helper)
+            });
+            match named {
+                Some(e) if e["args"]["rank"] == 0 && e["args"]["job"] == job_id.as_str() => Ok(()),
+                _ => Err(format!("{named:?}")),
+            }
+        },
+    );
 
     // One job of four ranks in the cluster view, from either agent.
     for agent in agents {

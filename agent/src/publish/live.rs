@@ -596,7 +596,18 @@ pub fn build(
     // for, under a pid we watch (or saw) here.
     let here = tracks::Here { pids: &pids };
     let job_ranks: Vec<tracks::JobRanks<'_>> = jobs.iter().map(Into::into).collect();
-    let local_ranks = tracks::local_ranks(&job_ranks, &here);
+    let mut local_ranks = tracks::local_ranks(&job_ranks, &here);
+    // A rank's children (data-loader workers of a job found from its
+    // launcher's variables) are shown with their rank.
+    for job in &jobs {
+        for (&rank, children) in &job.rank_children {
+            for &pid in children.iter().filter(|pid| pids.contains(pid)) {
+                local_ranks
+                    .entry(pid)
+                    .or_insert_with(|| (job.job_id.clone(), rank));
+            }
+        }
+    }
     states.containers.retain(|pid| pids.contains(&pid));
     for &pid in &pids {
         let name = session.thread_name(pid, pid);
