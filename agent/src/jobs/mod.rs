@@ -568,8 +568,12 @@ struct Registry {
     /// The scanner's count of unreadable environments that was last logged
     /// (rounded up to a power of two: a log line each time it doubles).
     launcher_unreadable_logged: usize,
-    /// Launched jobs left out by the caps, by id (logged once).
+    /// Launched jobs left out by the caps now, by id.
     launched_refused: std::collections::BTreeSet<String>,
+    /// Launched jobs refused in all, and the count last logged (a line each
+    /// time it doubles: a user who makes up ids cannot flood the log).
+    launched_refused_total: u64,
+    launched_refused_logged: u64,
     rejected: HashMap<PathBuf, Rejected>,
     /// Runtime directories refused by the last scan, and why (logged when
     /// the reason changes).
@@ -980,13 +984,20 @@ impl Jobs {
                 || (job.uid != 0 && of_user(&registry) >= config.max_jobs_per_user)
             {
                 if registry.launched_refused.insert(job.job_id.clone()) {
-                    tracing::warn!(
-                        job_id = job.job_id,
-                        uid = job.uid,
-                        max_jobs = config.max_jobs,
-                        max_jobs_per_user = config.max_jobs_per_user,
-                        "not following a job found from its launcher's variables: too many jobs"
-                    );
+                    registry.launched_refused_total += 1;
+                    if registry.launched_refused_total > registry.launched_refused_logged {
+                        tracing::warn!(
+                            job_id = job.job_id,
+                            uid = job.uid,
+                            refused_in_all = registry.launched_refused_total,
+                            max_jobs = config.max_jobs,
+                            max_jobs_per_user = config.max_jobs_per_user,
+                            "not following a job found from its launcher's variables: too many \
+                             jobs"
+                        );
+                        registry.launched_refused_logged =
+                            registry.launched_refused_total.saturating_mul(2);
+                    }
                 }
                 continue;
             }
