@@ -89,10 +89,12 @@ fn python_with_torch() -> Option<PathBuf> {
         })
 }
 
-/// The Python package's directory: its `ringwatch.run` is torchrun, with
-/// PyTorch 1.13's crash on Python 3.11 corrected (see its docstring).
-fn python_package() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("../collectives/python")
+/// `ringwatch/run.py`: torchrun, with PyTorch 1.13's crash on Python 3.11
+/// corrected (see its docstring). Run as a file, so that nothing of the
+/// `ringwatch` package (whose native part a fresh checkout has not built)
+/// is imported.
+fn torchrun_py() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("../collectives/python/ringwatch/run.py")
 }
 
 /// Starts node `node`'s torchrun (2 ranks) in its network namespace.
@@ -106,24 +108,24 @@ fn start_torchrun(
 ) -> Child {
     Command::new("ip")
         .args(["netns", "exec", &nodes.ns(node), "env"])
-        .arg(format!("PYTHONPATH={}", python_package().display()))
         // gloo picks its interface from the host name otherwise, which does
         // not resolve inside the namespace.
         .arg(format!("GLOO_SOCKET_IFNAME={}", nodes.dev(node)))
         .arg(python)
-        .args([
-            "-m",
-            "ringwatch.run",
-            "--nnodes",
-            "2",
-            "--nproc_per_node",
-            "2",
-        ])
+        .arg("-c")
+        .arg(format!(
+            "import runpy, sys; sys.argv = ['torchrun'] + sys.argv[1:]; \
+             runpy.run_path({:?}, run_name='__main__')",
+            torchrun_py().display().to_string()
+        ))
+        .args(["--nnodes", "2", "--nproc_per_node", "2"])
         .args(["--node_rank", &node.to_string()])
         .args(["--master_addr", &Nodes::addr(0)])
         .args(["--master_port", &port.to_string()])
         .arg(script)
         .arg(stop)
+        // Nothing in the working directory shadows a module.
+        .current_dir(script.parent().unwrap())
         .stdout(Stdio::null())
         .spawn()
         .unwrap()
