@@ -906,6 +906,25 @@ impl Scanner {
     }
 }
 
+/// A process in a fake `/proc` under `root`: its stat, its uid and its
+/// environment.
+#[cfg(test)]
+pub(crate) fn fake_proc(root: &Path, pid: u32, ppid: u32, uid: u32, environ: &[u8]) {
+    let dir = root.join(pid.to_string());
+    std::fs::create_dir_all(&dir).unwrap();
+    std::fs::write(
+        dir.join("stat"),
+        format!("{pid} (python3) S {ppid} 1 1 0 -1 0 0 0 0 0 0 0 0 0 20 0 1 0 5 1 2"),
+    )
+    .unwrap();
+    std::fs::write(
+        dir.join("status"),
+        format!("Name:\tpython3\nUid:\t{uid}\t{uid}\t{uid}\t{uid}\n"),
+    )
+    .unwrap();
+    std::fs::write(dir.join("environ"), environ).unwrap();
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -1275,19 +1294,7 @@ mod tests {
                     .to_vec(),
             ),
         ] {
-            let dir = root.join(pid.to_string());
-            std::fs::create_dir_all(&dir).unwrap();
-            std::fs::write(
-                dir.join("stat"),
-                format!("{pid} (python3) S {ppid} 1 1 0 -1 0 0 0 0 0 0 0 0 0 20 0 1 0 5 1 2"),
-            )
-            .unwrap();
-            std::fs::write(
-                dir.join("status"),
-                "Name:\tpython3\nUid:\t1000\t1000\t1000\t1000\n",
-            )
-            .unwrap();
-            std::fs::write(dir.join("environ"), environ).unwrap();
+            fake_proc(&root, pid, ppid, 1000, &environ);
         }
         let mut scanner = Scanner::new(root.clone(), NodeScope::Kernel);
         let jobs = scanner.scan();

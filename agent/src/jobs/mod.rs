@@ -385,6 +385,22 @@ impl JobSnapshot {
         self.ranks.iter().filter(|r| r.host == self.host)
     }
 
+    /// Every process of the job on this node, with its rank where known: the
+    /// local ranks (those mapped to a host pid), their children, and the
+    /// processes of unknown rank.
+    pub fn local_processes(&self) -> impl Iterator<Item = (u32, Option<usize>)> + '_ {
+        let ranks = self
+            .local_ranks()
+            .filter(|r| r.pid != 0)
+            .map(|r| (r.pid, Some(r.rank)));
+        let children = self
+            .rank_children
+            .iter()
+            .flat_map(|(&rank, pids)| pids.iter().map(move |&pid| (pid, Some(rank))));
+        let unknown = self.unknown_rank_pids.iter().map(|&pid| (pid, None));
+        ranks.chain(children).chain(unknown)
+    }
+
     /// Every host of the job, in rank order, each once.
     pub fn hosts(&self) -> Vec<&str> {
         // A set beside the list: a hello may name thousands of hosts.
@@ -1349,16 +1365,10 @@ impl PidSource for JobPids {
         let mut pids = Vec::new();
         let jobs = self.jobs.jobs();
         for job in jobs.iter().filter(|job| job.state == JobState::Connected) {
-            let local = job.local_ranks().map(|r| (Some(r.rank), r.pid));
             // Of a job found from launcher variables, also its ranks' children
             // and the processes of unknown rank.
-            let children = job
-                .rank_children
-                .iter()
-                .flat_map(|(&rank, pids)| pids.iter().map(move |&pid| (Some(rank), pid)));
-            let unknown = job.unknown_rank_pids.iter().map(|&pid| (None, pid));
-            for (rank, pid) in local.chain(children).chain(unknown) {
-                if pid == 0 || !discovery::process_exists(pid) {
+            for (pid, rank) in job.local_processes() {
+                if !discovery::process_exists(pid) {
                     continue;
                 }
                 match trust::check_rank_pid(pid, job.owner_uid) {
@@ -1771,26 +1781,9 @@ mod tests {
         assert_eq!(JobPids::new(jobs.clone()).pids(), vec![server.0.id()]);
     }
 
-    /// A process in a fake `/proc` under `root`: its stat, its uid and its
-    /// environment.
-    fn fake_proc(root: &Path, pid: u32, ppid: u32, uid: u32, environ: &[u8]) {
-        let dir = root.join(pid.to_string());
-        std::fs::create_dir_all(&dir).unwrap();
-        std::fs::write(
-            dir.join("stat"),
-            format!("{pid} (python3) S {ppid} 1 1 0 -1 0 0 0 0 0 0 0 0 0 20 0 1 0 5 1 2"),
-        )
-        .unwrap();
-        std::fs::write(
-            dir.join("status"),
-            format!("Name:\tpython3\nUid:\t{uid}\t{uid}\t{uid}\t{uid}\n"),
-        )
-        .unwrap();
-        std::fs::write(dir.join("environ"), environ).unwrap();
-    }
-
     #[test]
     fn jobs_found_from_launcher_variables_are_listed_once_and_lost_when_gone() {
+        use launched::fake_proc;
         let dir = TempDir::new("launched");
         let proc_root = dir.0.join("proc");
         let torchrun = |port: u16, rank: usize| {

@@ -600,8 +600,10 @@ pub fn build(
     // A rank's children (data-loader workers of a job found from its
     // launcher's variables) are shown with their rank.
     for job in &jobs {
-        for (&rank, children) in &job.rank_children {
-            for &pid in children.iter().filter(|pid| pids.contains(pid)) {
+        for (pid, rank) in job.local_processes() {
+            if let Some(rank) = rank
+                && pids.contains(&pid)
+            {
                 local_ranks
                     .entry(pid)
                     .or_insert_with(|| (job.job_id.clone(), rank));

@@ -386,19 +386,13 @@ const PROCESS_LABELS: [&str; 6] = ["pid", "comm", "container_id", "pod_uid", "jo
 fn jobs_of_pids(jobs: &[JobSnapshot]) -> HashMap<u32, (String, String)> {
     let mut of = HashMap::new();
     for job in jobs.iter().filter(|j| j.state == JobState::Connected) {
-        for rank in job.local_ranks().filter(|r| r.pid != 0) {
-            of.entry(rank.pid)
-                .or_insert_with(|| (job.job_id.clone(), rank.rank.to_string()));
-        }
-        for (rank, pids) in &job.rank_children {
-            for &pid in pids {
-                of.entry(pid)
-                    .or_insert_with(|| (job.job_id.clone(), rank.to_string()));
-            }
-        }
-        for &pid in &job.unknown_rank_pids {
-            of.entry(pid)
-                .or_insert_with(|| (job.job_id.clone(), String::new()));
+        for (pid, rank) in job.local_processes() {
+            of.entry(pid).or_insert_with(|| {
+                (
+                    job.job_id.clone(),
+                    rank.map_or_else(String::new, |r| r.to_string()),
+                )
+            });
         }
     }
     of
