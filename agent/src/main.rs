@@ -29,7 +29,9 @@ mod tune;
 use api::http;
 use cli::{serve, top, watch};
 use jobs::trust;
-use observe::{containers, discovery, events, gpu, lock, model, probes, thread_store};
+use observe::{
+    containers, discovery, events, gpu, lock, model, nccl_profiler, probes, thread_store,
+};
 use publish::{live, lod, metrics, timeline, tracks};
 use tune::{reports, tuning};
 

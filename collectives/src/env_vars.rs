@@ -269,6 +269,38 @@ pub fn runtime_variables() -> Vec<(&'static str, Vec<EnvVariable>)> {
                 ),
             ],
         ),
+        (
+            // Read by the plugin library (collectives/nccl-profiler), not
+            // the runtime; its tests hold these lines to its constants.
+            "The NCCL profiler plugin (any NCCL job, `NCCL_PROFILER_PLUGIN`)",
+            vec![
+                v(
+                    "RINGWATCH_NCCL_PROFILER",
+                    None,
+                    "`off` (also `0`, `false`, `no`)",
+                    "on".to_owned(),
+                    "Loaded but off: NCCL gets no context and no events are asked for.",
+                ),
+                v(
+                    "RINGWATCH_NCCL_PROFILER_SOCKET",
+                    None,
+                    "path",
+                    "`<dir>/nccl-profiler.socket` for a library loaded from `<dir>/lib/` (as \
+                     the agent publishes it), else `nccl-profiler.socket` in \
+                     `RINGWATCH_RUNTIME_DIR` (`/run/ringwatch`)"
+                        .to_owned(),
+                    "The agent's socket the plugin sends its records to.",
+                ),
+                v(
+                    "RINGWATCH_NCCL_PROFILER_QUEUE",
+                    None,
+                    "records, 16 to 1048576",
+                    "8192".to_owned(),
+                    "The plugin's queue: past it, while the agent is slow, collectives are \
+                     dropped and counted, never waited for.",
+                ),
+            ],
+        ),
     ]
 }
 

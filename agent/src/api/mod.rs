@@ -72,6 +72,8 @@ pub struct ApiState {
     pub tunings: Option<Arc<TuningSessions>>,
     /// Who may call the mutating endpoints.
     pub auth: Arc<Auth>,
+    /// The records of the node's NCCL profiler plugins (`serve --jobs`).
+    pub nccl: Option<crate::nccl_profiler::NcclProfiler>,
 }
 
 impl ApiState {
@@ -134,6 +136,7 @@ fn routes(limits: TimelineLimits) -> OpenApiRouter<ApiState> {
         .routes(routes!(tuning::reports_list))
         .routes(routes!(tuning::report_file))
         .routes(routes!(openapi::openapi))
+        .routes(routes!(node::nccl_collectives))
         .routes(routes!(node::metrics))
 }
 

@@ -8,15 +8,16 @@
 use axum::extract::State;
 use axum::http::{HeaderMap, StatusCode, header};
 use axum::response::{IntoResponse, Response};
-use serde::Serialize;
+use serde::{Deserialize, Serialize};
 use serde_json::Value;
-use utoipa::ToSchema;
+use utoipa::{IntoParams, ToSchema};
 
 use super::ApiState;
 use super::extract::{ApiError, ApiQuery, ErrorBody, NoQuery};
 use crate::jobs::{JobSnapshot, Jobs};
 use crate::live::NamedProcess;
 use crate::metrics::render_metrics;
+use crate::nccl_profiler::{MatchedCollective, PluginCounters};
 
 /// `GET /api/health`'s answer.
 #[derive(Debug, Serialize, ToSchema)]
@@ -424,8 +425,13 @@ pub(super) async fn metrics(
     let live = state.live_view();
     let jobs = state.jobs.as_ref().map(Jobs::jobs).unwrap_or_default();
     let sessions = state.tunings.as_ref().map(|t| t.all()).unwrap_or_default();
+    let nccl = state
+        .nccl
+        .as_ref()
+        .map(crate::nccl_profiler::NcclProfiler::totals)
+        .unwrap_or_default();
     let text = tokio::task::spawn_blocking(move || {
-        render_metrics(&gpus.snapshot(), live.as_deref(), &jobs, &sessions)
+        render_metrics(&gpus.snapshot(), live.as_deref(), &jobs, &sessions, &nccl)
     })
     .await
     .map_err(|e| {
@@ -445,4 +451,110 @@ pub(super) async fn metrics(
         crate::metrics::Format::Classic => crate::metrics::to_classic(&text),
     };
     Ok(([(header::CONTENT_TYPE, format.content_type())], text).into_response())
+}
+
+/// `/api/nccl/collectives`'s query.
+#[derive(Debug, Default, Deserialize, IntoParams)]
+#[into_params(parameter_in = Query)]
+pub struct NcclQuery {
+    /// only this communicator: its hash as the records give it (16 hex digits)
+    #[param(nullable = false)]
+    pub comm: Option<String>,
+    /// the most collectives answered, newest first: 1 to 1000 (default 100)
+    #[param(nullable = false)]
+    pub limit: Option<String>,
+}
+
+/// One process's NCCL profiler plugin.
+#[derive(Debug, Serialize, ToSchema)]
+pub struct NcclPlugin {
+    /// The process (as the kernel names the socket's peer).
+    pid: u32,
+    /// The plugin version NCCL loaded (3 to 7).
+    profiler: u8,
+    /// What the plugin counted, as it last reported.
+    counters: PluginCounters,
+}
+
+/// `GET /api/nccl/collectives`'s answer.
+#[derive(Debug, Serialize, ToSchema)]
+pub struct NcclAnswer {
+    /// Whether this agent listens for plugins (`serve --jobs`, without
+    /// `--no-nccl-profiler`).
+    listening: bool,
+    /// Plugin connections open now.
+    connections: usize,
+    /// Connections refused (at the cap) or closed for a malformed line.
+    refused: u64,
+    /// Lines that were not a record, counters or a hello.
+    malformed: u64,
+    /// The processes whose plugin reported.
+    plugins: Vec<NcclPlugin>,
+    /// The latest collectives, each with every local rank's record of it
+    /// (matched by communicator, function and NCCL's sequence number).
+    collectives: Vec<MatchedCollective>,
+}
+
+/// NCCL's collectives as the jobs' profiler plugins reported them
+/// (`NCCL_PROFILER_PLUGIN`), matched across this node's ranks.
+#[utoipa::path(
+    get,
+    path = "/api/nccl/collectives",
+    tag = "node",
+    params(NcclQuery),
+    responses(
+        (status = 200, description = "the collectives", body = NcclAnswer),
+        (status = 400, description = "bad query", body = ErrorBody),
+    )
+)]
+pub(super) async fn nccl_collectives(
+    State(state): State<ApiState>,
+    ApiQuery(query): ApiQuery<NcclQuery>,
+) -> Result<axum::Json<NcclAnswer>, ApiError> {
+    let limit = match query.limit.as_deref() {
+        None => 100,
+        Some(v) => match v.parse::<usize>() {
+            Ok(n) if (1..=1000).contains(&n) => n,
+            _ => {
+                return Err(ApiError::bad_request(format!(
+                    "limit {v:?}: expected a number from 1 to 1000"
+                )));
+            }
+        },
+    };
+    if let Some(comm) = &query.comm
+        && !(comm.len() == 16 && comm.bytes().all(|b| b.is_ascii_hexdigit()))
+    {
+        return Err(ApiError::bad_request(format!(
+            "comm {comm:?}: expected a communicator hash of 16 hex digits"
+        )));
+    }
+    let Some(nccl) = &state.nccl else {
+        return Ok(axum::Json(NcclAnswer {
+            listening: false,
+            connections: 0,
+            refused: 0,
+            malformed: 0,
+            plugins: Vec::new(),
+            collectives: Vec::new(),
+        }));
+    };
+    let comm = query.comm.map(|c| c.to_ascii_lowercase());
+    let (connections, refused, malformed) = nccl.connection_counts();
+    Ok(axum::Json(NcclAnswer {
+        listening: true,
+        connections,
+        refused,
+        malformed,
+        plugins: nccl
+            .totals()
+            .into_iter()
+            .map(|p| NcclPlugin {
+                pid: p.pid,
+                profiler: p.profiler,
+                counters: p.counters,
+            })
+            .collect(),
+        collectives: nccl.matched(comm.as_deref(), limit),
+    }))
 }

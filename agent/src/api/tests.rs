@@ -40,6 +40,7 @@ fn app(events: usize, limits: TimelineLimits) -> Router {
         live: Arc::new(Mutex::new(None)),
         jobs: None,
         tunings: None,
+        nccl: None,
         auth: Arc::new(Auth {
             token: None,
             loopback_only: true,

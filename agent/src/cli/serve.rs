@@ -20,6 +20,7 @@ use crate::cluster::{Cluster, ClusterConfig};
 use crate::gpu::Gpus;
 use crate::http::{self, HttpLimits};
 use crate::live;
+use crate::nccl_profiler::NcclProfiler;
 use crate::reports::{DEFAULT_REPORTS_DIR, Reports};
 use crate::session::{Session, TargetArgs, monotonic_ns, start_jobs};
 use crate::timeline::RecordedTrace;
@@ -128,10 +129,79 @@ pub struct ServeArgs {
     #[arg(long, default_value = "2s", value_parser = humantime::parse_duration, env = "RINGWATCH_PEER_TIMEOUT")]
     pub peer_timeout: std::time::Duration,
 
+    /// With --jobs, do not open `<runtime-dir>/nccl-profiler.socket`, where
+    /// the NCCL profiler plugin of a job (`NCCL_PROFILER_PLUGIN`) sends one
+    /// record per collective.
+    #[arg(long, env = "RINGWATCH_NO_NCCL_PROFILER")]
+    pub no_nccl_profiler: bool,
+
+    /// Where the NCCL profiler plugins' socket (`nccl-profiler.socket`) and
+    /// the plugin library for jobs (`lib/libringwatch_nccl_profiler.so`)
+    /// go. A job's plugin loaded from `<DIR>/lib/` finds the socket in
+    /// `<DIR>` by itself. The DaemonSet uses a hostPath of its own
+    /// (/run/ringwatch-nccl) that training pods mount read-only. Default:
+    /// --runtime-dir.
+    #[arg(long, value_name = "DIR", env = "RINGWATCH_NCCL_PROFILER_DIR")]
+    pub nccl_profiler_dir: Option<std::path::PathBuf>,
+
+    /// The NCCL profiler plugin library to publish in
+    /// `<--nccl-profiler-dir>/lib/`. Default: the one beside the agent's
+    /// binary, if there is one.
+    #[arg(long, value_name = "FILE", env = "RINGWATCH_NCCL_PROFILER_LIB")]
+    pub nccl_profiler_lib: Option<std::path::PathBuf>,
+
     /// What to watch live (optional: without targets the API serves GPUs and
     /// --replay only).
     #[command(flatten)]
     pub targets: TargetArgs,
+}
+
+/// Opens the NCCL profiler plugins' socket in the runtime directory and
+/// publishes the plugin library beside it. A failure is logged, not fatal:
+/// the agent serves on without the plugins' records.
+fn start_nccl_profiler(args: &ServeArgs) -> Option<NcclProfiler> {
+    let dir = args
+        .nccl_profiler_dir
+        .as_ref()
+        .unwrap_or(&args.targets.runtime_dir);
+    if !dir.exists() {
+        use std::os::unix::fs::DirBuilderExt;
+        if let Err(error) = std::fs::DirBuilder::new().mode(0o755).create(dir) {
+            tracing::warn!(dir = %dir.display(), %error, "no NCCL profiler directory: the plugins' records are not received");
+            return None;
+        }
+    }
+    let store = NcclProfiler::default();
+    let path = dir.join(crate::nccl_profiler::SOCKET_NAME);
+    match store.listen(&path) {
+        Ok(path) => tracing::info!(socket = %path.display(), "listening for NCCL profiler plugins"),
+        Err(error) => {
+            tracing::warn!(
+                error = format!("{error:#}"),
+                "no NCCL profiler socket: the plugins' records are not received"
+            );
+            return None;
+        }
+    }
+    let lib = args.nccl_profiler_lib.clone().or_else(|| {
+        let beside = std::env::current_exe()
+            .ok()?
+            .with_file_name(crate::nccl_profiler::LIBRARY_NAME);
+        beside.is_file().then_some(beside)
+    });
+    match lib {
+        Some(lib) => match crate::nccl_profiler::publish_library(&lib, dir) {
+            Ok(at) => {
+                tracing::info!(library = %at.display(), "the NCCL profiler plugin is published for jobs")
+            }
+            Err(error) => tracing::warn!(
+                error = format!("{error:#}"),
+                "the NCCL profiler plugin is not published"
+            ),
+        },
+        None => tracing::debug!("no NCCL profiler plugin beside the agent to publish"),
+    }
+    Some(store)
 }
 
 /// Checks `host:port` peer addresses before anything starts.
@@ -254,7 +324,13 @@ pub async fn run(args: ServeArgs) -> Result<()> {
     if let Some(tunings) = &tunings {
         tunings.set_cluster(cluster.clone(), tokio::runtime::Handle::current());
     }
+    let nccl = if watch_jobs && !args.no_nccl_profiler {
+        start_nccl_profiler(&args)
+    } else {
+        None
+    };
     let state = ApiState {
+        nccl: nccl.clone(),
         cluster: cluster.clone(),
         load_feed: (ebpf_off.is_none() && session.is_some()).then(|| feed.clone()),
         gpus: gpus.clone(),
@@ -276,7 +352,16 @@ pub async fn run(args: ServeArgs) -> Result<()> {
         // Publish an (empty) view at once, so the API never answers "no
         // source" while the first second of events comes in.
         let now = monotonic_ns();
-        let view = live::build(session, &mut states, &mut counters, &gpus, now, now, now)?;
+        let view = live::build(
+            session,
+            nccl.as_ref(),
+            &mut states,
+            &mut counters,
+            &gpus,
+            now,
+            now,
+            now,
+        )?;
         state.publish(view);
     }
     match http::raise_open_file_limit() {
@@ -356,6 +441,7 @@ pub async fn run(args: ServeArgs) -> Result<()> {
                 let now = monotonic_ns();
                 let view = live::build(
                     &session,
+                    nccl.as_ref(),
                     &mut states,
                     &mut counters,
                     &gpus,

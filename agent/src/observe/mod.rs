@@ -10,5 +10,6 @@ pub mod events;
 pub mod gpu;
 pub mod lock;
 pub mod model;
+pub mod nccl_profiler;
 pub mod probes;
 pub mod thread_store;

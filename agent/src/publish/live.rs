@@ -29,6 +29,7 @@ use crate::jobs::JobSnapshot;
 use crate::lod::{self, SummaryEvent};
 use crate::model::Interval;
 use crate::model::{ProcessSnapshot, cause_name};
+use crate::nccl_profiler::{COMMS_PER_PROCESS, NcclProfiler};
 use crate::session::Session;
 use crate::timeline::{
     AnswerLimits, QueryError, RecordedTrace, TimelineQuery, TraceAnswer, TraceWriter, View,
@@ -572,11 +573,70 @@ fn process_name_args(comm: &str, pid: u32, container: &Container) -> Value {
     args
 }
 
+/// The first lane id of a process's NCCL communicators on the timeline
+/// (above any real thread id: Linux's pid_max is at most 2^22).
+pub const NCCL_LANE_TID_BASE: u32 = 0x4000_0000;
+
+/// `pid`'s collectives from its NCCL profiler plugin in the window: a lane
+/// per communicator (the first [`COMMS_PER_PROCESS`], then one for the
+/// rest), each collective a slice where [`crate::nccl_profiler::placed`]
+/// puts it.
+fn plugin_events(events: &mut Vec<Value>, nccl: &NcclProfiler, pid: u32, from_ns: u64, to_ns: u64) {
+    let mut lanes: Vec<String> = Vec::new();
+    for (c, start, end) in nccl.window(pid, from_ns, to_ns) {
+        let lane = match lanes.iter().position(|l| *l == c.comm) {
+            Some(i) => i,
+            None if lanes.len() < COMMS_PER_PROCESS => {
+                lanes.push(c.comm.clone());
+                let tid = NCCL_LANE_TID_BASE + lanes.len() as u32 - 1;
+                events.push(
+                    json!({ "ph": "M", "name": "thread_name", "pid": pid, "tid": tid,
+                    "args": { "name": format!("NCCL comm {} (profiler plugin)", c.comm) } }),
+                );
+                lanes.len() - 1
+            }
+            None => COMMS_PER_PROCESS,
+        };
+        let tid = NCCL_LANE_TID_BASE + lane as u32;
+        let clock = if c.gpu_ns[0] > 0 {
+            "gpu"
+        } else if c.kernel_cpu_ns[0] > 0 {
+            "plugin cpu"
+        } else {
+            "enqueue"
+        };
+        events.push(json!({
+            "ph": "X", "cat": "nccl_plugin", "name": c.func, "pid": pid, "tid": tid,
+            "ts": start as f64 / 1e3,
+            "dur": end.saturating_sub(start) as f64 / 1e3,
+            "args": {
+                "comm": c.comm, "seq": c.seq, "rank": c.rank, "nranks": c.nranks,
+                "bytes": c.bytes, "count": c.count, "datatype": c.datatype,
+                "algo": c.algo, "proto": c.proto, "channels": c.channels,
+                "channels_done": c.channels_done, "clock": clock,
+                "enqueue_us": c.enqueue_ns[1].saturating_sub(c.enqueue_ns[0]) as f64 / 1e3,
+            },
+        }));
+    }
+    if lanes.len() == COMMS_PER_PROCESS
+        && events
+            .iter()
+            .rev()
+            .any(|e| e["tid"] == json!(NCCL_LANE_TID_BASE + COMMS_PER_PROCESS as u32))
+    {
+        events.push(json!({ "ph": "M", "name": "thread_name", "pid": pid,
+            "tid": NCCL_LANE_TID_BASE + COMMS_PER_PROCESS as u32,
+            "args": { "name": "NCCL, other communicators (profiler plugin)" } }));
+    }
+}
+
 /// Builds the view of `[now - window, now]` (CLOCK_MONOTONIC ns), after
 /// adding this moment's counter sample (TCP connections, `gpus`) to
 /// `counters`.
+#[allow(clippy::too_many_arguments)]
 pub fn build(
     session: &Session,
+    nccl: Option<&NcclProfiler>,
     states: &mut ThreadStates,
     counters: &mut CounterHistory,
     gpus: &Gpus,
@@ -631,11 +691,30 @@ pub fn build(
                 }));
             }
         }
+        if let Some(nccl) = nccl {
+            plugin_events(&mut events, nccl, pid, window_start_ns, now_ns);
+        }
         processes.push(NamedProcess {
             name,
             container,
             snapshot: model.process_snapshot(pid, figures_from_ns, now_ns),
         });
+    }
+    // Processes whose NCCL profiler plugin reports, though eBPF does not
+    // watch them: their collectives alone.
+    if let Some(nccl) = nccl {
+        for pid in nccl.pids().into_iter().filter(|pid| !pids.contains(pid)) {
+            let before = events.len();
+            plugin_events(&mut events, nccl, pid, window_start_ns, now_ns);
+            if events.len() > before {
+                let mut args = json!({ "name": session.thread_name(pid, pid) });
+                if let Some((job, rank)) = local_ranks.get(&pid) {
+                    args["job"] = json!(job);
+                    args["rank"] = json!(rank);
+                }
+                events.push(json!({ "ph": "M", "name": "process_name", "pid": pid, "args": args }));
+            }
+        }
     }
     let now_us = now_ns as f64 / 1e3;
     let window_start_us = window_start_ns as f64 / 1e3;

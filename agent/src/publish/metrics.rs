@@ -16,6 +16,7 @@ use prometheus_client::registry::Registry;
 use crate::gpu::{GpuReading, GpuSnapshot};
 use crate::jobs::{JobSnapshot, JobState};
 use crate::live::{LiveView, NamedProcess};
+use crate::nccl_profiler::ProcessTotals;
 use crate::tuning::{SessionState, SessionView};
 
 /// Renders every metric as OpenMetrics text: GPUs, the live view's
@@ -25,8 +26,15 @@ pub fn render_metrics(
     live: Option<&LiveView>,
     jobs: &[JobSnapshot],
     sessions: &[SessionView],
+    nccl: &[ProcessTotals],
 ) -> Result<String, std::fmt::Error> {
     let mut registry = Registry::default();
+    if !nccl.is_empty() || describing() {
+        registry.register_collector(Box::new(NcclCollector {
+            procs: nccl.to_vec(),
+            jobs_of: jobs_of_pids(jobs),
+        }));
+    }
     registry.register_collector(Box::new(GpuCollector(gpus.clone())));
     if !jobs.is_empty() || !sessions.is_empty() || describing() {
         registry.register_collector(Box::new(TuningCollector {
@@ -501,6 +509,127 @@ impl prometheus_client::collector::Collector for ProcessCollector {
     }
 }
 
+/// One scrape's totals of the NCCL profiler plugins' records.
+#[derive(Debug)]
+struct NcclCollector {
+    procs: Vec<ProcessTotals>,
+    /// pid -> (job id, rank) of the processes some job names.
+    jobs_of: HashMap<u32, (String, String)>,
+}
+
+/// The labels of the `ringwatch_nccl_*` series: the process (and its job
+/// and rank), the communicator (hex hash; a process's first 8, the rest
+/// `other`), NCCL's function (9 named, the rest `other`) and a size bucket
+/// (5). Bounded: at most 256 processes × 9 × 10 × 5 series, whatever the
+/// jobs send.
+const NCCL_LABELS: [&str; 6] = ["pid", "job", "rank", "comm", "func", "size"];
+
+/// Encodes one family of `(labels, value)` as a counter or a gauge.
+fn family(
+    encoder: &mut DescriptorEncoder,
+    name: &str,
+    help: &str,
+    kind: MetricType,
+    values: Vec<(Labels, f64)>,
+) -> Result<(), std::fmt::Error> {
+    if values.is_empty() && !describing() {
+        return Ok(());
+    }
+    let mut family = encoder.encode_descriptor(name, help, None, kind)?;
+    for (labels, v) in values {
+        let labels = escaped(labels);
+        match kind {
+            MetricType::Counter => ConstCounter::new(v).encode(family.encode_family(&labels)?)?,
+            _ => ConstGauge::new(v).encode(family.encode_family(&labels)?)?,
+        }
+    }
+    Ok(())
+}
+
+impl NcclCollector {
+    fn process_labels(&self, pid: u32) -> Labels {
+        let (job, rank) = self.jobs_of.get(&pid).cloned().unwrap_or_default();
+        vec![("pid", pid.to_string()), ("job", job), ("rank", rank)]
+    }
+
+    fn series(
+        &self,
+        value: impl Fn(&crate::nccl_profiler::SeriesTotals) -> Option<f64>,
+    ) -> Vec<(Labels, f64)> {
+        let [_, _, _, comm, func, size] = NCCL_LABELS;
+        let mut out = Vec::new();
+        for p in &self.procs {
+            for ((c, f, b), totals) in &p.series {
+                if let Some(v) = value(totals) {
+                    let mut labels = self.process_labels(p.pid);
+                    labels.extend([
+                        (comm, c.clone()),
+                        (func, (*f).to_owned()),
+                        (size, (*b).to_owned()),
+                    ]);
+                    out.push((labels, v));
+                }
+            }
+        }
+        out
+    }
+}
+
+impl prometheus_client::collector::Collector for NcclCollector {
+    fn encode(&self, mut encoder: DescriptorEncoder) -> Result<(), std::fmt::Error> {
+        let e = &mut encoder;
+        family(
+            e,
+            "ringwatch_nccl_collectives",
+            "Collectives NCCL's profiler plugin reported, per communicator, function and size",
+            MetricType::Counter,
+            self.series(|t| Some(t.collectives as f64)),
+        )?;
+        family(
+            e,
+            "ringwatch_nccl_collective_seconds",
+            "Time in collectives: on the GPU where NCCL gives kernel times (2.27+), else as the plugin saw the kernel start and stop",
+            MetricType::Counter,
+            self.series(|t| Some(t.seconds)),
+        )?;
+        family(
+            e,
+            "ringwatch_nccl_collective_bytes",
+            "Bytes of the collectives (elements times the datatype's size)",
+            MetricType::Counter,
+            self.series(|t| Some(t.bytes as f64)),
+        )?;
+        family(
+            e,
+            "ringwatch_nccl_bus_bandwidth_bytes_per_second",
+            "Bus bandwidth of the timed collectives since the plugin connected (nccl-tests' bus bytes over time in collectives)",
+            MetricType::Gauge,
+            self.series(|t| {
+                (t.seconds > 0.0 && t.bus_bytes > 0.0).then(|| t.bus_bytes / t.seconds)
+            }),
+        )?;
+        let mut dropped = Vec::new();
+        for p in &self.procs {
+            for (reason, n) in [
+                ("queue_full", p.counters.dropped_queue_full),
+                ("no_agent", p.counters.dropped_no_agent),
+            ] {
+                let mut labels = self.process_labels(p.pid);
+                labels.push(("reason", reason.to_owned()));
+                dropped.push((labels, n as f64));
+            }
+        }
+        family(
+            e,
+            "ringwatch_nccl_profiler_dropped",
+            "Collectives the plugin dropped, as it last reported; labels pid, job, rank and reason: queue_full (the agent slow) or no_agent",
+            MetricType::Counter,
+            dropped,
+        )?;
+        Ok(())
+    }
+}
+
 /// One scrape's jobs (their knobs) and tuning sessions.
 #[derive(Debug)]
 struct TuningCollector {
@@ -735,6 +864,7 @@ mod tests {
             Some(&live),
             &[job],
             &[],
+            &[],
         )
         .unwrap();
         assert!(
@@ -784,6 +914,7 @@ mod tests {
             Some(&view(Vec::new())),
             &[],
             &[],
+            &[],
         )
         .unwrap();
         DESCRIBE_ALL.with(|d| d.set(false));
@@ -800,7 +931,7 @@ mod tests {
                 family.1 = kind.to_owned();
             }
         }
-        let groups: [(&str, &str, &[&str]); 5] = [
+        let groups: [(&str, &str, &[&str]); 6] = [
             ("GPUs (NVML)", "ringwatch_gpu_", &GPU_LABELS),
             (
                 "Watched processes (eBPF)",
@@ -810,6 +941,11 @@ mod tests {
             ("The agent's eBPF side", "ringwatch_ringbuf_", &[]),
             ("Jobs found", "ringwatch_job_", &JOB_LABELS),
             ("Tuning sessions", "ringwatch_tuning_", &JOB_LABELS),
+            (
+                "NCCL collectives (the profiler plugin)",
+                "ringwatch_nccl_",
+                &NCCL_LABELS,
+            ),
         ];
         let mut page = String::from(
             "# Metrics\n\n\

@@ -138,3 +138,23 @@ impl Drop for Job {
         let _ = std::fs::remove_dir_all(&self.dir);
     }
 }
+
+/// The NCCL profiler plugin library the workspace's build made
+/// (`target/<profile>/libringwatch_nccl_profiler.so`); as [`collbench`],
+/// never a nested build.
+pub fn nccl_profiler_lib() -> PathBuf {
+    let exe = std::env::current_exe().expect("the test's own executable path");
+    let profile_dir = exe
+        .parent()
+        .and_then(Path::parent)
+        .expect("a test executable lives in target/<profile>/deps/");
+    let lib = profile_dir.join("libringwatch_nccl_profiler.so");
+    assert!(
+        lib.is_file(),
+        "no NCCL profiler plugin at {}: the workspace's test build makes it (`cargo xtask \
+         test`); running the agent's tests alone, build it first with `cargo build -p \
+         ringwatch-nccl-profiler`",
+        lib.display()
+    );
+    lib
+}
