@@ -116,8 +116,9 @@ pub fn engine_missing() -> Option<String> {
 /// Stages the image's build context in `context`: `Containerfile` (a copy of
 /// `containerfile`) and `rootfs/` with `binary` (its debug info stripped) at
 /// /usr/local/bin/ringwatch-agent, every library `ldd` lists (at the path it
-/// lists, so the loader's default search finds it), the loader, and empty
-/// /tmp, /run and /var/lib/ringwatch/reports.
+/// lists, so the loader's default search finds it), the loader, the NCCL
+/// profiler plugin where it lies beside `binary`, and empty /tmp, /run and
+/// /var/lib/ringwatch/reports.
 pub fn stage_context(binary: &Path, containerfile: &Path, context: &Path) -> Result<()> {
     if context.exists() {
         std::fs::remove_dir_all(context)
@@ -143,6 +144,13 @@ pub fn stage_context(binary: &Path, containerfile: &Path, context: &Path) -> Res
     if !stripped && std::fs::hard_link(binary, &staged).is_err() {
         std::fs::copy(binary, &staged)
             .with_context(|| format!("copying {} into the context", binary.display()))?;
+    }
+    // The NCCL profiler plugin, beside the binary: the agent publishes it
+    // for training pods (`serve --nccl-profiler-dir`).
+    let plugin = binary.with_file_name("libringwatch_nccl_profiler.so");
+    if plugin.is_file() {
+        std::fs::copy(&plugin, bin_dir.join("libringwatch_nccl_profiler.so"))
+            .with_context(|| format!("copying {} into the context", plugin.display()))?;
     }
     for library in shared_libraries(binary)? {
         let relative = library
@@ -1116,6 +1124,8 @@ pub fn run(root: &Path, target_dir: &Path, args: &Args) -> Result<()> {
                 "agent",
                 "--bin",
                 "ringwatch-agent",
+                "-p",
+                "ringwatch-nccl-profiler",
             ];
             if args.run {
                 cargo.extend(["-p", "collectives", "--bin", "collbench"]);
