@@ -178,6 +178,12 @@ enum Bench {
     /// status, events, bytes, time, interleaved over 3 rounds. Writes
     /// target/bench/timeline.json. About 8 minutes.
     Timeline,
+    /// What the NCCL profiler plugin costs a job per collective: the
+    /// release library driven as NCCL drives it, with the agent reading,
+    /// absent, stopped and with the plugin off, alternating, 3 rounds of
+    /// 200,000 collectives. Prints a table; writes target/bench/nccl-profiler.json.
+    /// About a minute.
+    NcclProfiler,
 }
 
 fn main() -> std::process::ExitCode {
@@ -607,6 +613,21 @@ fn bench(
         Bench::Retune => retune::run(&root(), retune),
         Bench::Train => train::run(&root(), train),
         Bench::Timeline => timeline_bench::run(&root(), hostile, 3),
+        Bench::NcclProfiler => {
+            run(
+                "cargo",
+                &[
+                    "build",
+                    "--release",
+                    "-p",
+                    "ringwatch-nccl-profiler",
+                    "--example",
+                    "plugin_cost",
+                ],
+            )?;
+            let bench = root().join("target/release/examples/plugin_cost");
+            run(bench.to_str().context("non-UTF-8 target path")?, &[])
+        }
     }
 }
 
