@@ -621,6 +621,7 @@ fn bench(
                     "--release",
                     "-p",
                     "ringwatch-nccl-profiler",
+                    "--lib",
                     "--example",
                     "plugin_cost",
                 ],

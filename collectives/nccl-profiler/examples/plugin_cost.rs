@@ -132,7 +132,13 @@ fn main() {
                 .output()
                 .expect("run a case");
             let line = String::from_utf8_lossy(&output.stdout);
-            out.push(serde_json::from_str(line.trim()).expect("a case's JSON line"));
+            match serde_json::from_str(line.trim()) {
+                Ok(v) => out.push(v),
+                Err(_) => {
+                    eprintln!("{}", String::from_utf8_lossy(&output.stderr));
+                    panic!("the {case} case failed ({})", output.status);
+                }
+            }
         }
     }
     let median = |v: &[serde_json::Value], key: &str| {
