@@ -145,6 +145,11 @@ pub fn test(root: &Path, venv: &Path, agent: Option<&Path>) -> Result<()> {
         .current_dir(root);
     if let Some(agent) = agent {
         pytest.env("RINGWATCH_AGENT_BIN", agent);
+        // The NCCL profiler plugin the same build made (its GPU test).
+        let plugin = agent.with_file_name("libringwatch_nccl_profiler.so");
+        if plugin.is_file() {
+            pytest.env("RINGWATCH_NCCL_PROFILER_LIB", plugin);
+        }
     }
     let status = pytest
         .status()
