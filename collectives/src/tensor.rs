@@ -23,16 +23,31 @@ pub enum DType {
     I32,
     /// 64-bit signed integer (sums wrap on overflow).
     I64,
+    /// 8-bit unsigned integer (sums and products wrap on overflow).
+    U8,
+    /// 8-bit signed integer (sums and products wrap on overflow).
+    I8,
+    /// 16-bit signed integer (sums and products wrap on overflow).
+    I16,
 }
 
 impl DType {
     /// Bytes per element.
     pub fn size(self) -> usize {
         match self {
-            DType::F16 | DType::BF16 => 2,
+            DType::U8 | DType::I8 => 1,
+            DType::F16 | DType::BF16 | DType::I16 => 2,
             DType::F32 | DType::I32 => 4,
             DType::F64 | DType::I64 => 8,
         }
+    }
+
+    /// Whether it is an integer type (an average truncates).
+    pub fn is_integer(self) -> bool {
+        matches!(
+            self,
+            DType::I32 | DType::I64 | DType::U8 | DType::I8 | DType::I16
+        )
     }
 }
 
@@ -48,6 +63,8 @@ pub enum ReduceOp {
     Min,
     /// Element-wise maximum.
     Max,
+    /// Element-wise product (integers wrap on overflow).
+    Product,
 }
 
 /// A Rust element type that maps to a [`DType`].
@@ -67,6 +84,15 @@ impl Element for i32 {
 }
 impl Element for i64 {
     const DTYPE: DType = DType::I64;
+}
+impl Element for u8 {
+    const DTYPE: DType = DType::U8;
+}
+impl Element for i8 {
+    const DTYPE: DType = DType::I8;
+}
+impl Element for i16 {
+    const DTYPE: DType = DType::I16;
 }
 impl Element for half::f16 {
     const DTYPE: DType = DType::F16;
@@ -439,26 +465,51 @@ fn reduce_impl<const SWAP: bool>(dtype: DType, op: ReduceOp, acc: &mut [u8], inc
         }
         (DType::F32, ReduceOp::Min) => combine::<SWAP, f32>(acc, incoming, f32::min),
         (DType::F32, ReduceOp::Max) => combine::<SWAP, f32>(acc, incoming, f32::max),
+        (DType::F32, ReduceOp::Product) => combine::<SWAP, f32>(acc, incoming, |a, b| a * b),
         (DType::F64, ReduceOp::Sum | ReduceOp::Average) => {
             combine::<SWAP, f64>(acc, incoming, |a, b| a + b)
         }
         (DType::F64, ReduceOp::Min) => combine::<SWAP, f64>(acc, incoming, f64::min),
         (DType::F64, ReduceOp::Max) => combine::<SWAP, f64>(acc, incoming, f64::max),
+        (DType::F64, ReduceOp::Product) => combine::<SWAP, f64>(acc, incoming, |a, b| a * b),
         (DType::I32, ReduceOp::Sum | ReduceOp::Average) => {
             combine::<SWAP, i32>(acc, incoming, i32::wrapping_add)
         }
         (DType::I32, ReduceOp::Min) => combine::<SWAP, i32>(acc, incoming, std::cmp::min),
         (DType::I32, ReduceOp::Max) => combine::<SWAP, i32>(acc, incoming, std::cmp::max),
+        (DType::I32, ReduceOp::Product) => combine::<SWAP, i32>(acc, incoming, i32::wrapping_mul),
         (DType::I64, ReduceOp::Sum | ReduceOp::Average) => {
             combine::<SWAP, i64>(acc, incoming, i64::wrapping_add)
         }
         (DType::I64, ReduceOp::Min) => combine::<SWAP, i64>(acc, incoming, std::cmp::min),
         (DType::I64, ReduceOp::Max) => combine::<SWAP, i64>(acc, incoming, std::cmp::max),
+        (DType::I64, ReduceOp::Product) => combine::<SWAP, i64>(acc, incoming, i64::wrapping_mul),
+        (DType::U8, ReduceOp::Sum | ReduceOp::Average) => {
+            combine::<SWAP, u8>(acc, incoming, u8::wrapping_add)
+        }
+        (DType::U8, ReduceOp::Min) => combine::<SWAP, u8>(acc, incoming, std::cmp::min),
+        (DType::U8, ReduceOp::Max) => combine::<SWAP, u8>(acc, incoming, std::cmp::max),
+        (DType::U8, ReduceOp::Product) => combine::<SWAP, u8>(acc, incoming, u8::wrapping_mul),
+        (DType::I8, ReduceOp::Sum | ReduceOp::Average) => {
+            combine::<SWAP, i8>(acc, incoming, i8::wrapping_add)
+        }
+        (DType::I8, ReduceOp::Min) => combine::<SWAP, i8>(acc, incoming, std::cmp::min),
+        (DType::I8, ReduceOp::Max) => combine::<SWAP, i8>(acc, incoming, std::cmp::max),
+        (DType::I8, ReduceOp::Product) => combine::<SWAP, i8>(acc, incoming, i8::wrapping_mul),
+        (DType::I16, ReduceOp::Sum | ReduceOp::Average) => {
+            combine::<SWAP, i16>(acc, incoming, i16::wrapping_add)
+        }
+        (DType::I16, ReduceOp::Min) => combine::<SWAP, i16>(acc, incoming, std::cmp::min),
+        (DType::I16, ReduceOp::Max) => combine::<SWAP, i16>(acc, incoming, std::cmp::max),
+        (DType::I16, ReduceOp::Product) => combine::<SWAP, i16>(acc, incoming, i16::wrapping_mul),
         (DType::F16, ReduceOp::Sum | ReduceOp::Average) => {
             combine::<SWAP, f16>(acc, incoming, |a, b| f16::from_f32(a.to_f32() + b.to_f32()))
         }
         (DType::F16, ReduceOp::Min) => combine::<SWAP, f16>(acc, incoming, f16::min),
         (DType::F16, ReduceOp::Max) => combine::<SWAP, f16>(acc, incoming, f16::max),
+        (DType::F16, ReduceOp::Product) => {
+            combine::<SWAP, f16>(acc, incoming, |a, b| f16::from_f32(a.to_f32() * b.to_f32()))
+        }
         (DType::BF16, ReduceOp::Sum | ReduceOp::Average) => {
             combine::<SWAP, bf16>(acc, incoming, |a, b| {
                 bf16::from_f32(a.to_f32() + b.to_f32())
@@ -466,6 +517,9 @@ fn reduce_impl<const SWAP: bool>(dtype: DType, op: ReduceOp, acc: &mut [u8], inc
         }
         (DType::BF16, ReduceOp::Min) => combine::<SWAP, bf16>(acc, incoming, bf16::min),
         (DType::BF16, ReduceOp::Max) => combine::<SWAP, bf16>(acc, incoming, bf16::max),
+        (DType::BF16, ReduceOp::Product) => combine::<SWAP, bf16>(acc, incoming, |a, b| {
+            bf16::from_f32(a.to_f32() * b.to_f32())
+        }),
     }
 }
 
@@ -480,6 +534,11 @@ pub fn divide(dtype: DType, buf: &mut [u8], divisor: usize) {
         DType::F64 => map_in_place::<f64>(buf, |x| x / divisor as f64),
         DType::I32 => map_in_place::<i32>(buf, |x| x / divisor as i32),
         DType::I64 => map_in_place::<i64>(buf, |x| x / divisor as i64),
+        // The divisor is the job's size; past the type's range every quotient is 0 (or,
+        // for i8/i16, 0 as well: |x| < divisor).
+        DType::U8 => map_in_place::<u8>(buf, |x| u8::try_from(divisor).map_or(0, |d| x / d)),
+        DType::I8 => map_in_place::<i8>(buf, |x| i8::try_from(divisor).map_or(0, |d| x / d)),
+        DType::I16 => map_in_place::<i16>(buf, |x| i16::try_from(divisor).map_or(0, |d| x / d)),
         DType::F16 => map_in_place::<f16>(buf, |x| f16::from_f32(x.to_f32() / divisor as f32)),
         DType::BF16 => map_in_place::<bf16>(buf, |x| bf16::from_f32(x.to_f32() / divisor as f32)),
     }
@@ -488,6 +547,49 @@ pub fn divide(dtype: DType, buf: &mut [u8], divisor: usize) {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn small_integers_wrap_and_products_keep_the_sign_of_zero() {
+        let mut acc = Tensor::from_slice(&[250u8, 3, 0]);
+        reduce_into(
+            DType::U8,
+            ReduceOp::Sum,
+            acc.as_bytes_mut(),
+            Tensor::from_slice(&[10u8, 4, 255]).as_bytes(),
+        );
+        assert_eq!(acc.to_vec::<u8>().unwrap(), vec![4, 7, 255]);
+        divide(DType::U8, acc.as_bytes_mut(), 2);
+        assert_eq!(acc.to_vec::<u8>().unwrap(), vec![2, 3, 127]);
+        let mut acc = Tensor::from_slice(&[-128i8, 5, -3]);
+        reduce_into(
+            DType::I8,
+            ReduceOp::Min,
+            acc.as_bytes_mut(),
+            Tensor::from_slice(&[127i8, -5, 2]).as_bytes(),
+        );
+        assert_eq!(acc.to_vec::<i8>().unwrap(), vec![-128, -5, -3]);
+        let mut acc = Tensor::from_slice(&[300i16, -7, 2]);
+        reduce_into(
+            DType::I16,
+            ReduceOp::Product,
+            acc.as_bytes_mut(),
+            Tensor::from_slice(&[300i16, 3, -2]).as_bytes(),
+        );
+        // 90,000 wraps to 90,000 − 65,536·1 = 24,464.
+        assert_eq!(acc.to_vec::<i16>().unwrap(), vec![24_464, -21, -4]);
+        divide(DType::I16, acc.as_bytes_mut(), 1 << 20);
+        assert_eq!(acc.to_vec::<i16>().unwrap(), vec![0, 0, 0]);
+        let mut acc = Tensor::from_slice(&[0.0f32, -2.0, 1.5]);
+        reduce_into(
+            DType::F32,
+            ReduceOp::Product,
+            acc.as_bytes_mut(),
+            Tensor::from_slice(&[-3.0f32, -0.5, 2.0]).as_bytes(),
+        );
+        let got = acc.to_vec::<f32>().unwrap();
+        assert_eq!(got, vec![-0.0, 1.0, 3.0]);
+        assert!(got[0].is_sign_negative(), "0 × −3 is −0");
+    }
 
     #[test]
     fn reduce_each_op_on_i32() {

@@ -37,7 +37,7 @@ fn check_device(rt: &Runtime, seed: usize, sizes: &[usize]) -> Vec<String> {
     for dtype in DTYPES {
         for op in OPS {
             for &count in sizes {
-                let host = input(dtype, rank, count, seed);
+                let host = input_for(op, dtype, rank, count, seed);
                 let buf = upload(host.as_bytes());
                 let name = format!("gpu.{dtype:?}.{op:?}.{count}");
                 unsafe { rt.allreduce_device(&name, buf.tensor(dtype, &[count]), op) }.unwrap();

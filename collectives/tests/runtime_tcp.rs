@@ -40,7 +40,7 @@ fn check_everything(rt: &Runtime, seed: usize) -> usize {
             for count in sizes(n) {
                 let name = format!("ar.{dtype:?}.{op:?}.{count}.{seed}");
                 let h = rt
-                    .allreduce_async(&name, input(dtype, rank, count, seed), op)
+                    .allreduce_async(&name, input_for(op, dtype, rank, count, seed), op)
                     .unwrap();
                 handles.push((h, reference(dtype, op, n, count, seed)));
             }
@@ -447,7 +447,7 @@ fn random_knob_changes_during_a_long_mixed_stream_change_no_result() {
                     let seed = batch * 8 + k;
                     let name = format!("s.{batch}.{k}");
                     let h = rt
-                        .allreduce_async(&name, input(dtype, rank, count, seed), op)
+                        .allreduce_async(&name, input_for(op, dtype, rank, count, seed), op)
                         .unwrap();
                     handles.push((h, reference(dtype, op, n, count, seed)));
                 }
@@ -906,7 +906,7 @@ fn a_steady_workload_through_the_response_cache_matches_the_reference_every_step
                         let h = rt
                             .allreduce_async(
                                 &format!("layer.{k}"),
-                                input(dtype, rank, count, seed),
+                                input_for(op, dtype, rank, count, seed),
                                 op,
                             )
                             .unwrap();

@@ -97,9 +97,12 @@ fn dtype_from(name: &str) -> PyResult<DType> {
         "bfloat16" => DType::BF16,
         "int32" => DType::I32,
         "int64" => DType::I64,
+        "uint8" => DType::U8,
+        "int8" => DType::I8,
+        "int16" => DType::I16,
         other => {
             return Err(PyTypeError::new_err(format!(
-                "ringwatch has no dtype {other:?} (float32, float64, float16, bfloat16, int32, int64)"
+                "ringwatch has no dtype {other:?} (float32, float64, float16, bfloat16, int64, int32, int16, int8, uint8)"
             )));
         }
     })
@@ -111,9 +114,10 @@ fn op_from(name: &str) -> PyResult<ReduceOp> {
         "average" => ReduceOp::Average,
         "min" => ReduceOp::Min,
         "max" => ReduceOp::Max,
+        "product" => ReduceOp::Product,
         other => {
             return Err(PyValueError::new_err(format!(
-                "no reduction {other:?} (sum, average, min, max)"
+                "no reduction {other:?} (sum, average, min, max, product)"
             )));
         }
     })

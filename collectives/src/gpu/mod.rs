@@ -586,7 +586,9 @@ impl GpuEngine {
             ));
         }
         bind(self.device).map_err(|m| gpu_error(rank, m))?;
-        let integer_average = matches!(dtype, DType::I32 | DType::I64) && op == ReduceOp::Average;
+        let integer_average = dtype.is_integer() && op == ReduceOp::Average;
+        // NCCL has no int16: such a tensor is staged.
+        let nccl_has_it = nccl_dtype(dtype).is_some();
         if let (Some(l), Some(lib)) = (hierarchical, self.local_pending.take()) {
             let leader = rank / l.local_size * l.local_size;
             let index = rank - leader;
@@ -619,10 +621,10 @@ impl GpuEngine {
             }
         }
         let outcome = match (hierarchical, self.local, self.world) {
-            (Some(layout), Some(local), _) => self
+            (Some(layout), Some(local), _) if nccl_has_it => self
                 .nccl_hierarchical(t, local, layout, tensors, dtype, op)
                 .map(|()| Path::NcclHierarchical),
-            (None, _, Some(world)) if !integer_average => self
+            (None, _, Some(world)) if !integer_average && nccl_has_it => self
                 .nccl_flat(world, tensors, dtype, op)
                 .map(|()| Path::Nccl),
             _ => {
@@ -673,7 +675,7 @@ impl GpuEngine {
                 world.lib.all_reduce(
                     buf,
                     count,
-                    nccl_dtype(dtype),
+                    nccl_dtype_of(rank, dtype)?,
                     nccl_op(op),
                     world.comm,
                     self.stream.cast::<c_void>(),
@@ -715,7 +717,7 @@ impl GpuEngine {
                 local.lib.all_reduce(
                     buf,
                     count,
-                    nccl_dtype(dtype),
+                    nccl_dtype_of(rank, dtype)?,
                     within,
                     local.comm,
                     stream.cast::<c_void>(),
@@ -756,7 +758,7 @@ impl GpuEngine {
                 local.lib.gather_pieces(
                     buf,
                     &pieces,
-                    nccl_dtype(dtype),
+                    nccl_dtype_of(rank, dtype)?,
                     local.comm,
                     stream.cast::<c_void>(),
                 )
@@ -946,15 +948,24 @@ impl GpuEngine {
     }
 }
 
-fn nccl_dtype(dtype: DType) -> i32 {
-    match dtype {
+/// NCCL's name for `dtype`; None for int16, which NCCL lacks.
+fn nccl_dtype(dtype: DType) -> Option<i32> {
+    Some(match dtype {
         DType::F16 => nccl::dtype::FLOAT16,
         DType::BF16 => nccl::dtype::BFLOAT16,
         DType::F32 => nccl::dtype::FLOAT32,
         DType::F64 => nccl::dtype::FLOAT64,
         DType::I32 => nccl::dtype::INT32,
         DType::I64 => nccl::dtype::INT64,
-    }
+        DType::U8 => nccl::dtype::UINT8,
+        DType::I8 => nccl::dtype::INT8,
+        DType::I16 => return None,
+    })
+}
+
+/// [`nccl_dtype`] where the path was chosen for NCCL (never int16).
+fn nccl_dtype_of(rank: usize, dtype: DType) -> Result<i32> {
+    nccl_dtype(dtype).ok_or_else(|| gpu_error(rank, format!("NCCL has no {dtype:?}")))
 }
 
 fn nccl_op(op: ReduceOp) -> i32 {
@@ -963,6 +974,7 @@ fn nccl_op(op: ReduceOp) -> i32 {
         ReduceOp::Average => nccl::op::AVG,
         ReduceOp::Min => nccl::op::MIN,
         ReduceOp::Max => nccl::op::MAX,
+        ReduceOp::Product => nccl::op::PROD,
     }
 }
 

@@ -65,6 +65,8 @@ pub struct Nccl {
 
 /// `ncclDataType_t` values.
 pub mod dtype {
+    pub const INT8: i32 = 0;
+    pub const UINT8: i32 = 1;
     pub const INT32: i32 = 2;
     pub const INT64: i32 = 4;
     pub const FLOAT16: i32 = 6;
@@ -76,6 +78,7 @@ pub mod dtype {
 /// `ncclRedOp_t` values.
 pub mod op {
     pub const SUM: i32 = 0;
+    pub const PROD: i32 = 1;
     pub const MAX: i32 = 2;
     pub const MIN: i32 = 3;
     pub const AVG: i32 = 4;
