@@ -132,7 +132,7 @@ def expect(name, exc, fn):
 
 # Refused on this rank alone, before anything is sent.
 expect("non_contiguous", ValueError, lambda: rw.allreduce_(torch.ones(4, 4).t(), name="nc"))
-expect("dtype", TypeError, lambda: rw.allreduce_(torch.ones(4, dtype=torch.uint8), name="u8"))
+expect("dtype", TypeError, lambda: rw.allreduce_(torch.ones(4, dtype=torch.complex64), name="c64"))
 expect("not_tensor", TypeError, lambda: rw.allreduce_([1.0, 2.0], name="list"))
 h = rw.allreduce_async_(torch.ones(2), name="twice")
 expect("in_flight", ValueError, lambda: rw.allreduce_async_(torch.ones(2), name="twice"))
@@ -157,7 +157,7 @@ def test_errors_are_clear_python_exceptions(run_job):
     for res in results:
         seen = res["seen"]
         assert "contiguous" in seen["non_contiguous"], seen
-        assert "uint8" in seen["dtype"], seen
+        assert "complex64" in seen["dtype"], seen
         assert "torch.Tensor" in seen["not_tensor"], seen
         assert "already in flight" in seen["in_flight"], seen
         assert "already waited" in seen["waited_twice"], seen
@@ -248,6 +248,17 @@ for op in (rw.Sum, rw.Average):
     out[op] = {"y": y.tolist(), "grad": x.grad.tolist(), "requires_grad": y.requires_grad}
 z = rw.allreduce(torch.ones(2, requires_grad=True), name="z", op=rw.Max)
 out["max_requires_grad"] = z.requires_grad
+# Allgather: y = [x_0; x_1]; loss_r = sum((k+1) * y) over rows of rank k; the gradient
+# of x_r is the average over ranks of their gradients of its rows (Horovod's).
+x = torch.full((r + 1, 2), 1.0, requires_grad=True)
+g = rw.allgather(x, name="g")
+w = torch.cat([torch.full((k + 1, 2), float(k + 1)) for k in range(n)])
+(g * w * (r + 1)).sum().backward()
+out["allgather_grad"] = x.grad.tolist()
+# Broadcast from 0: the root gets the average of the ranks' gradients, the others zero.
+b = torch.full((2,), 5.0, requires_grad=True)
+rw.broadcast(b, 0, name="b").mul(r + 1).sum().backward()
+out["broadcast_grad"] = b.grad.tolist()
 rw.shutdown()
 print(json.dumps({"rank": r, "out": out}))
 """
@@ -260,4 +271,77 @@ def test_allreduce_is_differentiable_like_horovods(run_job):
         assert out["sum"] == {"y": [3.0] * 3, "grad": [3.0] * 3, "requires_grad": True}, out
         # Average: y = 1.5; gradient (1 + 2) / 2 = 1.5.
         assert out["average"] == {"y": [1.5] * 3, "grad": [1.5] * 3, "requires_grad": True}, out
-        assert out["max_requires_grad"] is False, out
+        # As Horovod: every op goes through autograd (backward reduces with the same op).
+        assert out["max_requires_grad"] is True, out
+        r = res["rank"]
+        # Rows of rank r weigh (r + 1) · (1 + 2) / 2 = 1.5 (r + 1).
+        assert out["allgather_grad"] == [[1.5 * (r + 1)] * 2] * (r + 1), out
+        assert out["broadcast_grad"] == ([1.5, 1.5] if r == 0 else [0.0, 0.0]), out
+
+
+HOROVOD_API = r"""
+import json, warnings
+import torch
+import ringwatch.torch as rw
+
+rw.init()
+r, n = rw.rank(), rw.size()
+out = {}
+# Horovod's positional order (tensor, average, name, op) and the deprecated average=.
+with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    s = rw.allreduce(torch.tensor([r + 1.0]), False, "positional")
+out["positional_sum"] = s.tolist()
+out["deprecation"] = [str(w.message) for w in caught if w.category is DeprecationWarning]
+try:
+    rw.allreduce(torch.ones(1), average=True, op=rw.Sum)
+    out["both"] = None
+except ValueError as e:
+    out["both"] = str(e)
+# Scale factors: (sum of 3 (r + 1)) / 2.
+out["scaled"] = rw.allreduce(torch.tensor([r + 1.0]), name="scaled", op=rw.Sum,
+                             prescale_factor=3.0, postscale_factor=0.5).tolist()
+t = torch.tensor([r + 2], dtype=torch.int64)
+rw.allreduce_(t, name="scaled.int", op=rw.Sum, prescale_factor=1.5)
+out["scaled_int"] = t.tolist()
+out["product"] = rw.allreduce(torch.tensor([r + 2, -(r + 1)], dtype=torch.int16), name="prod",
+                              op=rw.Product).tolist()
+# Small integer dtypes: wrapping sums, min, allgather and broadcast.
+out["u8_sum"] = rw.allreduce(torch.tensor([250, 3], dtype=torch.uint8), name="u8",
+                             op=rw.Sum).tolist()
+out["i8_min"] = rw.allreduce(torch.tensor([-100 * r, r], dtype=torch.int8), name="i8",
+                             op=rw.Min).tolist()
+out["i16_gather"] = rw.allgather(torch.full((r + 1,), r, dtype=torch.int16), name="ag16").tolist()
+out["u8_bcast"] = rw.broadcast(torch.tensor([r, 200], dtype=torch.uint8), 1, name="bc8").tolist()
+# fp16 compression: sent as float16, given back as float32.
+c = rw.allreduce(torch.tensor([0.5 * (r + 1)]), name="fp16", op=rw.Sum,
+                 compression=rw.Compression.fp16)
+out["fp16"] = [c.dtype == torch.float32, c.tolist()]
+rw.barrier()
+out["object"] = rw.broadcast_object({"epoch": 7, "lr": [0.1, r]} if r == 0 else {}, 0)
+out["objects"] = rw.allgather_object(("rank", r, "x" * (100 * r)))
+out["queries"] = [rw.mpi_built(), rw.gloo_built(), rw.ccl_built(), rw.nccl_built()]
+rw.barrier()
+rw.shutdown()
+print(json.dumps({"rank": r, "out": out}))
+"""
+
+
+def test_horovods_signatures_dtypes_scale_factors_objects_and_barrier(run_job):
+    for res in run_job(HOROVOD_API, 2).results():
+        out, r = res["out"], res["rank"]
+        assert out["positional_sum"] == [3.0], out
+        assert any("average" in m for m in out["deprecation"]), out
+        assert "supersedes average" in out["both"], out
+        assert out["scaled"] == [(3 * 1 + 3 * 2) * 0.5], out
+        # Integers scale through float64, truncated: int(2 · 1.5) + int(3 · 1.5) = 3 + 4.
+        assert out["scaled_int"] == [7], out
+        assert out["product"] == [2 * 3, (-1) * (-2)], out
+        assert out["u8_sum"] == [(250 * 2) % 256, 6], out
+        assert out["i8_min"] == [-100, 0], out
+        assert out["i16_gather"] == [0, 1, 1], out
+        assert out["u8_bcast"] == [1, 200], out
+        assert out["fp16"] == [True, [1.5]], out
+        assert out["object"] == {"epoch": 7, "lr": [0.1, 0]}, out
+        assert out["objects"] == [["rank", 0, ""], ["rank", 1, "x" * 100]], out
+        assert out["queries"][:3] == [False, False, False], out

@@ -37,6 +37,9 @@ import sys
 import threading
 import queue
 import itertools
+import io
+import pickle
+import warnings
 
 import torch
 
@@ -51,7 +54,10 @@ from ringwatch._native import (
 __all__ = [
     "init", "shutdown", "is_initialized", "rank", "size", "local_rank", "local_size",
     "job_id", "knobs", "set_knobs",
-    "Sum", "Average", "Min", "Max",
+    "mpi_built", "mpi_enabled", "mpi_threads_supported", "gloo_built", "gloo_enabled",
+    "nccl_built", "cuda_built", "rocm_built", "ddl_built", "ccl_built",
+    "Sum", "Average", "Min", "Max", "Product", "Compression", "barrier",
+    "broadcast_object", "allgather_object",
     "allreduce", "allreduce_", "allreduce_async", "allreduce_async_", "shared_zeros",
     "allgather", "allgather_async", "broadcast", "broadcast_", "broadcast_async",
     "broadcast_async_", "synchronize", "poll", "Handle",
@@ -65,6 +71,9 @@ Sum = "sum"
 Average = "average"
 Min = "min"
 Max = "max"
+Product = "product"
+
+_OPS = (Sum, Average, Min, Max, Product)
 
 _DTYPES = {
     torch.float32: "float32",
@@ -73,6 +82,9 @@ _DTYPES = {
     torch.bfloat16: "bfloat16",
     torch.int32: "int32",
     torch.int64: "int64",
+    torch.int16: "int16",
+    torch.int8: "int8",
+    torch.uint8: "uint8",
 }
 
 _unnamed = itertools.count()
@@ -159,6 +171,70 @@ def local_size():
     return _native.local_size()
 
 
+# Horovod's build queries, answered for ringwatch: its transports are its own (shared memory,
+# TCP, and NCCL loaded at run time for GPU tensors), never MPI, Gloo, DDL, oneCCL or ROCm.
+
+
+def mpi_built():
+    """False: ringwatch does not use MPI (an MPI launcher's variables are read, nothing more)."""
+    return False
+
+
+def mpi_enabled():
+    """False: ringwatch does not use MPI."""
+    return False
+
+
+def mpi_threads_supported():
+    """Raises ``ValueError``, as Horovod does when MPI is not enabled."""
+    raise ValueError("Horovod MPI is not enabled; ringwatch does not use MPI.")
+
+
+def gloo_built():
+    """False: ringwatch's own rings replace Gloo."""
+    return False
+
+
+def gloo_enabled():
+    """False: ringwatch's own rings replace Gloo."""
+    return False
+
+
+def cuda_built():
+    """True when this build handles CUDA tensors (the driver is loaded at run time)."""
+    return bool(_native.has_cuda())
+
+
+def nccl_built():
+    """NCCL's version code (e.g. 21805) when this build handles CUDA tensors and a
+    ``libnccl.so.2`` loads here, else 0; as Horovod, an int."""
+    if not cuda_built():
+        return 0
+    try:
+        nccl = ctypes.CDLL("libnccl.so.2")
+        version = ctypes.c_int(0)
+        if nccl.ncclGetVersion(ctypes.byref(version)) != 0:
+            return 0
+        return int(version.value)
+    except (OSError, AttributeError):
+        return 0
+
+
+def rocm_built():
+    """False."""
+    return False
+
+
+def ddl_built():
+    """False."""
+    return False
+
+
+def ccl_built():
+    """False."""
+    return False
+
+
 def job_id():
     """The job's id, as the ringwatch agent and its control socket name it."""
     return _native.job_id()
@@ -178,9 +254,10 @@ def set_knobs(fusion_threshold=None, cycle_time_ms=None, hierarchical_allreduce=
 class Handle:
     """A collective in flight; :func:`synchronize` returns its result."""
 
-    __slots__ = ("_native", "_tensor", "_kind", "_dtype", "_gpu")
+    __slots__ = ("_native", "_tensor", "_kind", "_dtype", "_gpu", "_postscale")
 
     def __init__(self, native, tensor, kind, gpu=None):
+        self._postscale = 1.0
         self._native = native
         self._tensor = tensor
         self._kind = kind
@@ -232,7 +309,7 @@ def _check(tensor, name, what):
     if dtype is None:
         raise TypeError(
             f"{what} of '{name}': dtype {tensor.dtype} is not supported "
-            "(float32, float64, float16, bfloat16, int32, int64)"
+            "(float32, float64, float16, bfloat16, int64, int32, int16, int8, uint8)"
         )
     return dtype
 
@@ -293,7 +370,7 @@ def _shared_zeros(shape, dtype):
     if name is None:
         raise TypeError(
             f"shared_zeros: dtype {dtype} is not supported "
-            "(float32, float64, float16, bfloat16, int32, int64)"
+            "(float32, float64, float16, bfloat16, int64, int32, int16, int8, uint8)"
         )
     memory = _native.shared_memory(name, shape)
     if memory.nbytes == 0:
@@ -305,48 +382,135 @@ def _shared_zeros(shape, dtype):
     return torch.frombuffer(raw, dtype=torch.uint8).view(dtype).view(shape), memory.shared
 
 
-def allreduce_async_(tensor, name=None, op=Average):
+def _op(op, average):
+    """Horovod's rule for ``op`` and the deprecated ``average``: ``op`` wins, both is an
+    error, ``average`` alone warns, neither is Average."""
+    if op is not None:
+        if average is not None:
+            raise ValueError("The op parameter supersedes average. Please provide only one of them.")
+        if op not in _OPS:
+            raise ValueError(f"op must be one of Sum, Average, Min, Max, Product, not {op!r}")
+        return op
+    if average is not None:
+        warnings.warn("Parameter `average` has been replaced with `op` and will be removed in v1.0",
+                      DeprecationWarning, stacklevel=3)
+        return Average if average else Sum
+    return Average
+
+
+def _scale(tensor, factor):
+    """``tensor *= factor`` in place, as Horovod scales: integers through float64, truncated."""
+    if factor == 1.0:
+        return tensor
+    with torch.no_grad():
+        if tensor.dtype.is_floating_point:
+            tensor.mul_(factor)
+        else:
+            tensor.copy_((tensor.double() * factor).to(tensor.dtype))
+    return tensor
+
+
+def allreduce_async_(tensor, average=None, name=None, op=None, prescale_factor=1.0,
+                     postscale_factor=1.0):
     """Starts an in-place allreduce of ``tensor`` (same name, shape and dtype on every
-    rank); :func:`synchronize` returns ``tensor``, holding the result."""
-    return _submit("allreduce", tensor, _name("allreduce", name), op=op)
+    rank); :func:`synchronize` returns ``tensor``, holding the result. As Horovod:
+    ``op`` defaults to Average; ``prescale_factor`` multiplies the input first (in place),
+    ``postscale_factor`` the result."""
+    op = _op(op, average)
+    name = _name("allreduce", name)
+    _check(tensor, name, "allreduce")
+    _scale(tensor, prescale_factor)
+    handle = _submit("allreduce", tensor, name, op=op)
+    handle._postscale = postscale_factor
+    return handle
 
 
-def allreduce_async(tensor, name=None, op=Average):
+def allreduce_async(tensor, average=None, name=None, op=None, prescale_factor=1.0,
+                    postscale_factor=1.0):
     """Starts an allreduce into a copy of ``tensor``, which is left as it is."""
-    return allreduce_async_(_copy(tensor), name=name, op=op)
+    return allreduce_async_(_copy(tensor), average, name, op, prescale_factor, postscale_factor)
 
 
-def allreduce_(tensor, name=None, op=Average):
+def allreduce_(tensor, average=None, name=None, op=None, prescale_factor=1.0,
+               postscale_factor=1.0):
     """Allreduces ``tensor`` in place (default op: Average, as Horovod) and returns it."""
-    return synchronize(allreduce_async_(tensor, name=name, op=op))
+    return synchronize(allreduce_async_(tensor, average, name, op, prescale_factor,
+                                        postscale_factor))
 
 
 class _Allreduce(torch.autograd.Function):
-    """An allreduce autograd sees (as Horovod's): the gradient of a Sum or an Average
-    is the same reduction of the gradients, over every rank."""
+    """An allreduce autograd sees (as Horovod's): the gradient is the same allreduce (op and
+    scale factors) of the gradients, over every rank."""
 
     @staticmethod
-    def forward(ctx, tensor, name, op):
+    def forward(ctx, tensor, name, op, prescale_factor, postscale_factor):
         ctx.name, ctx.op = name, op
-        return synchronize(allreduce_async_(_copy(tensor), name=name, op=op))
+        ctx.scale = (prescale_factor, postscale_factor)
+        return synchronize(allreduce_async_(_copy(tensor), name=name, op=op,
+                                            prescale_factor=prescale_factor,
+                                            postscale_factor=postscale_factor))
 
     @staticmethod
     def backward(ctx, grad):
-        grad = synchronize(allreduce_async_(_copy(grad), name=ctx.name + ".grad", op=ctx.op))
-        return grad, None, None
+        pre, post = ctx.scale
+        grad = synchronize(allreduce_async_(_copy(grad), name=ctx.name + ".grad", op=ctx.op,
+                                            prescale_factor=pre, postscale_factor=post))
+        return grad, None, None, None, None
 
 
-def allreduce(tensor, name=None, op=Average):
+class _NoneCompressor:
+    """No compression (the default)."""
+
+    @staticmethod
+    def compress(tensor):
+        return tensor, None
+
+    @staticmethod
+    def decompress(tensor, ctx):
+        return tensor
+
+
+class _FP16Compressor:
+    """Floating-point tensors sent as float16, given back in their own dtype."""
+
+    @staticmethod
+    def compress(tensor):
+        if tensor.dtype.is_floating_point:
+            return tensor.type(torch.float16), tensor.dtype
+        return tensor, tensor.dtype
+
+    @staticmethod
+    def decompress(tensor, ctx):
+        if ctx is not None and ctx.is_floating_point:
+            return tensor.type(ctx)
+        return tensor
+
+
+class Compression:
+    """Horovod's gradient compression for ``allreduce(compression=…)`` and
+    ``DistributedOptimizer``: ``Compression.none`` or ``Compression.fp16``."""
+
+    none = _NoneCompressor
+    fp16 = _FP16Compressor
+
+
+def allreduce(tensor, average=None, name=None, compression=Compression.none, op=None,
+              prescale_factor=1.0, postscale_factor=1.0):
     """Returns the allreduce of ``tensor`` (default op: Average, as Horovod) as a new tensor.
-    For a tensor that requires grad, Sum and Average are differentiable (backward
-    allreduces the gradients the same way, under the name ``<name>.grad``), so every rank
-    must run backward through it; Min and Max results do not require grad."""
+    Differentiable, as Horovod's: backward allreduces the gradients the same way (under
+    the name ``<name>.grad``), so every rank must run backward through it."""
+    op = _op(op, average)
     name = _name("allreduce", name)
-    if (isinstance(tensor, torch.Tensor) and tensor.requires_grad and torch.is_grad_enabled()
-            and op in (Sum, Average)):
-        _check(tensor, name, "allreduce")
-        return _Allreduce.apply(tensor, name, op)
-    return synchronize(allreduce_async(tensor, name=name, op=op))
+    compressed, ctx = compression.compress(tensor)
+    if (isinstance(compressed, torch.Tensor) and compressed.requires_grad
+            and torch.is_grad_enabled()):
+        _check(compressed, name, "allreduce")
+        out = _Allreduce.apply(compressed, name, op, prescale_factor, postscale_factor)
+    else:
+        out = synchronize(allreduce_async(compressed, name=name, op=op,
+                                          prescale_factor=prescale_factor,
+                                          postscale_factor=postscale_factor))
+    return compression.decompress(out, ctx)
 
 
 def allgather_async(tensor, name=None):
@@ -355,8 +519,30 @@ def allgather_async(tensor, name=None):
     return _submit("allgather", tensor, _name("allgather", name))
 
 
+class _Allgather(torch.autograd.Function):
+    """Horovod's allgather gradient: the average of the gradients over the ranks, this
+    rank's rows of it."""
+
+    @staticmethod
+    def forward(ctx, tensor, name):
+        ctx.rows = tensor.shape[0] if tensor.dim() > 0 else 1
+        return synchronize(allgather_async(tensor, name=name))
+
+    @staticmethod
+    def backward(ctx, grad):
+        reduced = allreduce(grad, op=Average)
+        rows = allgather(torch.tensor([ctx.rows], dtype=torch.int32))
+        offset = int(rows[: rank()].sum().item())
+        return reduced.narrow(0, offset, ctx.rows), None
+
+
 def allgather(tensor, name=None):
-    """Returns the ranks' tensors concatenated along the first dimension."""
+    """Returns the ranks' tensors concatenated along the first dimension. Differentiable,
+    as Horovod's."""
+    name = _name("allgather", name)
+    if isinstance(tensor, torch.Tensor) and tensor.requires_grad and torch.is_grad_enabled():
+        _check(tensor, name, "allgather")
+        return _Allgather.apply(tensor, name)
     return synchronize(allgather_async(tensor, name=name))
 
 
@@ -375,9 +561,81 @@ def broadcast_(tensor, root_rank, name=None):
     return synchronize(broadcast_async_(tensor, root_rank, name=name))
 
 
+class _Broadcast(torch.autograd.Function):
+    """Horovod's broadcast gradient: the average of the gradients on the root, zero
+    elsewhere."""
+
+    @staticmethod
+    def forward(ctx, tensor, root_rank, name):
+        ctx.root_rank = root_rank
+        return synchronize(broadcast_async(tensor, root_rank, name=name))
+
+    @staticmethod
+    def backward(ctx, grad):
+        reduced = allreduce(grad, op=Average)
+        if rank() != ctx.root_rank:
+            reduced = reduced * 0
+        return reduced, None, None
+
+
 def broadcast(tensor, root_rank, name=None):
-    """Returns ``root_rank``'s ``tensor`` on every rank, as a new tensor."""
+    """Returns ``root_rank``'s ``tensor`` on every rank, as a new tensor. Differentiable, as
+    Horovod's."""
+    name = _name("broadcast", name)
+    if isinstance(tensor, torch.Tensor) and tensor.requires_grad and torch.is_grad_enabled():
+        _check(tensor, name, "broadcast")
+        return _Broadcast.apply(tensor, _root(root_rank), name)
     return synchronize(broadcast_async(tensor, root_rank, name=name))
+
+
+_barriers = itertools.count()
+
+
+def barrier():
+    """Returns once every rank has called it: an allreduce of one int32 that no rank
+    finishes before every rank has submitted it."""
+    synchronize(allreduce_async_(torch.zeros(1, dtype=torch.int32),
+                                 name=f"barrier.{next(_barriers)}", op=Sum))
+
+
+def _dumps(obj):
+    try:
+        import cloudpickle  # what Horovod uses: lambdas and local classes too
+        return cloudpickle.dumps(obj)
+    except ImportError:
+        return pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
+
+
+def broadcast_object(obj, root_rank=0, name=None):
+    """Returns ``root_rank``'s ``obj`` (any picklable object) on every rank, as Horovod's:
+    its pickled size, then its bytes, broadcast. Only pickles from ranks of this job are
+    unpickled."""
+    name = name or type(obj).__name__
+    root_rank = _root(root_rank)
+    if rank() == root_rank:
+        data = torch.frombuffer(bytearray(_dumps(obj)), dtype=torch.uint8)
+        broadcast_(torch.tensor([data.numel()], dtype=torch.int64), root_rank, name=name + ".sz")
+    else:
+        size_t = broadcast_(torch.zeros(1, dtype=torch.int64), root_rank, name=name + ".sz")
+        data = torch.zeros(int(size_t.item()), dtype=torch.uint8)
+    broadcast_(data, root_rank, name=name + ".t")
+    if rank() == root_rank:
+        return obj
+    return pickle.load(io.BytesIO(data.numpy().tobytes()))
+
+
+def allgather_object(obj, name=None):
+    """Returns the list of every rank's ``obj`` (any picklable object), by rank, as
+    Horovod's: the pickled sizes, then the bytes, allgathered."""
+    name = name or type(obj).__name__
+    data = torch.frombuffer(bytearray(_dumps(obj)), dtype=torch.uint8)
+    sizes = allgather(torch.tensor([data.numel()], dtype=torch.int64), name=name + ".sz")
+    gathered = allgather(data, name=name + ".t").numpy().tobytes()
+    out, offset = [], 0
+    for n in sizes.tolist():
+        out.append(pickle.load(io.BytesIO(gathered[offset:offset + n])))
+        offset += n
+    return out
 
 
 def _root(root_rank):
@@ -405,11 +663,12 @@ def synchronize(handle):
     if not isinstance(handle, Handle):
         raise TypeError(f"synchronize expects a ringwatch Handle, got {type(handle).__name__}")
     out = handle._native.wait()
+    post = getattr(handle, "_postscale", 1.0)
     if out is None:
         if handle._gpu is not None:
             # A CUDA tensor's broadcast, staged through a host copy.
             return handle._gpu.copy_(handle._tensor)
-        return handle._tensor
+        return _scale(handle._tensor, post)
     buf, shape = out
     if len(buf) == 0:
         result = torch.empty(shape, dtype=handle._dtype)
