@@ -1,0 +1,1 @@
+"""Horovod's package name for ringwatch (see compat/README.md): names only."""
