@@ -75,6 +75,11 @@ fn records_reach_the_agent_and_none_are_lost_unaccounted_when_it_is_absent_slow_
         std::env::set_var("RINGWATCH_NCCL_PROFILER_SOCKET", &socket);
         std::env::set_var("RINGWATCH_NCCL_PROFILER_QUEUE", "64");
     }
+    // A C++ job does not ignore SIGPIPE as Rust and Python do: when the agent
+    // goes away (step 4) the plugin's writes must fail, not kill the job (std's
+    // UnixStream sends with MSG_NOSIGNAL; this holds it to that).
+    // SAFETY: before any thread of the plugin starts.
+    unsafe { libc::signal(libc::SIGPIPE, libc::SIG_DFL) };
     let plugin = Plugin::open(&common::procs::nccl_profiler_lib()).unwrap();
     let (rc0, rank0) = plugin.init(6, 0xfeed, 2, 0);
     let (rc1, rank1) = plugin.init(6, 0xfeed, 2, 1);
@@ -169,7 +174,11 @@ fn records_reach_the_agent_and_none_are_lost_unaccounted_when_it_is_absent_slow_
         "longest collective call: {quiet_longest:?} with the agent reading, {stopped_longest:?} with it stopped; dropped {dropped} of 10000 while stopped ({after:?})"
     );
 
-    // 4. The agent restarts: the plugin connects to the new one.
+    // 4. The agent restarts while the plugin is connected to it (its records
+    // arrive there): the plugin's next write, its heartbeat, fails with EPIPE
+    // (not SIGPIPE) and it connects to the new agent.
+    run(&ranks, 6_000..6_005);
+    wait_for(&first, 6_000..6_005);
     let connects = plugin.counters().connects;
     drop(first);
     let second = agent(&runtime, &reports);
