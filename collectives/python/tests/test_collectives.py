@@ -304,6 +304,12 @@ out["scaled"] = rw.allreduce(torch.tensor([r + 1.0]), name="scaled", op=rw.Sum,
 t = torch.tensor([r + 2], dtype=torch.int64)
 rw.allreduce_(t, name="scaled.int", op=rw.Sum, prescale_factor=1.5)
 out["scaled_int"] = t.tolist()
+# 16-bit floats scale through float32, as Horovod's (numpy's float32 here).
+import numpy as np
+h = rw.allreduce(torch.tensor([-55.0], dtype=torch.float16), name="scaled.half", op=rw.Sum,
+                 prescale_factor=0.9123)
+want = np.float16(np.float32(np.float16(-55.0)) * np.float32(0.9123))
+out["scaled_half"] = [h.item(), float(np.float16(want + want))]
 out["product"] = rw.allreduce(torch.tensor([r + 2, -(r + 1)], dtype=torch.int16), name="prod",
                               op=rw.Product).tolist()
 # Small integer dtypes: wrapping sums, min, allgather and broadcast.
@@ -336,6 +342,7 @@ def test_horovods_signatures_dtypes_scale_factors_objects_and_barrier(run_job):
         assert out["scaled"] == [(3 * 1 + 3 * 2) * 0.5], out
         # Integers scale through float64, truncated: int(2 · 1.5) + int(3 · 1.5) = 3 + 4.
         assert out["scaled_int"] == [7], out
+        assert out["scaled_half"][0] == out["scaled_half"][1], out
         assert out["product"] == [2 * 3, (-1) * (-2)], out
         assert out["u8_sum"] == [(250 * 2) % 256, 6], out
         assert out["i8_min"] == [-100, 0], out

@@ -399,12 +399,15 @@ def _op(op, average):
 
 
 def _scale(tensor, factor):
-    """``tensor *= factor`` in place, as Horovod scales: integers through float64, truncated."""
+    """``tensor *= factor`` in place, as Horovod scales: float32 and float64 in their own
+    precision, 16-bit floats through float32, integers through float64 (truncated)."""
     if factor == 1.0:
         return tensor
     with torch.no_grad():
-        if tensor.dtype.is_floating_point:
+        if tensor.dtype in (torch.float32, torch.float64):
             tensor.mul_(factor)
+        elif tensor.dtype in (torch.float16, torch.bfloat16):
+            tensor.copy_((tensor.float() * factor).to(tensor.dtype))
         else:
             tensor.copy_((tensor.double() * factor).to(tensor.dtype))
     return tensor
