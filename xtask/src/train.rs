@@ -110,10 +110,19 @@ fn horovod(target_dir: &Path) -> Result<PathBuf> {
         ],
         crate::which,
     )?;
+    // Debian's python3-torch has no C++ headers; Horovod's extension needs them.
+    crate::ensure_packages(
+        &[(
+            "libtorch-dev",
+            "torch's C++ headers (torch/extension.h), which Horovod's PyTorch extension compiles against",
+        )],
+        |_| Path::new("/usr/include/torch/extension.h").exists(),
+    )?;
     eprintln!(
         "xtask: building {HOROVOD_PIN} from PyPI into {} (gloo, PyTorch; ~15 minutes on 2 cores)",
         venv.display()
     );
+    // Debian's Python (its torch is the one the venv sees), not another on PATH.
     crate::run(
         "/usr/bin/python3",
         &[
