@@ -110,13 +110,23 @@ fn horovod(target_dir: &Path) -> Result<PathBuf> {
         ],
         crate::which,
     )?;
-    // Debian's python3-torch has no C++ headers; Horovod's extension needs them.
+    // Debian's python3-torch has no C++ headers; Horovod's extension needs them
+    // (and pybind11's, which torch's include).
     crate::ensure_packages(
-        &[(
-            "libtorch-dev",
-            "torch's C++ headers (torch/extension.h), which Horovod's PyTorch extension compiles against",
-        )],
-        |_| Path::new("/usr/include/torch/extension.h").exists(),
+        &[
+            (
+                "libtorch-dev",
+                "torch's C++ headers (torch/extension.h), which Horovod's PyTorch extension compiles against",
+            ),
+            (
+                "pybind11-dev",
+                "pybind11's headers, which torch's C++ headers include",
+            ),
+        ],
+        |package| match package {
+            "libtorch-dev" => Path::new("/usr/include/torch/extension.h").exists(),
+            _ => Path::new("/usr/include/pybind11/pybind11.h").exists(),
+        },
     )?;
     eprintln!(
         "xtask: building {HOROVOD_PIN} from PyPI into {} (gloo, PyTorch; ~15 minutes on 2 cores)",
