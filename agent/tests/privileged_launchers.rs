@@ -16,11 +16,13 @@
 //!
 //! And an Open MPI job (`mpirun -np 4` of a small C program doing
 //! allreduces) is listed as one job of kind `mpi` with its four ranks and
-//! `mpirun` as its launcher.
+//! `mpirun` as its launcher; a Horovod 0.28.1 job (`horovodrun --gloo -np 4`)
+//! as one job of kind `horovod` with its four ranks.
 //!
 //! Skips, saying why, when not root, without BTF, without `ip`, `setpriv` or
 //! `ss`, without a Python whose torch has torch.distributed (the torchrun
-//! test), or without `mpicc` and `mpirun` (the MPI test).
+//! test), without `mpicc` and `mpirun` (the MPI test), or without a Horovod
+//! build in target/horovod-venv (the Horovod test).
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
 mod common;
@@ -578,4 +580,121 @@ fn an_mpirun_job_is_one_mpi_job_with_its_ranks_and_mpirun_as_launcher() {
     std::fs::write(&stop, b"").unwrap();
     let status = common::wait_within(&mut mpirun.0[0], Duration::from_secs(120));
     assert!(status.success(), "mpirun: {status}");
+}
+
+/// Horovod 0.28.1 built with Gloo for PyTorch (`target/horovod-venv`, as
+/// `cargo xtask bench train` builds it), if it is there.
+fn horovod_venv() -> Option<PathBuf> {
+    let exe = std::env::current_exe().ok()?;
+    // target/<profile>/deps/<test>: the target directory is three up.
+    let venv = exe.parent()?.parent()?.parent()?.join("horovod-venv");
+    let works = Command::new(venv.join("bin/python"))
+        .args(["-c", "import horovod.torch"])
+        .output()
+        .is_ok_and(|o| o.status.success());
+    works.then_some(venv)
+}
+
+/// Every descendant of `pid`.
+fn descendants_of(pid: u32) -> BTreeSet<u32> {
+    let mut out = BTreeSet::new();
+    let mut todo = vec![pid];
+    while let Some(p) = todo.pop() {
+        for child in children_of(p) {
+            if out.insert(child) {
+                todo.push(child);
+            }
+        }
+    }
+    out
+}
+
+const HOROVOD_SCRIPT: &str = r#"
+import os, sys, time
+import torch
+import horovod.torch as hvd
+
+hvd.init()
+t = torch.ones(1000)
+while not os.path.exists(sys.argv[1]):
+    hvd.allreduce(t, name="x")
+    time.sleep(0.01)
+hvd.shutdown()
+"#;
+
+#[test]
+fn a_horovodrun_gloo_job_is_one_horovod_job_with_its_ranks() {
+    if skip_unless_privileged() {
+        return;
+    }
+    let _one = ONE_JOB_AT_A_TIME
+        .lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner);
+    let Some(venv) = horovod_venv() else {
+        eprintln!(
+            "SKIPPED: Horovod 0.28.1 is not built here (target/horovod-venv; `cargo xtask bench \
+             train` builds it, about 15 minutes on 2 cores)"
+        );
+        return;
+    };
+    let dir = TempDir::new(&format!("launchers-horovod-{}", std::process::id()));
+    let script = dir.path().join("train.py");
+    std::fs::write(&script, HOROVOD_SCRIPT).unwrap();
+    let runtime = dir.path().join("run");
+    std::fs::create_dir_all(&runtime).unwrap();
+    let agent = ApiServer::start(
+        &[
+            "--jobs",
+            "--no-autotune",
+            "--runtime-dir",
+            runtime.to_str().unwrap(),
+        ],
+        false,
+    );
+    let stop = dir.path().join("stop");
+    let horovodrun = Command::new(venv.join("bin/horovodrun"))
+        .args(["--gloo", "-np", "4", "-H", "localhost:4"])
+        .arg(venv.join("bin/python"))
+        .arg(&script)
+        .arg(&stop)
+        .stdout(Stdio::null())
+        .spawn()
+        .unwrap();
+    let launcher = horovodrun.id();
+    let mut horovodrun = Ranks(vec![horovodrun]);
+    let job = eventually_reporting(
+        Duration::from_secs(180),
+        "the agent lists the Horovod job with its four ranks",
+        || {
+            let (status, answer) = agent.get_json("/api/jobs");
+            let job = jobs_of_kind(&answer, "horovod")
+                .into_iter()
+                .find(|j| ranks_of(j).len() == 4);
+            match job {
+                Some(job) if status == 200 => Ok(job),
+                _ => Err(format!("{status} {answer:#}")),
+            }
+        },
+    );
+    let job_id = job["job_id"].as_str().unwrap();
+    assert!(
+        job_id.starts_with("horovod/") && job_id.ends_with("/uid0"),
+        "{job:#}"
+    );
+    assert_eq!(job["world_size"], 4, "{job:#}");
+    let numbers: Vec<u64> = ranks_of(&job).keys().copied().collect();
+    assert_eq!(numbers, [0, 1, 2, 3], "{job:#}");
+    // The ranks are horovodrun's (descendants: it starts them through a shell),
+    // and horovodrun itself is not a rank.
+    let below = descendants_of(launcher);
+    for (&rank, &pid) in &ranks_of(&job) {
+        assert!(
+            below.contains(&(pid as u32)),
+            "rank {rank} (pid {pid}) is not horovodrun's: {job:#}"
+        );
+        assert_ne!(pid as u32, launcher, "{job:#}");
+    }
+    std::fs::write(&stop, b"").unwrap();
+    let status = common::wait_within(&mut horovodrun.0[0], Duration::from_secs(120));
+    assert!(status.success(), "horovodrun: {status}");
 }
