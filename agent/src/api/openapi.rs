@@ -153,6 +153,6 @@ mod tests {
                     .count()
             })
             .sum();
-        assert_eq!((paths.len(), operations), (13, 15), "{:?}", paths.keys());
+        assert_eq!((paths.len(), operations), (14, 16), "{:?}", paths.keys());
     }
 }
