@@ -228,16 +228,8 @@ impl TargetArgs {
     }
 }
 
-/// `CLOCK_MONOTONIC` now, in ns: the clock of the kernel's records.
-pub fn monotonic_ns() -> u64 {
-    let mut ts = libc::timespec {
-        tv_sec: 0,
-        tv_nsec: 0,
-    };
-    // SAFETY: valid pointer to a timespec; CLOCK_MONOTONIC always exists.
-    unsafe { libc::clock_gettime(libc::CLOCK_MONOTONIC, &mut ts) };
-    ts.tv_sec as u64 * 1_000_000_000 + ts.tv_nsec as u64
-}
+/// CLOCK_MONOTONIC in ns (`observe::model`'s, used across the agent).
+pub use crate::model::monotonic_ns;
 
 /// Starts the registry of jobs found through control sockets in
 /// `--runtime-dir` (and the fallback directories).

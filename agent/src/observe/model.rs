@@ -1138,6 +1138,17 @@ fn net_rate(samples: &VecDeque<(u64, ThreadNet)>, from_ns: u64, to_ns: u64) -> (
     }
 }
 
+/// `CLOCK_MONOTONIC` now, in ns: the clock of the kernel's records.
+pub fn monotonic_ns() -> u64 {
+    let mut ts = libc::timespec {
+        tv_sec: 0,
+        tv_nsec: 0,
+    };
+    // SAFETY: valid pointer to a timespec; CLOCK_MONOTONIC always exists.
+    unsafe { libc::clock_gettime(libc::CLOCK_MONOTONIC, &mut ts) };
+    ts.tv_sec as u64 * 1_000_000_000 + ts.tv_nsec as u64
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

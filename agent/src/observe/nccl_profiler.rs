@@ -32,7 +32,7 @@ use anyhow::{Context, Result, bail};
 use serde::{Deserialize, Serialize};
 use utoipa::ToSchema;
 
-use crate::session::monotonic_ns;
+use crate::model::monotonic_ns;
 
 /// The socket's name in the runtime directory (not `*.sock`: the jobs
 /// registry connects to those).
