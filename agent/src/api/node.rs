@@ -458,10 +458,10 @@ pub(super) async fn metrics(
 #[into_params(parameter_in = Query)]
 pub struct NcclQuery {
     /// only this communicator: its hash as the records give it (16 hex digits)
-    #[param(nullable = false)]
+    #[param(pattern = "^[0-9a-fA-F]{16}$", nullable = false)]
     pub comm: Option<String>,
     /// the most collectives answered, newest first: 1 to 1000 (default 100)
-    #[param(nullable = false)]
+    #[param(pattern = "^([1-9][0-9]{0,2}|1000)$", nullable = false)]
     pub limit: Option<String>,
 }
 
