@@ -29,10 +29,11 @@ pub fn render_metrics(
     nccl: &[ProcessTotals],
 ) -> Result<String, std::fmt::Error> {
     let mut registry = Registry::default();
+    let jobs_of = jobs_of_pids(jobs);
     if !nccl.is_empty() || describing() {
         registry.register_collector(Box::new(NcclCollector {
             procs: nccl.to_vec(),
-            jobs_of: jobs_of_pids(jobs),
+            jobs_of: jobs_of.clone(),
         }));
     }
     registry.register_collector(Box::new(GpuCollector(gpus.clone())));
@@ -45,7 +46,7 @@ pub fn render_metrics(
     if let Some(live) = live {
         registry.register_collector(Box::new(ProcessCollector {
             processes: live.processes.clone(),
-            jobs_of: jobs_of_pids(jobs),
+            jobs_of,
             ringbuf_drops: live.ringbuf_drops,
             intervals_late: live.intervals_late,
         }));
