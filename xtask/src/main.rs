@@ -485,6 +485,13 @@ fn test() -> Result<()> {
     run("cargo", &["test", "--workspace", "--all-targets"])?;
     // Doc tests are not built by --all-targets.
     run("cargo", &["test", "--workspace", "--doc"])?;
+    // The NCCL profiler plugin by name, so it lands beside the agent's binary
+    // (`target/debug/`), where the GPU test and the image look for it; the
+    // test build above left it in `deps/` only.
+    run(
+        "cargo",
+        &["build", "-p", "ringwatch-nccl-profiler", "--lib"],
+    )?;
     let target_dir = cargo_target_dir(&root());
     // The PyTorch front end: built into its venv (dev profile, sharing the
     // build above's dependencies) and its pytest suite.

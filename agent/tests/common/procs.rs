@@ -139,22 +139,29 @@ impl Drop for Job {
     }
 }
 
-/// The NCCL profiler plugin library the workspace's build made
-/// (`target/<profile>/libringwatch_nccl_profiler.so`); as [`collbench`],
-/// never a nested build.
+/// The NCCL profiler plugin library the workspace's build made; as
+/// [`collbench`], never a nested build. Cargo writes a dependency's `cdylib`
+/// to `target/<profile>/deps/` and copies it up to `target/<profile>/` only
+/// when it was asked for by name, so `deps/` is looked at first.
 pub fn nccl_profiler_lib() -> PathBuf {
     let exe = std::env::current_exe().expect("the test's own executable path");
-    let profile_dir = exe
+    let deps = exe
         .parent()
-        .and_then(Path::parent)
         .expect("a test executable lives in target/<profile>/deps/");
-    let lib = profile_dir.join("libringwatch_nccl_profiler.so");
-    assert!(
-        lib.is_file(),
-        "no NCCL profiler plugin at {}: the workspace's test build makes it (`cargo xtask \
-         test`); running the agent's tests alone, build it first with `cargo build -p \
-         ringwatch-nccl-profiler`",
-        lib.display()
-    );
-    lib
+    let candidates = [
+        deps.join("libringwatch_nccl_profiler.so"),
+        deps.parent()
+            .unwrap_or(deps)
+            .join("libringwatch_nccl_profiler.so"),
+    ];
+    match candidates.iter().find(|lib| lib.is_file()) {
+        Some(lib) => lib.clone(),
+        None => panic!(
+            "no NCCL profiler plugin at {} or {}: `cargo test --workspace --all-targets` \
+             (what `cargo xtask test` runs) builds it; running the agent's tests alone, build \
+             it first with `cargo build -p ringwatch-nccl-profiler`",
+            candidates[0].display(),
+            candidates[1].display()
+        ),
+    }
 }

@@ -6,16 +6,24 @@ use std::os::unix::net::UnixListener;
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
 
-/// The library cargo built beside this test (`target/<profile>/`).
+/// The library cargo built for this test: in `target/<profile>/deps/`, where
+/// cargo writes a dependency's `cdylib` (it copies it up a level only when it
+/// was asked for by name).
 pub fn library() -> PathBuf {
     let exe = std::env::current_exe().expect("the test's path");
-    let profile = exe
+    let deps = exe
         .parent()
-        .and_then(Path::parent)
         .expect("a test lives in target/<profile>/deps/");
-    let lib = profile.join("libringwatch_nccl_profiler.so");
-    assert!(lib.is_file(), "no plugin library at {}", lib.display());
-    lib
+    let candidates = [
+        deps.join("libringwatch_nccl_profiler.so"),
+        deps.parent()
+            .unwrap_or(deps)
+            .join("libringwatch_nccl_profiler.so"),
+    ];
+    match candidates.iter().find(|lib| lib.is_file()) {
+        Some(lib) => lib.clone(),
+        None => panic!("no plugin library at {}", candidates[0].display()),
+    }
 }
 
 /// A stand-in agent on `path`: answers each hello with `answer` and keeps
