@@ -188,6 +188,28 @@ fn process_schedstat(pid: u64) -> Vec<(u64, u64)> {
     tids.into_iter().map(|tid| schedstat(pid, tid)).collect()
 }
 
+/// The time a hypervisor took from this machine's CPUs so far (the `steal`
+/// column of /proc/stat's `cpu` line) and all of their time, in ticks, and
+/// how many CPUs there are.
+fn machine_steal() -> (u64, u64, usize) {
+    let text = std::fs::read_to_string("/proc/stat").unwrap();
+    let cpu: Vec<u64> = text
+        .lines()
+        .find(|l| l.starts_with("cpu "))
+        .unwrap()
+        .split_whitespace()
+        .skip(1)
+        .map(|f| f.parse().unwrap())
+        .collect();
+    // user nice system idle iowait irq softirq steal (guest time is in user).
+    let all = cpu.iter().take(8).sum();
+    let cpus = text
+        .lines()
+        .filter(|l| l.starts_with("cpu") && !l.starts_with("cpu "))
+        .count();
+    (cpu[7], all, cpus)
+}
+
 #[test]
 fn threads_that_switch_every_few_microseconds_are_where_the_kernel_says() {
     if skip_unless_privileged() {
@@ -204,6 +226,7 @@ fn threads_that_switch_every_few_microseconds_are_where_the_kernel_says() {
     load.go();
     std::thread::sleep(Duration::from_secs(2));
     let before = process_schedstat(pid);
+    let steal_before = machine_steal();
     let started = Instant::now();
     let (mut cpu, mut off) = (Vec::new(), Vec::new());
     let (mut sent, mut not_sent) = (0, 0);
@@ -232,6 +255,7 @@ fn threads_that_switch_every_few_microseconds_are_where_the_kernel_says() {
     }
     let elapsed = started.elapsed().as_nanos() as f64;
     let after = process_schedstat(pid);
+    let steal_after = machine_steal();
     drop(load);
     let share = |ns: u64| 100.0 * ns as f64 / elapsed;
     let kernel_cpu: f64 = after
@@ -251,6 +275,21 @@ fn threads_that_switch_every_few_microseconds_are_where_the_kernel_says() {
     // exactly the stretch read from /proc: compare the means.
     let mean = |v: &[f64]| v.iter().sum::<f64>() / v.len() as f64;
     let (agent_cpu, agent_off) = (mean(&cpu), mean(&off));
+    // On a virtual machine the kernel's run time leaves out the time the
+    // hypervisor took while a thread was current (paravirt steal time: the
+    // task clock stops), the switch times the agent reads do not; so here
+    // the kernel's "off CPU" (what its on and waiting leave) holds that
+    // time too. How much of it fell on these threads is not known; at most
+    // all the machine's, in percent of one CPU over the stretch. The gap
+    // followed the steal point for point on the shared 2-core test VM
+    // (steal 4% / 8% / 15%: agent 4 / 10 / 15 points below the kernel).
+    let steal = {
+        let (stolen, all) = (
+            (steal_after.0 - steal_before.0) as f64,
+            (steal_after.1 - steal_before.1) as f64,
+        );
+        100.0 * stolen / (all / steal_after.2 as f64).max(1.0)
+    };
     // Shown when an assertion below fails (and with --nocapture): what the
     // agent read per thread, beside the kernel's per-thread shares.
     let kernel_threads: Vec<String> = after
@@ -266,20 +305,23 @@ fn threads_that_switch_every_few_microseconds_are_where_the_kernel_says() {
         .collect();
     eprintln!(
         "off CPU: agent {agent_off:.1}% ({off:?}), kernel {kernel_off:.1}%; \
-         on CPU: agent {agent_cpu:.1}%, kernel {kernel_cpu:.1}%; {sent} sent, {not_sent} not; \
+         on CPU: agent {agent_cpu:.1}%, kernel {kernel_cpu:.1}%; steal {steal:.1}% of a CPU; \
+         {sent} sent, {not_sent} not; \
          kernel per thread: {kernel_threads:?}; the agent's last reading: {last:#}"
     );
     assert!(
         kernel_cpu > 1.0,
         "the ping-pong barely ran: {kernel_cpu:.1}% of a CPU"
     );
-    // Within 25 points: the kernel splits a thread's time between running
-    // and waiting otherwise than the switch times do (below), more so when
-    // other work loads the cores (28% against 36% off CPU was seen then).
-    // Without the held-back intervals the agent read 4% against 59%.
+    // Within 25 points, and below by what was stolen: the kernel splits a
+    // thread's time between running and waiting otherwise than the switch
+    // times do (below), more so when other work loads the cores (28%
+    // against 36% off CPU was seen then). Without the held-back intervals
+    // the agent read 4% against 59%.
+    let threads = after.len() as f64;
     assert!(
-        (agent_off - kernel_off).abs() < 25.0,
-        "off CPU: agent {agent_off:.1}% ({off:?}), kernel {kernel_off:.1}%"
+        agent_off < kernel_off + 25.0 && agent_off > kernel_off - steal / threads - 25.0,
+        "off CPU: agent {agent_off:.1}% ({off:?}), kernel {kernel_off:.1}%, steal {steal:.1}%"
     );
     // The split between running and waiting differs: on 6.18, quiet, the
     // agent read 28% on CPU and 13% waiting per thread where schedstat read
@@ -290,8 +332,8 @@ fn threads_that_switch_every_few_microseconds_are_where_the_kernel_says() {
     // only bounded here, but well away from zero, where it was when only
     // the records counted.
     assert!(
-        agent_cpu > 0.3 * kernel_cpu && agent_cpu < 1.5 * kernel_cpu,
-        "on CPU: agent {agent_cpu:.1}% ({cpu:?}), kernel {kernel_cpu:.1}%"
+        agent_cpu > 0.3 * kernel_cpu && agent_cpu < 1.5 * kernel_cpu + steal,
+        "on CPU: agent {agent_cpu:.1}% ({cpu:?}), kernel {kernel_cpu:.1}%, steal {steal:.1}%"
     );
     assert!(
         not_sent > 0,
