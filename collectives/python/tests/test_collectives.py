@@ -352,3 +352,127 @@ def test_horovods_signatures_dtypes_scale_factors_objects_and_barrier(run_job):
         assert out["object"] == {"epoch": 7, "lr": [0.1, 0]}, out
         assert out["objects"] == [["rank", 0, ""], ["rank", 1, "x" * 100]], out
         assert out["queries"][:3] == [False, False, False], out
+
+
+COMPOSED = r"""
+import json
+import torch
+import ringwatch.torch as rw
+
+rw.init()
+r, n = rw.rank(), rw.size()
+""" + WORKER_HELPERS + r"""
+# Reducescatter: this rank's rows of the reduction (Horovod's split: the first rows % n
+# ranks get one more), for rows that divide and rows that do not; every dtype.
+def rows_of(rows, k):
+    base, extra = divmod(rows, n)
+    return k * base + min(k, extra), base + (1 if k < extra else 0)
+
+for dtype in DTYPES:
+    for shape in [(n * 4,), (n * 4 + 1, 3), (2 * n - 1, 2, 5), (1, 4)]:
+        everyone = torch.stack([inputs(k, dtype, shape) for k in range(n)])
+        for op in [rw.Sum, rw.Average]:
+            t = inputs(r, dtype, shape)
+            before = t.clone()
+            got = rw.reducescatter(t, name=f"rs.{dtype}.{shape}.{op}", op=op)
+            first, count = rows_of(shape[0], r)
+            want = reference(everyone, op, dtype).narrow(0, first, count)
+            check(same_bits(got, want), f"reducescatter {dtype} {shape} {op}: {got.flatten()[:4]}")
+            check(same_bits(t, before), f"reducescatter {dtype} {shape} {op}: changed its input")
+
+# Grouped: several tensors in one call, each as the single call gives it.
+ts = [inputs(r, torch.float32, (i + 1, 3)) for i in range(5)]
+everyone = [torch.stack([inputs(k, torch.float32, (i + 1, 3)) for k in range(n)]) for i in range(5)]
+for got, e in zip(rw.grouped_allreduce(ts, name="g.ar", op=rw.Sum), everyone):
+    check(same_bits(got, e.sum(0)), "grouped_allreduce: wrong result")
+inplace = [t.clone() for t in ts]
+rw.grouped_allreduce_(inplace, name="g.ar_", op=rw.Max)
+for got, e in zip(inplace, everyone):
+    check(same_bits(got, e.max(0).values), "grouped_allreduce_: wrong result")
+h = rw.grouped_allgather_async(ts, name="g.ag")
+for got, e in zip(rw.synchronize(h), everyone):
+    check(same_bits(got, torch.cat(list(e), 0)), "grouped_allgather: wrong result")
+for i, (got, e) in enumerate(zip(rw.grouped_reducescatter(ts, name="g.rs", op=rw.Sum), everyone)):
+    first, count = rows_of(i + 1, r)
+    check(same_bits(got, e.sum(0).narrow(0, first, count)), f"grouped_reducescatter {i}")
+
+# Alltoall with uneven splits: rank k sends (k + j + 1) rows to rank j, tagged with
+# (sender, receiver, row), and keeps two rows that no one gets.
+def block(k):
+    rows = [[k, j, i] for j in range(n) for i in range(k + j + 1)]
+    return torch.tensor(rows + [[-1, -1, -1]] * 2, dtype=torch.int64)
+
+t = block(r)
+splits = torch.tensor([r + j + 1 for j in range(n)], dtype=torch.int32)
+got, received = rw.alltoall(t, splits, name="a2a")
+want = torch.cat([block(k)[sum(k + j + 1 for j in range(r)):][: k + r + 1] for k in range(n)])
+check(same_bits(got, want), f"alltoall: {got.tolist()}")
+check(received.dtype == torch.int32 and received.tolist() == [k + r + 1 for k in range(n)],
+      f"alltoall received splits: {received}")
+# Equal splits, no splits given: only the rows.
+eq = torch.arange(n * 2, dtype=torch.float32) + 100 * r
+got = rw.alltoall(eq, name="a2a.eq")
+check(isinstance(got, torch.Tensor) and got.tolist() == [100.0 * k + 2 * r + i for k in range(n) for i in range(2)],
+      f"alltoall equal: {got}")
+
+# Gradients, as Horovod's: reducescatter's is the allgather (times n for Sum); alltoall's
+# is the alltoall back.
+x = torch.ones(n * 2, 3, requires_grad=True)
+rw.reducescatter(x, name="rs.grad", op=rw.Sum).sum().backward()
+check(x.grad.tolist() == [[float(n)] * 3] * (n * 2), f"reducescatter grad: {x.grad}")
+y = (torch.arange(n * 2, dtype=torch.float64) + 10 * r).requires_grad_()
+out = rw.alltoall(y, name="a2a.grad")
+(out * (r + 1)).sum().backward()
+check(y.grad.tolist() == [float(j + 1) for j in range(n) for _ in range(2)], f"alltoall grad: {y.grad}")
+
+# Errors, as Horovod's: raised on every rank, nothing left in flight.
+errors = {}
+for what, fn in [
+    ("rs_scalar", lambda: rw.reducescatter(torch.tensor(1.0), name="e1")),
+    ("rs_min", lambda: rw.reducescatter(torch.ones(n), name="e2", op=rw.Min)),
+    ("rs_adasum", lambda: rw.reducescatter(torch.ones(n), name="e3", op=rw.Adasum)),
+    ("ar_adasum", lambda: rw.allreduce(torch.ones(n), name="e4", op=rw.Adasum)),
+    ("a2a_uneven", lambda: rw.alltoall(torch.ones(n + 1), name="e5")),
+    ("a2a_too_many", lambda: rw.alltoall(torch.ones(n - 1), torch.ones(n, dtype=torch.int32), name="e6")),
+    ("a2a_float_splits", lambda: rw.alltoall(torch.ones(n), torch.ones(n), name="e7")),
+    ("rs_mismatch", lambda: rw.reducescatter(torch.ones(n + r), name="e8")),
+    ("a2a_dtype", lambda: rw.alltoall(torch.ones(n, dtype=torch.float32 if r else torch.int32), name="e9")),
+]:
+    try:
+        fn()
+        errors[what] = None
+    except Exception as e:
+        errors[what] = type(e).__name__
+# A name still in flight cannot be submitted again (Horovod's ValueError); once
+# synchronized, it can.
+first = rw.allreduce_async(torch.ones(1), name="dup", op=rw.Sum)
+try:
+    rw.allreduce_async(torch.ones(1), name="dup", op=rw.Sum)
+    errors["dup"] = None
+except ValueError as e:
+    errors["dup"] = "ValueError"
+check(rw.synchronize(first).tolist() == [float(n)], "dup: first result")
+errors["dup_after"] = rw.allreduce(torch.ones(1), name="dup", op=rw.Sum).tolist()
+rw.shutdown()
+print(json.dumps({"rank": r, "failures": failures, "errors": errors}))
+"""
+
+
+def test_reducescatter_alltoall_and_grouped_ops_bitwise_against_references(run_job):
+    """Horovod's reducescatter, alltoall and grouped collectives (composed of allreduce
+    and allgather) on 3 ranks, so rows split unevenly."""
+    for res in run_job(COMPOSED, 3).results():
+        assert res["failures"] == [], res["failures"]
+        assert res["errors"] == {
+            "rs_scalar": "ValueError",
+            "rs_min": "RuntimeError",
+            "rs_adasum": "RuntimeError",
+            "ar_adasum": "NotImplementedError",
+            "a2a_uneven": "ValueError",
+            "a2a_too_many": "ValueError",
+            "a2a_float_splits": "ValueError",
+            "rs_mismatch": "MismatchError",
+            "a2a_dtype": "MismatchError",
+            "dup": "ValueError",
+            "dup_after": [3.0],
+        }, res["errors"]

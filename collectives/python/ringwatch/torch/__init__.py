@@ -61,10 +61,18 @@ __all__ = [
     "allreduce", "allreduce_", "allreduce_async", "allreduce_async_", "shared_zeros",
     "allgather", "allgather_async", "broadcast", "broadcast_", "broadcast_async",
     "broadcast_async_", "synchronize", "poll", "Handle",
+    "grouped_allreduce", "grouped_allreduce_", "grouped_allreduce_async",
+    "grouped_allreduce_async_", "grouped_allgather", "grouped_allgather_async",
+    "reducescatter", "reducescatter_async", "grouped_reducescatter",
+    "grouped_reducescatter_async", "alltoall", "alltoall_async", "Adasum",
     "broadcast_parameters", "broadcast_optimizer_state", "DistributedOptimizer",
     "ddp_comm_hook",
     "RingwatchError", "MismatchError", "RankFailedError", "NotInitializedError",
+    "HorovodInternalError",
 ]
+
+#: Horovod's name for a failed collective: the same class as :class:`RingwatchError`.
+HorovodInternalError = RingwatchError
 
 #: Reductions for ``op=``.
 Sum = "sum"
@@ -72,6 +80,10 @@ Average = "average"
 Min = "min"
 Max = "max"
 Product = "product"
+
+#: Horovod's Adasum: a name only, so that code naming it imports; every collective refuses
+#: it (ringwatch does not implement Adasum).
+Adasum = "adasum"
 
 _OPS = (Sum, Average, Min, Max, Product)
 
@@ -89,6 +101,9 @@ _DTYPES = {
 
 _unnamed = itertools.count()
 _unnamed_lock = threading.Lock()
+# name -> the native handle of the last collective submitted under it (_claim).
+_inflight = {}
+_inflight_lock = threading.Lock()
 
 
 def init():
@@ -254,10 +269,12 @@ def set_knobs(fusion_threshold=None, cycle_time_ms=None, hierarchical_allreduce=
 class Handle:
     """A collective in flight; :func:`synchronize` returns its result."""
 
-    __slots__ = ("_native", "_tensor", "_kind", "_dtype", "_gpu", "_postscale")
+    __slots__ = ("_native", "_tensor", "_kind", "_dtype", "_gpu", "_postscale", "_then")
 
     def __init__(self, native, tensor, kind, gpu=None):
         self._postscale = 1.0
+        # What synchronize() makes of the result, for collectives composed of others.
+        self._then = None
         self._native = native
         self._tensor = tensor
         self._kind = kind
@@ -314,8 +331,31 @@ def _check(tensor, name, what):
     return dtype
 
 
+def _claim(name, kind):
+    """Horovod's rule: a name may not be submitted again while a collective of that name
+    is in flight on this rank (the ranks would pair the wrong tensors)."""
+    with _inflight_lock:
+        native = _inflight.get(name)
+        if native is not None and not native.poll():
+            raise ValueError(
+                f"{kind} of '{name}': a collective of that name is already in flight on this "
+                "rank; synchronize it first or give this one another name")
+        if len(_inflight) > 1024:
+            # Handles nobody synchronized: forget the finished ones.
+            for done in [n for n, h in _inflight.items() if h.poll()]:
+                del _inflight[done]
+
+
 def _submit(kind, tensor, name, op=Average, root=0):
     dtype = _check(tensor, name, kind)
+    _claim(name, kind)
+    handle = _submit_checked(kind, tensor, name, dtype, op, root)
+    with _inflight_lock:
+        _inflight[name] = handle._native
+    return handle
+
+
+def _submit_checked(kind, tensor, name, dtype, op, root):
     if tensor.device.type == "cuda":
         if kind == "allreduce":
             native = _native.enqueue_device(
@@ -331,7 +371,7 @@ def _submit(kind, tensor, name, op=Average, root=0):
             return Handle(native, tensor, kind)
         # Broadcast and allgather (start-up work) go through a host copy.
         host = tensor.cpu()
-        handle = _submit(kind, host, name, op=op, root=root)
+        handle = _submit_checked(kind, host, name, dtype, op, root)
         handle._gpu = tensor
         return handle
     native = _native.enqueue(
@@ -388,6 +428,9 @@ def _op(op, average):
     if op is not None:
         if average is not None:
             raise ValueError("The op parameter supersedes average. Please provide only one of them.")
+        if op == Adasum:
+            raise NotImplementedError(
+                "op=Adasum: ringwatch does not implement Adasum; use Sum or Average")
         if op not in _OPS:
             raise ValueError(f"op must be one of Sum, Average, Min, Max, Product, not {op!r}")
         return op
@@ -654,8 +697,294 @@ def _copy(tensor):
         return tensor.detach().clone(memory_format=torch.contiguous_format)
 
 
+class _Group(Handle):
+    """Several collectives started together; :func:`synchronize` returns their results
+    as a list, in order."""
+
+    __slots__ = ("_parts",)
+
+    def __init__(self, parts):  # noqa: super().__init__ is not called: no native handle
+        self._parts = parts
+
+    @property
+    def name(self):
+        return self._parts[0].name if self._parts else "group"
+
+    def __repr__(self):
+        return f"<ringwatch Handle group of {len(self._parts)}>"
+
+
+def _group_names(name, count, prefix):
+    base = _name(prefix, name)
+    return [f"{base}.{i}" for i in range(count)]
+
+
+def _tensor_list(tensors, what):
+    if isinstance(tensors, torch.Tensor) or not isinstance(tensors, (list, tuple)):
+        raise TypeError(f"{what} takes a list of tensors, not {type(tensors).__name__}")
+    return list(tensors)
+
+
+def grouped_allreduce_async_(tensors, average=None, name=None, op=None, prescale_factor=1.0,
+                             postscale_factor=1.0):
+    """Starts in-place allreduces of every tensor in ``tensors``; :func:`synchronize`
+    returns the list. Submitted together, so the runtime fuses them as it fuses any
+    tensors that arrive in one cycle (Horovod guarantees one fused group; ringwatch
+    makes it likely, not certain: the results are the same)."""
+    tensors = _tensor_list(tensors, "grouped_allreduce")
+    op = _op(op, average)
+    names = _group_names(name, len(tensors), "grouped_allreduce")
+    return _Group([allreduce_async_(t, name=n, op=op, prescale_factor=prescale_factor,
+                                    postscale_factor=postscale_factor)
+                   for t, n in zip(tensors, names)])
+
+
+def grouped_allreduce_async(tensors, average=None, name=None, op=None, prescale_factor=1.0,
+                            postscale_factor=1.0):
+    """As :func:`grouped_allreduce_async_`, into copies; ``tensors`` are left as they are."""
+    tensors = _tensor_list(tensors, "grouped_allreduce")
+    return grouped_allreduce_async_([_copy(t) for t in tensors], average, name, op,
+                                    prescale_factor, postscale_factor)
+
+
+def grouped_allreduce_(tensors, average=None, name=None, op=None, prescale_factor=1.0,
+                       postscale_factor=1.0):
+    """Allreduces every tensor in ``tensors`` in place; returns them."""
+    return synchronize(grouped_allreduce_async_(tensors, average, name, op, prescale_factor,
+                                                postscale_factor))
+
+
+def grouped_allreduce(tensors, average=None, name=None, compression=Compression.none, op=None,
+                      prescale_factor=1.0, postscale_factor=1.0):
+    """The allreduces of ``tensors`` as new tensors, differentiable as :func:`allreduce`."""
+    tensors = _tensor_list(tensors, "grouped_allreduce")
+    op = _op(op, average)
+    names = _group_names(name, len(tensors), "grouped_allreduce")
+    if any(t.requires_grad for t in tensors) and torch.is_grad_enabled():
+        return [allreduce(t, name=n, compression=compression, op=op,
+                          prescale_factor=prescale_factor, postscale_factor=postscale_factor)
+                for t, n in zip(tensors, names)]
+    compressed = [compression.compress(t) for t in tensors]
+    handles = [allreduce_async(c, name=n, op=op, prescale_factor=prescale_factor,
+                               postscale_factor=postscale_factor)
+               for (c, _), n in zip(compressed, names)]
+    return [compression.decompress(synchronize(h), ctx)
+            for h, (_, ctx) in zip(handles, compressed)]
+
+
+def grouped_allgather_async(tensors, name=None):
+    """Starts the allgathers of ``tensors``; :func:`synchronize` returns the list."""
+    tensors = _tensor_list(tensors, "grouped_allgather")
+    names = _group_names(name, len(tensors), "grouped_allgather")
+    return _Group([allgather_async(t, name=n) for t, n in zip(tensors, names)])
+
+
+def grouped_allgather(tensors, name=None):
+    """The allgathers of ``tensors``, differentiable as :func:`allgather`."""
+    tensors = _tensor_list(tensors, "grouped_allgather")
+    names = _group_names(name, len(tensors), "grouped_allgather")
+    if any(t.requires_grad for t in tensors) and torch.is_grad_enabled():
+        return [allgather(t, name=n) for t, n in zip(tensors, names)]
+    return synchronize(_Group([allgather_async(t, name=n) for t, n in zip(tensors, names)]))
+
+
+def _rows_of(rows, ranks, rank_):
+    """Horovod's reducescatter split of ``rows`` over ``ranks``: ``(first row, count)``
+    of ``rank_``'s part; the first ``rows % ranks`` ranks get one row more."""
+    base, extra = divmod(rows, ranks)
+    count = base + (1 if rank_ < extra else 0)
+    return rank_ * base + min(rank_, extra), count
+
+
+def _reducescatter_op(op):
+    if op not in (Sum, Average):
+        raise RuntimeError(
+            f"reducescatter takes op=Sum or op=Average, not {op!r} (as Horovod's)")
+    return op
+
+
+def reducescatter_async(tensor, name=None, op=Average, prescale_factor=1.0,
+                        postscale_factor=1.0):
+    """Starts a reducescatter: the reduction of ``tensor`` over the ranks (``op`` Sum or
+    Average), of which this rank gets its rows of the first dimension (Horovod's split:
+    ``rows // size`` each, the first ``rows % size`` ranks one more). ``tensor`` is left
+    as it is.
+
+    Composed of an allreduce, so it moves about twice the bytes a native reducescatter
+    would; the results are the same."""
+    name = _name("reducescatter", name)
+    if op is None:
+        op = Average
+    if op == Adasum:
+        raise RuntimeError(f"reducescatter of '{name}': op=Adasum is not supported (as Horovod)")
+    _reducescatter_op(op)
+    _check(tensor, name, "reducescatter")
+    if tensor.dim() == 0:
+        raise ValueError(
+            f"reducescatter of '{name}': a scalar has no first dimension to scatter")
+    handle = allreduce_async(tensor, name=name, op=op, prescale_factor=prescale_factor,
+                             postscale_factor=postscale_factor)
+    first, count = _rows_of(tensor.shape[0], size(), rank())
+    handle._then = lambda reduced: reduced.narrow(0, first, count).clone()
+    return handle
+
+
+class _Reducescatter(torch.autograd.Function):
+    """Horovod's reducescatter gradient: the allgather of the gradients, times the number
+    of ranks for Sum, and the scale factors."""
+
+    @staticmethod
+    def forward(ctx, tensor, name, op, prescale_factor, postscale_factor):
+        ctx.factor = (size() if op == Sum else 1.0) * prescale_factor * postscale_factor
+        return synchronize(reducescatter_async(tensor, name, op, prescale_factor,
+                                               postscale_factor))
+
+    @staticmethod
+    def backward(ctx, grad):
+        grad = grad.contiguous()
+        if ctx.factor != 1.0:
+            grad = grad * ctx.factor
+        return allgather(grad), None, None, None, None
+
+
+def reducescatter(tensor, name=None, compression=Compression.none, op=Average,
+                  prescale_factor=1.0, postscale_factor=1.0):
+    """Returns this rank's part of the reduction of ``tensor`` over the ranks (see
+    :func:`reducescatter_async`). Differentiable, as Horovod's."""
+    name = _name("reducescatter", name)
+    if op is None:
+        op = Average
+    if op == Adasum:
+        raise RuntimeError(f"reducescatter of '{name}': op=Adasum is not supported (as Horovod)")
+    _reducescatter_op(op)
+    compressed, ctx = compression.compress(tensor)
+    if (isinstance(compressed, torch.Tensor) and compressed.requires_grad
+            and torch.is_grad_enabled()):
+        _check(compressed, name, "reducescatter")
+        out = _Reducescatter.apply(compressed, name, op, prescale_factor, postscale_factor)
+    else:
+        out = synchronize(reducescatter_async(compressed, name, op, prescale_factor,
+                                              postscale_factor))
+    return compression.decompress(out, ctx)
+
+
+def grouped_reducescatter_async(tensors, name=None, op=Average, prescale_factor=1.0,
+                                postscale_factor=1.0):
+    """Starts the reducescatters of ``tensors``; :func:`synchronize` returns the list."""
+    tensors = _tensor_list(tensors, "grouped_reducescatter")
+    names = _group_names(name, len(tensors), "grouped_reducescatter")
+    return _Group([reducescatter_async(t, n, op, prescale_factor, postscale_factor)
+                   for t, n in zip(tensors, names)])
+
+
+def grouped_reducescatter(tensors, name=None, compression=Compression.none, op=Average,
+                          prescale_factor=1.0, postscale_factor=1.0):
+    """The reducescatters of ``tensors``, differentiable as :func:`reducescatter`."""
+    tensors = _tensor_list(tensors, "grouped_reducescatter")
+    names = _group_names(name, len(tensors), "grouped_reducescatter")
+    if any(t.requires_grad for t in tensors) and torch.is_grad_enabled():
+        return [reducescatter(t, n, compression, op, prescale_factor, postscale_factor)
+                for t, n in zip(tensors, names)]
+    compressed = [compression.compress(t) for t in tensors]
+    handles = [reducescatter_async(c, n, op, prescale_factor, postscale_factor)
+               for (c, _), n in zip(compressed, names)]
+    return [compression.decompress(synchronize(h), ctx)
+            for h, (_, ctx) in zip(handles, compressed)]
+
+
+def _alltoall_splits(tensor, splits, name):
+    rows = tensor.shape[0]
+    ranks = size()
+    if splits is None:
+        if rows % ranks:
+            raise ValueError(
+                f"alltoall of '{name}': {rows} rows cannot be split equally over {ranks} "
+                "ranks; pass splits=")
+        return [rows // ranks] * ranks
+    if isinstance(splits, torch.Tensor):
+        if splits.dtype != torch.int32:
+            raise ValueError(
+                f"alltoall of '{name}': splits must be a tensor of int32, not {splits.dtype}")
+        splits = splits.cpu().tolist()
+    splits = [int(n) for n in splits]
+    if len(splits) != ranks or any(n < 0 for n in splits):
+        raise ValueError(
+            f"alltoall of '{name}': splits must give {ranks} counts >= 0, got {splits}")
+    if sum(splits) > rows:
+        raise ValueError(
+            f"alltoall of '{name}': splits send {sum(splits)} rows, the tensor has {rows}")
+    return splits
+
+
+def alltoall_async(tensor, splits=None, name=None):
+    """Starts an alltoall: ``tensor``'s rows (first dimension) cut by ``splits`` (int32,
+    one count per rank; default: equal parts), part ``i`` to rank ``i``. :func:`synchronize`
+    returns ``(received rows, received splits)``.
+
+    Composed of two allgathers (the counts, then the tensors), so every rank receives every
+    rank's whole tensor: about ``size`` times the bytes a native alltoall moves; the
+    results are the same."""
+    name = _name("alltoall", name)
+    _check(tensor, name, "alltoall")
+    if tensor.dim() == 0:
+        raise ValueError(f"alltoall of '{name}': a scalar has no rows to send")
+    sends = _alltoall_splits(tensor, splits, name)
+    ranks, me = size(), rank()
+    # Every rank's counts and its number of rows: allgather carries a rank's whole
+    # tensor, which may hold more rows than its splits send.
+    counts = synchronize(allgather_async(
+        torch.tensor([sends + [tensor.shape[0]]], dtype=torch.int64), name=f"{name}.splits"))
+    counts = counts.tolist()
+    matrix = [row[:ranks] for row in counts]  # matrix[r][j]: rows rank r sends to rank j
+    starts, offset = [], 0
+    for row in counts:
+        starts.append(offset)
+        offset += row[ranks]
+    handle = allgather_async(tensor, name=name)
+
+    def pick(gathered):
+        parts = [gathered.narrow(0, starts[r] + sum(matrix[r][:me]), matrix[r][me])
+                 for r in range(ranks)]
+        received = torch.tensor([matrix[r][me] for r in range(ranks)], dtype=torch.int32)
+        return torch.cat(parts, 0), received
+
+    handle._then = pick
+    return handle
+
+
+class _Alltoall(torch.autograd.Function):
+    """Horovod's alltoall gradient: the alltoall of the gradient with the received splits."""
+
+    @staticmethod
+    def forward(ctx, tensor, splits, name):
+        out, received = synchronize(alltoall_async(tensor, splits, name))
+        ctx.received = received
+        ctx.mark_non_differentiable(received)
+        return out, received
+
+    @staticmethod
+    def backward(ctx, grad, _received_grad):
+        back, _ = synchronize(alltoall_async(grad.contiguous(), ctx.received))
+        return back, None, None
+
+
+def alltoall(tensor, splits=None, name=None):
+    """Sends part ``i`` of ``tensor``'s rows to rank ``i`` and returns the parts received,
+    concatenated in rank order; with ``splits``, also the received counts (int32), as
+    Horovod. Differentiable. See :func:`alltoall_async` for what it costs."""
+    name = _name("alltoall", name)
+    if isinstance(tensor, torch.Tensor) and tensor.requires_grad and torch.is_grad_enabled():
+        _check(tensor, name, "alltoall")
+        out, received = _Alltoall.apply(tensor, splits, name)
+    else:
+        out, received = synchronize(alltoall_async(tensor, splits, name))
+    return out if splits is None else (out, received)
+
+
 def poll(handle):
     """Whether ``handle``'s result is there (:func:`synchronize` will not block)."""
+    if isinstance(handle, _Group):
+        return all(poll(part) for part in handle._parts)
     return handle._native.poll()
 
 
@@ -665,7 +994,17 @@ def synchronize(handle):
     stopped answering (within ``RINGWATCH_COLLECTIVE_TIMEOUT_SECS``, never a hang)."""
     if not isinstance(handle, Handle):
         raise TypeError(f"synchronize expects a ringwatch Handle, got {type(handle).__name__}")
+    if isinstance(handle, _Group):
+        return [synchronize(part) for part in handle._parts]
+    result = _result(handle)
+    return handle._then(result) if handle._then is not None else result
+
+
+def _result(handle):
     out = handle._native.wait()
+    with _inflight_lock:
+        if _inflight.get(handle._native.name) is handle._native:
+            del _inflight[handle._native.name]
     post = getattr(handle, "_postscale", 1.0)
     if out is None:
         if handle._gpu is not None:

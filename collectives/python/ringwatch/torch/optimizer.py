@@ -50,6 +50,8 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         else:
             names = {id(p): f"param.{i}" for i, p in enumerate(params)}
         self._rw_names = {id(p): f"allreduce.{names[id(p)]}" for p in params}
+        # Horovod's attribute: each parameter's name (the same on every rank).
+        self._parameter_names = {p: names[id(p)] for p in params}
         self._rw_params = [p for p in params if p.requires_grad]
         self._rw_op = op
         self._rw_passes = backward_passes_per_step
@@ -219,6 +221,19 @@ def broadcast_optimizer_state(optimizer, root_rank=0):
     as momentum), whatever the optimizer: the root's ``state_dict()`` travels serialized."""
     if not isinstance(optimizer, torch.optim.Optimizer):
         raise TypeError(f"expected a torch.optim.Optimizer, got {type(optimizer).__name__}")
+    if not optimizer.state_dict()["state"]:
+        # A new optimizer has no state (momentum buffers) to send yet: as Horovod, make it
+        # on every rank with one step of the wrapped optimizer on zero gradients (the
+        # DistributedOptimizer's own step would allreduce). Like Horovod's, it sets every
+        # gradient to zero and applies what a zero gradient does (weight decay, for one).
+        for group in optimizer.param_groups:
+            for p in group["params"]:
+                if p.requires_grad:
+                    p.grad = torch.zeros_like(p)
+        if hasattr(optimizer, "_rw_names"):
+            super(optimizer.__class__, optimizer).step()
+        else:
+            optimizer.step()
     payload = torch.zeros(0, dtype=torch.int64)
     if rw.rank() == root_rank:
         out = io.BytesIO()
