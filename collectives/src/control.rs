@@ -312,6 +312,39 @@ impl CycleStats {
     }
 }
 
+/// A tensor some ranks enqueued and others not, for longer than the job's stall check.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct StalledTensor {
+    /// The tensor's name.
+    pub name: String,
+    /// The collective: `allreduce`, `allgather` or `broadcast`.
+    pub kind: String,
+    /// The ranks that enqueued it and wait for the others.
+    pub waiting_ranks: Vec<usize>,
+    /// The ranks that have not enqueued it.
+    pub missing_ranks: Vec<usize>,
+    /// How long it has waited, seconds.
+    pub waiting_secs: f64,
+}
+
+/// Rank 0's stall check: what the job waits for. Sent to `stats` subscribers when it
+/// changes (a stall begins, grows, or ends: then `stalled` is empty), and on subscribing
+/// while the job is stalled.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct StallReport {
+    /// The cycle rank 0 was at.
+    pub cycle: u64,
+    /// When rank 0 saw it, microseconds since the Unix epoch.
+    pub at_unix_us: u64,
+    /// The stalled tensors, longest waiting first; empty: no stall (any more).
+    pub stalled: Vec<StalledTensor>,
+    /// The stall check, seconds.
+    pub check_secs: f64,
+    /// After this many seconds of stall every rank fails (`RINGWATCH_STALL_SHUTDOWN_SECS`);
+    /// `None`: the job waits.
+    pub shutdown_after_secs: Option<f64>,
+}
+
 /// Phase of a timeline event, as in the Chrome trace event format.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub enum Phase {
@@ -381,6 +414,8 @@ pub enum ServerMessage {
     },
     /// Statistics of one cycle (after `subscribe` with `stats`).
     CycleStats(CycleStats),
+    /// The job's stall state changed (after `subscribe` with `stats`).
+    Stall(StallReport),
     /// Timeline events (after `subscribe` with `timeline`).
     Timeline {
         /// The events, in time order.

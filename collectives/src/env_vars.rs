@@ -10,8 +10,8 @@
 
 use crate::control::Knobs;
 use crate::knobs::{
-    AutotuneConfig, COLLECTIVE_TIMEOUT_VAR, DEFAULT_CACHE_CAPACITY, DEFAULT_TIMEOUT,
-    DEPRECATED_TIMEOUT_VAR,
+    AutotuneConfig, COLLECTIVE_TIMEOUT_VAR, DEFAULT_CACHE_CAPACITY, DEFAULT_STALL_CHECK,
+    DEFAULT_TIMEOUT, DEPRECATED_TIMEOUT_VAR,
 };
 use crate::rendezvous::{DEFAULT_CONNECT_TIMEOUT, DEFAULT_MASTER_PORT};
 
@@ -130,6 +130,37 @@ pub fn runtime_variables() -> Vec<(&'static str, Vec<EnvVariable>)> {
                     "none".to_owned(),
                     "Added to the host's identity: ranks with different values never \
                      share memory, as if on different hosts (pretend nodes in tests).",
+                ),
+            ],
+        ),
+        (
+            "Stalls (Horovod's stall check)",
+            vec![
+                v(
+                    "RINGWATCH_STALL_CHECK_SECS",
+                    Some("HOROVOD_STALL_CHECK_TIME_SECONDS"),
+                    "duration (`60s`, `500ms`; a bare number is seconds; 0 turns the check \
+                     off, as `HOROVOD_STALL_CHECK_DISABLE=1` does)",
+                    DEFAULT_STALL_CHECK.as_secs().to_string(),
+                    "A tensor some ranks enqueued and others not for this long makes the \
+                     job stalled: rank 0 logs the tensor and the missing ranks, and the \
+                     node's agent shows them (`/api/jobs/{id}/diagnosis`).",
+                ),
+                v(
+                    "HOROVOD_STALL_CHECK_DISABLE",
+                    None,
+                    "boolean",
+                    on_off(false),
+                    "Horovod's switch for the stall check, read as \
+                     `RINGWATCH_STALL_CHECK_SECS=0`.",
+                ),
+                v(
+                    "RINGWATCH_STALL_SHUTDOWN_SECS",
+                    Some("HOROVOD_STALL_SHUTDOWN_TIME_SECONDS"),
+                    "duration (0: off; at least the stall check)",
+                    "0 (off: a stalled job waits)".to_owned(),
+                    "A stall this long fails every rank with an error naming the stalled \
+                     tensors and the ranks missing from each, instead of waiting forever.",
                 ),
             ],
         ),

@@ -243,6 +243,73 @@ pub fn cache_capacity_from(get: &dyn Fn(&str) -> Option<String>) -> Result<usize
     }
 }
 
+/// How long a tensor may wait for some ranks before rank 0 calls the job stalled: it
+/// logs the tensor and the missing ranks, and the control socket reports them.
+pub const DEFAULT_STALL_CHECK: Duration = Duration::from_secs(60);
+
+/// Rank 0's stall check (Horovod's stall inspector).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct StallConfig {
+    /// A tensor some ranks enqueued and others not for this long makes the job stalled
+    /// (`RINGWATCH_STALL_CHECK_SECS`, Horovod's `HOROVOD_STALL_CHECK_TIME_SECONDS`);
+    /// `None`: never checked (`0`, or Horovod's `HOROVOD_STALL_CHECK_DISABLE=1`).
+    pub check: Option<Duration>,
+    /// A stall this long fails every rank with an error naming the tensors and the
+    /// missing ranks (`RINGWATCH_STALL_SHUTDOWN_SECS`, Horovod's
+    /// `HOROVOD_STALL_SHUTDOWN_TIME_SECONDS`); `None` (the default, or `0`): the job
+    /// waits.
+    pub shutdown: Option<Duration>,
+}
+
+impl Default for StallConfig {
+    fn default() -> Self {
+        StallConfig {
+            check: Some(DEFAULT_STALL_CHECK),
+            shutdown: None,
+        }
+    }
+}
+
+/// The stall check from the environment (see [`StallConfig`]).
+pub fn stall_from(get: &dyn Fn(&str) -> Option<String>) -> Result<StallConfig> {
+    let seconds = |names: &[&str]| -> Result<Option<Option<Duration>>> {
+        match first_set(get, names) {
+            None => Ok(None),
+            Some((name, v)) => {
+                let d = parse_duration(&name, &v, BareUnit::Seconds)?;
+                Ok(Some((!d.is_zero()).then_some(d)))
+            }
+        }
+    };
+    let disabled = match get("HOROVOD_STALL_CHECK_DISABLE") {
+        Some(v) if !v.trim().is_empty() => parse_bool("HOROVOD_STALL_CHECK_DISABLE", &v)?,
+        _ => false,
+    };
+    let check = match seconds(&[
+        "RINGWATCH_STALL_CHECK_SECS",
+        "HOROVOD_STALL_CHECK_TIME_SECONDS",
+    ])? {
+        _ if disabled => None,
+        None => Some(DEFAULT_STALL_CHECK),
+        Some(set) => set,
+    };
+    let shutdown = seconds(&[
+        "RINGWATCH_STALL_SHUTDOWN_SECS",
+        "HOROVOD_STALL_SHUTDOWN_TIME_SECONDS",
+    ])?
+    .flatten();
+    if let (Some(shutdown), Some(check)) = (shutdown, check)
+        && shutdown < check
+    {
+        return Err(CollectiveError::Config(format!(
+            "RINGWATCH_STALL_SHUTDOWN_SECS ({shutdown:?}) is shorter than the stall check \
+             ({check:?}, RINGWATCH_STALL_CHECK_SECS): a job would be failed before it is \
+             called stalled; make it at least as long"
+        )));
+    }
+    Ok(StallConfig { check, shutdown })
+}
+
 /// The collective's silent-peer timeout: how long a rank waits on a peer
 /// during a collective before failing with the peer's rank.
 pub const COLLECTIVE_TIMEOUT_VAR: &str = "RINGWATCH_COLLECTIVE_TIMEOUT_SECS";
@@ -287,6 +354,51 @@ fn warn_deprecated_timeout_once() {
 mod tests {
     use super::*;
     use crate::test_support::vars;
+
+    #[test]
+    fn the_stall_check_reads_ringwatchs_names_then_horovods() {
+        let stall = |pairs: &[(&str, &str)]| stall_from(&vars(pairs));
+        assert_eq!(stall(&[]).unwrap(), StallConfig::default());
+        assert_eq!(
+            stall(&[
+                ("HOROVOD_STALL_CHECK_TIME_SECONDS", "5"),
+                ("HOROVOD_STALL_SHUTDOWN_TIME_SECONDS", "20"),
+            ])
+            .unwrap(),
+            StallConfig {
+                check: Some(Duration::from_secs(5)),
+                shutdown: Some(Duration::from_secs(20)),
+            }
+        );
+        let both = stall(&[
+            ("RINGWATCH_STALL_CHECK_SECS", "1.5"),
+            ("HOROVOD_STALL_CHECK_TIME_SECONDS", "5"),
+        ])
+        .unwrap();
+        assert_eq!(both.check, Some(Duration::from_millis(1500)));
+        assert_eq!(both.shutdown, None);
+        assert_eq!(
+            stall(&[("RINGWATCH_STALL_CHECK_SECS", "0")]).unwrap().check,
+            None
+        );
+        assert_eq!(
+            stall(&[("HOROVOD_STALL_CHECK_DISABLE", "1")])
+                .unwrap()
+                .check,
+            None
+        );
+        let short = stall(&[
+            ("RINGWATCH_STALL_CHECK_SECS", "10"),
+            ("RINGWATCH_STALL_SHUTDOWN_SECS", "2"),
+        ])
+        .unwrap_err()
+        .to_string();
+        assert!(short.contains("shorter than the stall check"), "{short}");
+        let bad = stall(&[("RINGWATCH_STALL_SHUTDOWN_SECS", "soon")])
+            .unwrap_err()
+            .to_string();
+        assert!(bad.contains("RINGWATCH_STALL_SHUTDOWN_SECS"), "{bad}");
+    }
 
     #[test]
     fn durations_take_a_unit_or_the_names_unit() {

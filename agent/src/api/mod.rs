@@ -26,6 +26,7 @@ use utoipa_axum::router::OpenApiRouter;
 use utoipa_axum::routes;
 
 mod auth;
+mod diagnosis;
 mod extract;
 pub mod http;
 mod node;
@@ -127,6 +128,7 @@ fn routes(limits: TimelineLimits) -> OpenApiRouter<ApiState> {
         .routes((schemas, paths, timeline.layer(axum::Extension(slots))))
         .routes(routes!(node::clock))
         .routes(routes!(tuning::job_load))
+        .routes(routes!(diagnosis::job_diagnosis))
         .routes(routes!(node::cluster_jobs))
         .routes(routes!(
             tuning::tuning_get,

@@ -153,6 +153,6 @@ mod tests {
                     .count()
             })
             .sum();
-        assert_eq!((paths.len(), operations), (14, 16), "{:?}", paths.keys());
+        assert_eq!((paths.len(), operations), (15, 17), "{:?}", paths.keys());
     }
 }

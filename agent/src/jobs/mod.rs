@@ -24,7 +24,7 @@ use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use collectives::control::{
     AutotuneState, ControlClient, ControlError, CycleStats, Knobs, PeerCredentials, RankInfo,
-    ServerMessage, TimelineEvent,
+    ServerMessage, StallReport, TimelineEvent,
 };
 use serde::Serialize;
 
@@ -235,6 +235,11 @@ pub struct JobSnapshot {
     /// their environment does not say (or that claim a rank another holds).
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub unknown_rank_pids: Vec<u32>,
+    /// A ringwatch job that is stalled: what rank 0's stall check last said
+    /// (the tensors some ranks enqueued and others not, and which ranks are
+    /// missing from each). Absent while the job makes progress.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub stall: Option<StallReport>,
 }
 
 fn path_is_empty(path: &Path) -> bool {
@@ -273,9 +278,46 @@ struct Job {
     /// Another user's socket that claims the same job id (its path, its
     /// serving uid and pid), while its file is there.
     claimed_also_by: Option<(PathBuf, u32, u32)>,
+    /// Rank 0's last stall report while the job is stalled.
+    stall: Option<StallReport>,
 }
 
 impl Job {
+    /// A stall report from the job: kept while it names stalled tensors, and
+    /// logged when the job becomes stalled, when what it waits for changes,
+    /// and when it moves again.
+    fn stall_changed(&mut self, job_id: &str, report: StallReport) {
+        if report.stalled.is_empty() {
+            if self.stall.take().is_some() {
+                tracing::info!(job_id, "the job is no longer stalled");
+            }
+            return;
+        }
+        let summary: Vec<String> = report
+            .stalled
+            .iter()
+            .take(4)
+            .map(|t| {
+                format!(
+                    "{} '{}' missing ranks {:?}",
+                    t.kind, t.name, t.missing_ranks
+                )
+            })
+            .collect();
+        tracing::warn!(
+            job_id,
+            tensors = report.stalled.len(),
+            "the job is stalled: {}{}",
+            summary.join("; "),
+            if report.stalled.len() > 4 {
+                "; …"
+            } else {
+                ""
+            }
+        );
+        self.stall = Some(report);
+    }
+
     fn snapshot(&self, job_id: &str) -> JobSnapshot {
         JobSnapshot {
             job_id: job_id.to_owned(),
@@ -325,6 +367,7 @@ impl Job {
             launcher_pids: Vec::new(),
             rank_children: BTreeMap::new(),
             unknown_rank_pids: Vec::new(),
+            stall: self.stall.clone(),
         }
     }
 
@@ -572,6 +615,7 @@ impl Launched {
             launcher_pids: job.launcher_pids.clone(),
             rank_children: job.children.clone(),
             unknown_rank_pids: job.unknown_rank_pids.clone(),
+            stall: None,
         }
     }
 }
@@ -1200,6 +1244,7 @@ impl Jobs {
                     stop_reader: stop_reader.clone(),
                     connection,
                     claimed_also_by: None,
+                    stall: None,
                 },
             );
             connection
@@ -1296,6 +1341,7 @@ fn read_job(
                     ServerMessage::Timeline { events } => {
                         job.keep_timeline(events, max_events, max_bytes);
                     }
+                    ServerMessage::Stall(report) => job.stall_changed(job_id, report),
                     ServerMessage::KnobsApplied {
                         knobs,
                         applied_at_cycle,

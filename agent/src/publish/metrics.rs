@@ -688,6 +688,17 @@ impl prometheus_client::collector::Collector for TuningCollector {
                     .map(|k| f64::from(u8::from(k.hierarchical_allreduce)))
             },
         )?;
+        gauge_family(
+            e,
+            "ringwatch_job_stalled_tensors",
+            "Tensors some of the job's ranks enqueued and others not for longer than its stall check (0: not stalled; ringwatch jobs only)",
+            j,
+            job_labels,
+            |job| {
+                (job.kind == crate::jobs::JobKind::Ringwatch)
+                    .then(|| job.stall.as_ref().map_or(0.0, |s| s.stalled.len() as f64))
+            },
+        )?;
         let s = &self.sessions;
         gauge_family(
             e,

@@ -9,7 +9,8 @@ use super::cache::DEFAULT_CACHE_CAPACITY;
 use crate::control::Knobs;
 use crate::error::Result;
 use crate::knobs::{
-    AutotuneConfig, autotune_from, cache_capacity_from, knobs_from_env, parse_bool, timeout_from,
+    AutotuneConfig, StallConfig, autotune_from, cache_capacity_from, knobs_from_env, parse_bool,
+    stall_from, timeout_from,
 };
 use crate::rendezvous::RendezvousConfig;
 
@@ -45,6 +46,9 @@ pub struct RuntimeConfig {
     /// a GPU of its own; off, they are staged through host memory into the rings. Only
     /// matters with the `cuda` feature.
     pub nccl: bool,
+    /// Rank 0's stall check and the optional stall shutdown (`RINGWATCH_STALL_CHECK_SECS`,
+    /// `RINGWATCH_STALL_SHUTDOWN_SECS`). Only rank 0's value matters.
+    pub stall: StallConfig,
 }
 
 impl RuntimeConfig {
@@ -61,6 +65,7 @@ impl RuntimeConfig {
             shared_memory: true,
             cache_capacity: DEFAULT_CACHE_CAPACITY,
             nccl: true,
+            stall: StallConfig::default(),
         }
     }
 
@@ -91,6 +96,7 @@ impl RuntimeConfig {
                 Some(v) => parse_bool("RINGWATCH_NCCL", &v)?,
                 None => true,
             },
+            stall: stall_from(&get)?,
         })
     }
 }

@@ -121,6 +121,77 @@ impl Coordinator {
         out
     }
 
+    /// Every tensor some ranks have enqueued and others not for at least `after` (as of
+    /// `now`), longest waiting first: what the job is stalled on.
+    pub fn waiting(&self, now: Instant, after: Duration) -> Vec<crate::control::StalledTensor> {
+        let mut out: Vec<(Duration, crate::control::StalledTensor)> = Vec::new();
+        for name in &self.arrival {
+            let (Some((since, _)), Some(slot)) = (self.first_seen.get(name), self.table.get(name))
+            else {
+                continue;
+            };
+            let waited = now.saturating_duration_since(*since);
+            if waited < after {
+                continue;
+            }
+            let (mut waiting_ranks, mut missing_ranks) = (Vec::new(), Vec::new());
+            let mut kind = "";
+            for (rank, request) in slot.iter().enumerate() {
+                match request {
+                    Some(r) => {
+                        waiting_ranks.push(rank);
+                        kind = match r.kind {
+                            OpKind::Allreduce(_) => "allreduce",
+                            OpKind::Allgather => "allgather",
+                            OpKind::Broadcast(_) => "broadcast",
+                        };
+                    }
+                    None => missing_ranks.push(rank),
+                }
+            }
+            out.push((
+                waited,
+                crate::control::StalledTensor {
+                    name: name.clone(),
+                    kind: kind.to_owned(),
+                    waiting_ranks,
+                    missing_ranks,
+                    waiting_secs: waited.as_secs_f64(),
+                },
+            ));
+        }
+        out.sort_by(|a, b| b.0.cmp(&a.0).then_with(|| a.1.name.cmp(&b.1.name)));
+        out.into_iter().map(|(_, t)| t).collect()
+    }
+
+    /// A response that fails every rank because the job has been stalled past the stall
+    /// shutdown: the error names the tensors and the ranks missing from each.
+    pub fn stall_shutdown(
+        &mut self,
+        stalled: &[crate::control::StalledTensor],
+        after: Duration,
+    ) -> WireResponse {
+        let shown = 8;
+        let mut tensors: Vec<String> = stalled
+            .iter()
+            .take(shown)
+            .map(|t| {
+                format!(
+                    "{} '{}' enqueued on ranks {:?} but not on ranks {:?}",
+                    t.kind, t.name, t.waiting_ranks, t.missing_ranks
+                )
+            })
+            .collect();
+        if stalled.len() > shown {
+            tensors.push(format!("and {} more", stalled.len() - shown));
+        }
+        self.abort(format!(
+            "the job stalled for {after:?} (RINGWATCH_STALL_SHUTDOWN_SECS): {}; every rank \
+             must enqueue the same tensors (uneven data across ranks?)",
+            tensors.join("; ")
+        ))
+    }
+
     /// One cycle: `requests[r]` is rank r's request; `control_updates` are knob changes
     /// from the control socket (applied after those from ranks). The response names by bit
     /// the tensors every rank caches; every rank decodes it with its
@@ -540,6 +611,83 @@ mod tests {
             vec![("late".to_string(), vec![1])]
         );
         assert!(c.stalled(later, Duration::from_secs(60)).is_empty());
+    }
+
+    #[test]
+    fn a_stall_names_its_tensors_longest_first_and_its_shutdown_fails_every_rank() {
+        let mut c = Coordinator::new(3, Knobs::default());
+        let first = Request {
+            tensors: vec![req("grad.0", &[4], sum())],
+            ..Default::default()
+        };
+        c.step_named(vec![first.clone(), Request::default(), first], &[]);
+        let t0 = Instant::now();
+        let second = Request {
+            tensors: vec![req("step.1", &[2], OpKind::Allgather)],
+            ..Default::default()
+        };
+        c.step_named(vec![Request::default(), second, Request::default()], &[]);
+        // Neither is stalled before the check; after it, the older first.
+        assert!(c.waiting(t0, Duration::from_secs(5)).is_empty());
+        let later = Instant::now() + Duration::from_secs(10);
+        let stalled = c.waiting(later, Duration::from_secs(5));
+        let named: Vec<(&str, &str, &[usize], &[usize])> = stalled
+            .iter()
+            .map(|t| {
+                (
+                    t.name.as_str(),
+                    t.kind.as_str(),
+                    t.waiting_ranks.as_slice(),
+                    t.missing_ranks.as_slice(),
+                )
+            })
+            .collect();
+        assert_eq!(
+            named,
+            vec![
+                ("grad.0", "allreduce", &[0, 2][..], &[1][..]),
+                ("step.1", "allgather", &[1][..], &[0, 2][..]),
+            ]
+        );
+        assert!(stalled[0].waiting_secs >= stalled[1].waiting_secs);
+        assert!(stalled[1].waiting_secs >= 10.0);
+        // Reported on every call (the log warns once; the state is the state).
+        assert_eq!(c.waiting(later, Duration::from_secs(5)).len(), 2);
+
+        let abort = c
+            .stall_shutdown(&stalled, Duration::from_secs(30))
+            .abort
+            .unwrap_or_default();
+        assert!(
+            abort.contains("allreduce 'grad.0' enqueued on ranks [0, 2] but not on ranks [1]")
+                && abort
+                    .contains("allgather 'step.1' enqueued on ranks [1] but not on ranks [0, 2]")
+                && abort.contains("RINGWATCH_STALL_SHUTDOWN_SECS"),
+            "{abort}"
+        );
+        // Once the missing ranks come, nothing waits.
+        c.step_named(
+            vec![
+                Request {
+                    tensors: vec![req("step.1", &[2], OpKind::Allgather)],
+                    ..Default::default()
+                },
+                first_of("grad.0"),
+                Request {
+                    tensors: vec![req("step.1", &[2], OpKind::Allgather)],
+                    ..Default::default()
+                },
+            ],
+            &[],
+        );
+        assert!(c.waiting(later, Duration::from_secs(5)).is_empty());
+    }
+
+    fn first_of(name: &str) -> Request {
+        Request {
+            tensors: vec![req(name, &[4], sum())],
+            ..Default::default()
+        }
     }
 
     #[test]

@@ -62,6 +62,11 @@ pub(super) struct CycleThread {
     /// A rank that is not its host's first: its timeline goes to the host's socket.
     pub(super) feeder: Option<Feeder>,
     pub(super) warned_fallback: bool,
+    /// Rank 0's stall check ([`crate::knobs::StallConfig`]).
+    pub(super) stall: crate::knobs::StallConfig,
+    /// What the control socket was last told is stalled: each tensor's name and missing
+    /// ranks (a new report goes out when this changes).
+    pub(super) stall_published: Vec<(String, Vec<usize>)>,
     pub(super) faults: Option<Arc<FaultChannel>>,
     /// Rank 0 of a job started with `RINGWATCH_AUTOTUNE=1`.
     pub(super) autotune: Option<AutotuneDriver>,

@@ -42,7 +42,6 @@ mod stats;
 
 pub use config::RuntimeConfig;
 pub use handle::Handle;
-pub use negotiate::STALL_WARNING;
 
 use std::collections::{HashMap, HashSet};
 use std::path::{Path, PathBuf};
@@ -326,6 +325,8 @@ impl Runtime {
             server,
             feeder,
             warned_fallback: false,
+            stall: config.stall,
+            stall_published: Vec::new(),
             faults: faults.clone(),
             autotune: match (&config.autotune, rank) {
                 (Some(a), 0) => Some(AutotuneDriver {

@@ -6,7 +6,7 @@
 //! rank.
 
 use std::sync::atomic::Ordering;
-use std::time::{Duration, Instant};
+use std::time::Instant;
 
 use super::coordinator::{
     BitRun, Coordinator, Item, OpKind, Request, Response, TensorRequest, WireResponse,
@@ -18,9 +18,6 @@ use crate::transport::{MAX_FRAME_BYTES, recv_frame, send_frame};
 
 /// The length prefix [`send_frame`] puts before every message.
 pub(super) const FRAME_HEADER_BYTES: usize = 4;
-
-/// How long a tensor may wait for some ranks before rank 0 logs a stall warning.
-pub const STALL_WARNING: Duration = Duration::from_secs(60);
 
 /// Makes `post` the start of a settled cycle's post ([`CycleThread::settled`]) for cycle
 /// `cycle`: the cached tensors' runs follow ([`push_run`]). A post that is not settled
@@ -203,14 +200,47 @@ impl CycleThread {
             #[cfg_attr(not(feature = "autotune"), allow(unused_variables))]
             let tuner_sent = tuner_update.is_some();
             updates.extend(tuner_update);
-            let response = coordinator.step(requests, &updates);
-            for (name, missing) in coordinator.stalled(Instant::now(), STALL_WARNING) {
-                tracing::warn!(
-                    tensor = %name,
-                    ?missing,
-                    "tensor enqueued on some ranks but not on ranks {missing:?} for {STALL_WARNING:?}; \
-                     every rank must enqueue the same tensors"
-                );
+            let mut response = coordinator.step(requests, &updates);
+            if let Some(check) = self.stall.check {
+                let now = Instant::now();
+                for (name, missing) in coordinator.stalled(now, check) {
+                    tracing::warn!(
+                        tensor = %name,
+                        ?missing,
+                        "tensor enqueued on some ranks but not on ranks {missing:?} for \
+                         {check:?}; every rank must enqueue the same tensors"
+                    );
+                }
+                let stalled = coordinator.waiting(now, check);
+                let published: Vec<(String, Vec<usize>)> = stalled
+                    .iter()
+                    .map(|t| (t.name.clone(), t.missing_ranks.clone()))
+                    .collect();
+                if published != self.stall_published {
+                    self.stall_published = published;
+                    if let Some(server) = &self.server {
+                        server.publish_stall(crate::control::StallReport {
+                            cycle: response.cycle,
+                            at_unix_us: crate::timeline::now_us(),
+                            stalled: stalled.clone(),
+                            check_secs: check.as_secs_f64(),
+                            shutdown_after_secs: self.stall.shutdown.map(|d| d.as_secs_f64()),
+                        });
+                    }
+                }
+                if let Some(after) = self.stall.shutdown {
+                    let past: Vec<_> = stalled
+                        .into_iter()
+                        .filter(|t| t.waiting_secs >= after.as_secs_f64())
+                        .collect();
+                    if !past.is_empty() {
+                        response = coordinator.stall_shutdown(&past, after);
+                        tracing::error!(
+                            cause = response.abort.as_deref().unwrap_or_default(),
+                            "stall shutdown: failing every rank"
+                        );
+                    }
+                }
             }
             let bytes = encode(&response);
             for peer in 1..self.world_size {

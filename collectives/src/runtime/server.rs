@@ -22,8 +22,8 @@ use std::time::Duration;
 
 use crate::control::{
     AutotuneState, ClientMessage, ControlError, CycleStats, Hello, KnobUpdate, Knobs,
-    MAX_MESSAGE_BYTES, ServerMessage, TimelineEvent, default_runtime_dir, fallback_runtime_dirs,
-    read_client_message, read_server_message, socket_path,
+    MAX_MESSAGE_BYTES, ServerMessage, StallReport, TimelineEvent, default_runtime_dir,
+    fallback_runtime_dirs, read_client_message, read_server_message, socket_path,
 };
 use crate::error::{CollectiveError, Result};
 use crate::runtime::claim::TuningClaims;
@@ -203,6 +203,9 @@ pub(crate) struct ControlServer {
     refused_clients: AtomicU64,
     /// Clients closed for reading too slowly.
     slow_clients_closed: AtomicU64,
+    /// The stall check's last report while the job is stalled (sent to a client that
+    /// subscribes then); `None` while it is not.
+    stall: Mutex<Option<StallReport>>,
 }
 
 /// Whether the process at the other end of `stream` may use this job's
@@ -367,6 +370,7 @@ impl ControlServer {
             accept_thread: Mutex::new(None),
             refused_clients: AtomicU64::new(0),
             slow_clients_closed: AtomicU64::new(0),
+            stall: Mutex::new(None),
         });
         let s = server.clone();
         let thread = std::thread::Builder::new()
@@ -574,6 +578,12 @@ impl ControlServer {
                 Ok(ClientMessage::Subscribe { stats, timeline }) => {
                     let was = client.stats.swap(stats, Ordering::AcqRel);
                     adjust(&self.stats_subscribers, was, stats);
+                    if stats && !was {
+                        let stall = self.stall.lock().ok().and_then(|s| s.clone());
+                        if let Some(report) = stall {
+                            self.send(client, &encode(&ServerMessage::Stall(report)));
+                        }
+                    }
                     let was = client.timeline.swap(timeline, Ordering::AcqRel);
                     if adjust(&self.timeline_subscribers, was, timeline) {
                         self.tell_feeders();
@@ -793,6 +803,18 @@ impl ControlServer {
         self.for_each(
             |c| c.stats.load(Ordering::Relaxed),
             || ServerMessage::CycleStats(stats.clone()),
+        );
+    }
+
+    /// Sends a change of the job's stall state to the `stats` subscribers, and keeps it
+    /// for those who subscribe while it lasts.
+    pub fn publish_stall(&self, report: StallReport) {
+        if let Ok(mut kept) = self.stall.lock() {
+            *kept = (!report.stalled.is_empty()).then(|| report.clone());
+        }
+        self.for_each(
+            |c| c.stats.load(Ordering::Relaxed),
+            || ServerMessage::Stall(report.clone()),
         );
     }
 

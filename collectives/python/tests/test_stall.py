@@ -1,0 +1,136 @@
+"""A job whose ranks enqueue different tensors (uneven data: one rank runs out of batches a
+step early) stalls. Rank 0's stall check names the tensors and the missing ranks: with
+RINGWATCH_STALL_SHUTDOWN_SECS every rank fails with that error instead of waiting forever,
+and the node's agent shows the stall (`/api/jobs/{id}/diagnosis`, `/metrics`, its log)."""
+
+import json
+import os
+import signal
+import subprocess
+import threading
+import time
+import urllib.request
+
+import pytest
+
+from test_agent import AGENT, get_json, wait_for
+
+UNEVEN = r"""
+import json, os
+import torch
+import ringwatch.torch as rw
+
+rw.init()
+r = rw.rank()
+with open(os.path.join(os.environ["PID_DIR"], f"rank{r}.pid"), "w") as f:
+    f.write(str(os.getpid()))
+rw.allreduce(torch.ones(3), name="grad.step0", op=rw.Sum)
+out = {"rank": r, "error": None}
+try:
+    if r == 0:
+        # One batch more than rank 1 had.
+        rw.allreduce(torch.ones(3), name="grad.step1", op=rw.Sum)
+    else:
+        rw.barrier()
+except rw.RingwatchError as e:
+    out.update(error=str(e), type=type(e).__name__)
+print(json.dumps(out), flush=True)
+os._exit(0)
+"""
+
+
+def test_the_stall_shutdown_fails_every_rank_naming_the_tensor_and_the_missing_rank(
+        run_job, tmp_path):
+    job = run_job(UNEVEN, 2, env={
+        "PID_DIR": str(tmp_path),
+        "RINGWATCH_STALL_CHECK_SECS": "1",
+        "RINGWATCH_STALL_SHUTDOWN_SECS": "3",
+    })
+    for res in job.results():
+        assert res["type"] == "RingwatchError", res
+        error = res["error"]
+        assert "allreduce 'grad.step1' enqueued on ranks [0] but not on ranks [1]" in error, error
+        assert "RINGWATCH_STALL_SHUTDOWN_SECS" in error and "uneven data" in error, error
+
+
+def test_a_bad_stall_setting_is_refused_at_init(run_job, tmp_path):
+    job = run_job("import ringwatch.torch as rw\nrw.init()\n", 1, check=False, env={
+        "RINGWATCH_STALL_CHECK_SECS": "30",
+        "RINGWATCH_STALL_SHUTDOWN_SECS": "5",
+    })
+    assert job.procs[0].returncode != 0
+    assert "shorter than the stall check" in job.outputs[0][1], job.describe()
+
+
+@pytest.mark.skipif(not AGENT, reason="RINGWATCH_AGENT_BIN is not set (cargo xtask test sets it)")
+def test_the_agent_names_a_stalled_jobs_tensor_its_missing_rank_and_what_that_rank_does(
+        run_job, tmp_path):
+    runtime = tmp_path / "run"
+    runtime.mkdir()
+    agent = subprocess.Popen(
+        [AGENT, "serve", "--listen", "127.0.0.1:0", "--jobs", "--runtime-dir", str(runtime),
+         "--reports-dir", str(tmp_path / "reports")],
+        env=dict(os.environ, RINGWATCH_LOCK_FILE=str(tmp_path / "agent.lock")),
+        stderr=subprocess.PIPE, text=True,
+    )
+    found = threading.Event()
+    addr, log = [], []
+
+    def read_log():
+        for line in agent.stderr:
+            log.append(line)
+            if "serving the API on http://" in line and not addr:
+                addr.append(line.split("http://")[1].split("/")[0])
+                found.set()
+
+    threading.Thread(target=read_log, daemon=True).start()
+    result = {}
+    # No stall shutdown: the job waits until the test kills it.
+    trainer = threading.Thread(target=lambda: result.update(job=run_job(
+        UNEVEN, 2, check=False,
+        env={"PID_DIR": str(tmp_path), "RINGWATCH_STALL_CHECK_SECS": "1"})))
+    try:
+        assert found.wait(60), "the agent did not start serving:\n" + "".join(log)
+        a = addr[0]
+        trainer.start()
+        job_id = wait_for("the job's socket", lambda: next(
+            (p.stem for p in runtime.glob("*.sock")), None))
+        diagnosis = wait_for("a stalled diagnosis", lambda: (
+            lambda s: s[1] if s[0] == 200 and s[1]["progress"] == "stalled"
+            and len(s[1]["stall"]["tensors"]) == 2 else None
+        )(get_json(a, f"/api/jobs/{job_id}/diagnosis")), limit=180)
+        stall = diagnosis["stall"]
+        tensors = {t["name"]: t for t in stall["tensors"]}
+        assert tensors["grad.step1"]["missing_ranks"] == [1], stall
+        assert tensors["grad.step1"]["waiting_ranks"] == [0], stall
+        assert tensors["grad.step1"]["kind"] == "allreduce", stall
+        rank1_pid = int((tmp_path / "rank1.pid").read_text())
+        missing = {m["rank"]: m for m in stall["missing_ranks"]}
+        assert missing[1]["pid"] == rank1_pid, stall
+        assert missing[1]["waits_in"] != [] and "grad.step1" not in missing[1]["waits_in"], stall
+        threads = missing[1]["threads"]
+        assert threads and all(t["state"] in "RSD" for t in threads), threads
+        assert rank1_pid in [t["tid"] for t in threads], threads
+        verdict = diagnosis["verdict"]
+        assert "allreduce 'grad.step1' is enqueued on rank 0 and waits for rank 1" in verdict, verdict
+        assert "uneven data" in verdict and f"rank 1 (pid {rank1_pid})" in verdict, verdict
+        with urllib.request.urlopen(f"http://{a}/metrics", timeout=10) as resp:
+            metrics = resp.read().decode()
+        assert f'ringwatch_job_stalled_tensors{{job="{job_id}"}} 2' in metrics, metrics
+        wait_for("the stall in the agent's log",
+                 lambda: any("the job is stalled" in line and "grad.step1" in line
+                             for line in log))
+    finally:
+        for r in (0, 1):
+            pid_file = tmp_path / f"rank{r}.pid"
+            if pid_file.exists():
+                try:
+                    os.kill(int(pid_file.read_text()), signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+        trainer.join(timeout=120)
+        agent.terminate()
+        try:
+            agent.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            agent.kill()
