@@ -296,6 +296,30 @@ pub struct CycleStats {
     pub fused_buffers: u64,
     /// The knobs in force during this cycle.
     pub knobs: Knobs,
+    /// Ranks that completed some of the tensors last: rank 0 had a tensor from some
+    /// ranks in an earlier cycle than from these. Empty when every tensor came from every
+    /// rank in one cycle (then nobody was late, as far as negotiation can tell: its
+    /// resolution is the cycle).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub late: Vec<LateRank>,
+    /// Of `tensors`, those some rank enqueued in a later cycle than the first rank did
+    /// (the ones the job waited for a rank on).
+    #[serde(default)]
+    pub tensors_waited: u64,
+}
+
+/// A rank that was the last to enqueue some of a cycle's tensors.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct LateRank {
+    /// The rank.
+    pub rank: usize,
+    /// Tensors it enqueued last.
+    pub tensors: u64,
+    /// The longest time between the first rank's request for one of them and this
+    /// rank's, as rank 0 saw them (whole cycles), microseconds.
+    pub late_us_max: u64,
+    /// The sum of those times, microseconds.
+    pub late_us_sum: u64,
 }
 
 /// At most one [`CycleStats`] per this many microseconds: faster cycles are added up.
@@ -309,6 +333,17 @@ impl CycleStats {
         self.bytes_total += later.bytes_total;
         self.tensors += later.tensors;
         self.fused_buffers += later.fused_buffers;
+        self.tensors_waited += later.tensors_waited;
+        for l in &later.late {
+            match self.late.iter_mut().find(|m| m.rank == l.rank) {
+                Some(m) => {
+                    m.tensors += l.tensors;
+                    m.late_us_max = m.late_us_max.max(l.late_us_max);
+                    m.late_us_sum += l.late_us_sum;
+                }
+                None => self.late.push(l.clone()),
+            }
+        }
     }
 }
 
@@ -968,6 +1003,26 @@ mod tests {
                 tensors: 5,
                 fused_buffers: 6,
                 knobs: Knobs::default(),
+                late: vec![LateRank {
+                    rank: 1,
+                    tensors: 2,
+                    late_us_max: 3,
+                    late_us_sum: 4,
+                }],
+                tensors_waited: 2,
+            }),
+            ServerMessage::Stall(StallReport {
+                cycle: 7,
+                at_unix_us: 8,
+                stalled: vec![StalledTensor {
+                    name: "grad".into(),
+                    kind: "allreduce".into(),
+                    waiting_ranks: vec![0],
+                    missing_ranks: vec![1],
+                    waiting_secs: 61.5,
+                }],
+                check_secs: 60.0,
+                shutdown_after_secs: None,
             }),
             ServerMessage::TimelineWanted { wanted: true },
             ServerMessage::Error {

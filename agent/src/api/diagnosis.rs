@@ -117,6 +117,68 @@ pub struct StallDiagnosis {
     missing_ranks: Vec<MissingRank>,
 }
 
+/// What the kernel says of a late rank's process now (the live view's window), when the
+/// agent watches it with eBPF.
+#[derive(Debug, Clone, Serialize, ToSchema)]
+pub struct RankEvidence {
+    /// Its threads' CPU time, percent of one CPU.
+    cpu_pct: f64,
+    /// Its threads' mean time off the CPU (blocked: I/O, sleeps, waits), percent.
+    off_cpu_pct: f64,
+    /// Its threads' run-queue waits, median, µs.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    #[schema(nullable = false)]
+    run_queue_p50_us: Option<f64>,
+    /// Its threads' run-queue waits, 99th percentile, µs.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    #[schema(nullable = false)]
+    run_queue_p99_us: Option<f64>,
+    /// TCP retransmits of its connections in the window.
+    retransmits_in_window: u64,
+}
+
+/// A rank that enqueued tensors last.
+#[derive(Debug, Clone, Serialize, ToSchema)]
+pub struct RankLateness {
+    /// The rank.
+    rank: usize,
+    /// Its host.
+    host: String,
+    /// Its pid on this node, when it runs here.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    #[schema(nullable = false)]
+    pid: Option<u32>,
+    /// Tensors it enqueued last in the window.
+    last_tensors: u64,
+    /// Its share of the tensors the job waited for a rank on in the window, 0–1.
+    last_share: f64,
+    /// How late it was, median over the cycles it was late in, milliseconds.
+    late_ms_p50: f64,
+    /// How late it was, 90th percentile, milliseconds.
+    late_ms_p90: f64,
+    /// Its process as the kernel saw it (this node's ranks, with eBPF).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    #[schema(nullable = false)]
+    evidence: Option<RankEvidence>,
+}
+
+/// Which ranks the others waited for, from rank 0's negotiation: a tensor some ranks
+/// enqueued in an earlier cycle than the last one did.
+#[derive(Debug, Clone, Serialize, ToSchema)]
+pub struct Lateness {
+    /// The window, seconds (the job's statistics of the last minute the agent holds).
+    window_secs: f64,
+    /// Tensors the job completed in the window.
+    tensors: u64,
+    /// Of those, the ones the job waited for a rank on (some rank enqueued them a cycle
+    /// or more after the first).
+    tensors_waited: u64,
+    /// Negotiation sees arrivals per cycle: lateness below the cycle time is not seen.
+    resolution_ms: f64,
+    /// The ranks that were last at least once, most often first.
+    ranks: Vec<RankLateness>,
+}
+
 /// `GET /api/jobs/{id}/diagnosis`'s answer.
 #[derive(Debug, Clone, Serialize, ToSchema)]
 pub struct DiagnosisAnswer {
@@ -134,6 +196,10 @@ pub struct DiagnosisAnswer {
     #[serde(skip_serializing_if = "Option::is_none")]
     #[schema(nullable = false)]
     stall: Option<StallDiagnosis>,
+    /// Which ranks the others waited for (ringwatch jobs with statistics in the window).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    #[schema(nullable = false)]
+    lateness: Option<Lateness>,
 }
 
 /// What holds a job up: for a stalled ringwatch job, the tensors it waits on,
@@ -173,15 +239,40 @@ pub(super) async fn job_diagnosis(
             ApiError::new(StatusCode::NOT_FOUND, format!("no job {id:?} on this node"))
         })?;
     let node = state.cluster.node_name().to_owned();
+    let stats = registry.recent_stats(&id).unwrap_or_default();
+    let live = state.live_view();
+    let evidence = move |pid: u32| {
+        live.as_ref()?
+            .processes
+            .iter()
+            .find(|p| p.snapshot.pid == pid)
+            .map(|p| RankEvidence {
+                cpu_pct: p.snapshot.cpu_pct,
+                off_cpu_pct: p.snapshot.off_cpu_pct,
+                run_queue_p50_us: p.snapshot.run_queue_p50_us,
+                run_queue_p99_us: p.snapshot.run_queue_p99_us,
+                retransmits_in_window: p.snapshot.retransmits_in_window,
+            })
+    };
+    let now_us = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| u64::try_from(d.as_micros()).unwrap_or(u64::MAX));
     // /proc reads block.
-    let answer = tokio::task::spawn_blocking(move || diagnose(&job, node, Path::new("/proc")))
-        .await
-        .map_err(|e| {
-            ApiError::new(
-                StatusCode::INTERNAL_SERVER_ERROR,
-                format!("the diagnosis failed: {e}"),
-            )
-        })?;
+    let answer = tokio::task::spawn_blocking(move || {
+        let mut answer = diagnose(&job, node, Path::new("/proc"));
+        answer.lateness = lateness(&job, &stats, now_us, &evidence);
+        if answer.verdict.is_none() {
+            answer.verdict = answer.lateness.as_ref().and_then(lateness_verdict);
+        }
+        answer
+    })
+    .await
+    .map_err(|e| {
+        ApiError::new(
+            StatusCode::INTERNAL_SERVER_ERROR,
+            format!("the diagnosis failed: {e}"),
+        )
+    })?;
     Ok(axum::Json(answer))
 }
 
@@ -235,7 +326,121 @@ pub fn diagnose(job: &JobSnapshot, node: String, proc: &Path) -> DiagnosisAnswer
         progress,
         verdict,
         stall,
+        lateness: None,
     }
+}
+
+/// The window [`lateness`] looks at.
+pub const LATENESS_WINDOW_US: u64 = 60_000_000;
+
+/// Which ranks came last, from the job's statistics of the last
+/// [`LATENESS_WINDOW_US`] before `now_us`; `evidence` gives a local pid's kernel figures.
+pub fn lateness(
+    job: &JobSnapshot,
+    stats: &[collectives::control::CycleStats],
+    now_us: u64,
+    evidence: &dyn Fn(u32) -> Option<RankEvidence>,
+) -> Option<Lateness> {
+    let from = now_us.saturating_sub(LATENESS_WINDOW_US);
+    let window: Vec<_> = stats.iter().filter(|s| s.start_unix_us >= from).collect();
+    let first = window.first()?;
+    let tensors: u64 = window.iter().map(|s| s.tensors).sum();
+    let waited: u64 = window.iter().map(|s| s.tensors_waited).sum();
+    if tensors == 0 {
+        return None;
+    }
+    let mut per_rank: std::collections::BTreeMap<usize, (u64, Vec<f64>)> = Default::default();
+    for s in &window {
+        for l in &s.late {
+            let entry = per_rank.entry(l.rank).or_default();
+            entry.0 += l.tensors;
+            entry
+                .1
+                .push(l.late_us_sum as f64 / l.tensors.max(1) as f64 / 1000.0);
+        }
+    }
+    let quantile = |v: &mut Vec<f64>, q: f64| {
+        v.sort_by(f64::total_cmp);
+        let i = ((v.len() as f64 - 1.0) * q).round() as usize;
+        v.get(i).copied().unwrap_or(0.0)
+    };
+    let mut ranks: Vec<RankLateness> = per_rank
+        .into_iter()
+        .map(|(rank, (last, mut samples))| {
+            let info = job.ranks.iter().find(|r| r.rank == rank);
+            let pid = info
+                .filter(|r| r.host == job.host && r.pid != 0)
+                .map(|r| r.pid);
+            RankLateness {
+                rank,
+                host: info.map(|r| r.host.clone()).unwrap_or_default(),
+                pid,
+                last_tensors: last,
+                last_share: last as f64 / waited.max(1) as f64,
+                late_ms_p50: quantile(&mut samples, 0.5),
+                late_ms_p90: quantile(&mut samples, 0.9),
+                evidence: pid.and_then(evidence),
+            }
+        })
+        .collect();
+    ranks.sort_by(|a, b| {
+        b.last_tensors
+            .cmp(&a.last_tensors)
+            .then(a.rank.cmp(&b.rank))
+    });
+    let last = window
+        .last()
+        .map_or(first.start_unix_us, |s| s.start_unix_us + s.duration_us);
+    Some(Lateness {
+        window_secs: last.saturating_sub(first.start_unix_us) as f64 / 1e6,
+        tensors,
+        tensors_waited: waited,
+        resolution_ms: first.knobs.cycle_time_us as f64 / 1000.0,
+        ranks,
+    })
+}
+
+/// The fewest late tensors in a window that make a verdict.
+pub const MIN_LATE_TENSORS: u64 = 20;
+/// The share of a window's tensors one rank must be last in for a verdict.
+pub const MIN_LAST_SHARE: f64 = 0.6;
+
+/// "rank R was last in …" when one rank was last in most of the window's tensors
+/// (at least [`MIN_LAST_SHARE`], and [`MIN_LATE_TENSORS`]) by more than the
+/// negotiation's resolution; none otherwise.
+fn lateness_verdict(l: &Lateness) -> Option<String> {
+    let top = l.ranks.first()?;
+    if top.last_tensors < MIN_LATE_TENSORS
+        || top.last_share < MIN_LAST_SHARE
+        || top.late_ms_p50 < l.resolution_ms.max(1.0)
+    {
+        return None;
+    }
+    let mut sentence = format!(
+        "rank {} ({}{}) was last in {:.0}% of the {} tensors the job waited for a rank on \
+         in the last {:.0} s ({} in all), {:.0} ms late at the median (p90 {:.0} ms)",
+        top.rank,
+        top.host,
+        top.pid.map(|p| format!(", pid {p}")).unwrap_or_default(),
+        100.0 * top.last_share,
+        l.tensors_waited,
+        l.window_secs,
+        l.tensors,
+        top.late_ms_p50,
+        top.late_ms_p90,
+    );
+    if let Some(e) = &top.evidence {
+        sentence.push_str(&format!(
+            "; its threads: {:.0}% of a CPU, {:.0}% off the CPU, run-queue wait p99 {}, {} \
+             retransmits",
+            e.cpu_pct,
+            e.off_cpu_pct,
+            e.run_queue_p99_us
+                .map_or("unknown".to_owned(), |us| format!("{:.1} ms", us / 1000.0)),
+            e.retransmits_in_window
+        ));
+    }
+    Some(sentence)
 }
 
 fn missing_rank(
@@ -587,6 +792,104 @@ mod tests {
             diagnose(&launched, "node-0".into(), Path::new("/nonexistent")).progress,
             Progress::Unknown
         );
+    }
+
+    fn stats(
+        start_us: u64,
+        tensors: u64,
+        late: &[(usize, u64, u64)],
+    ) -> collectives::control::CycleStats {
+        collectives::control::CycleStats {
+            cycle: 0,
+            start_unix_us: start_us,
+            duration_us: 1000,
+            bytes_reduced: 0,
+            bytes_total: 0,
+            tensors,
+            fused_buffers: 0,
+            knobs: collectives::control::Knobs::default(),
+            late: late
+                .iter()
+                .map(|&(rank, n, us)| collectives::control::LateRank {
+                    rank,
+                    tensors: n,
+                    late_us_max: us,
+                    late_us_sum: us * n,
+                })
+                .collect(),
+            tensors_waited: late.iter().map(|&(_, n, _)| n).sum(),
+        }
+    }
+
+    #[test]
+    fn the_rank_last_in_most_tensors_is_named_with_how_late_and_its_evidence() {
+        let now = 100_000_000;
+        // 30 cycles of 2 tensors each in the window: rank 1 last in 27 of them, 40–60 ms
+        // late; rank 0 last in 3, 5 ms; one cycle before the window does not count.
+        let mut all = vec![stats(now - 70_000_000, 2, &[(0, 2, 900_000)])];
+        for i in 0..30u64 {
+            let late = if i % 10 == 0 {
+                vec![(0, 1, 5_000)]
+            } else {
+                vec![(1, 1, 40_000 + (i % 3) * 10_000)]
+            };
+            all.push(stats(now - 50_000_000 + i * 1_000_000, 2, &late));
+        }
+        let j = job(None);
+        let evidence = |pid: u32| {
+            (pid == 200).then_some(RankEvidence {
+                cpu_pct: 12.0,
+                off_cpu_pct: 80.0,
+                run_queue_p50_us: Some(20.0),
+                run_queue_p99_us: Some(1500.0),
+                retransmits_in_window: 0,
+            })
+        };
+        let l = lateness(&j, &all, now, &evidence).unwrap();
+        assert_eq!(l.tensors, 60);
+        assert_eq!(
+            l.ranks
+                .iter()
+                .map(|r| (r.rank, r.last_tensors))
+                .collect::<Vec<_>>(),
+            vec![(1, 27), (0, 3)]
+        );
+        assert_eq!(
+            (l.ranks[0].late_ms_p50, l.ranks[0].late_ms_p90),
+            (50.0, 60.0)
+        );
+        assert_eq!(l.tensors_waited, 30);
+        assert_eq!(
+            lateness_verdict(&l).unwrap(),
+            "rank 1 (node-0, pid 200) was last in 90% of the 30 tensors the job waited for a \
+             rank on in the last 29 s (60 in all), 50 ms late at the median (p90 60 ms); its \
+             threads: 12% of a CPU, 80% off the CPU, run-queue wait p99 1.5 ms, 0 retransmits"
+        );
+        // No verdict from too few tensors, or when no rank is last most of the time.
+        let few = lateness(&j, &all[all.len() - 10..], now, &evidence).unwrap();
+        assert!(lateness_verdict(&few).is_none(), "{few:?}");
+        let mut even: Vec<_> = (0..40u64)
+            .map(|i| {
+                stats(
+                    now - 40_000_000 + i * 1_000_000,
+                    1,
+                    &[((i % 2) as usize, 1, 30_000)],
+                )
+            })
+            .collect();
+        let split = lateness(&j, &even, now, &evidence).unwrap();
+        assert!(lateness_verdict(&split).is_none(), "{split:?}");
+        // Late by less than the negotiation can see: no verdict.
+        even.iter_mut().for_each(|s| {
+            s.late = vec![collectives::control::LateRank {
+                rank: 1,
+                tensors: 1,
+                late_us_max: 200,
+                late_us_sum: 200,
+            }]
+        });
+        let tiny = lateness(&j, &even, now, &evidence).unwrap();
+        assert!(lateness_verdict(&tiny).is_none(), "{tiny:?}");
     }
 
     #[test]

@@ -1709,6 +1709,8 @@ mod tests {
             tensors: 1,
             fused_buffers: 1,
             knobs: Knobs::default(),
+            late: Vec::new(),
+            tensors_waited: 0,
         };
         let mut stream = vec![ServerMessage::CycleStats(stats.clone()); 60];
         stream.push(ServerMessage::Timeline {

@@ -751,6 +751,8 @@ mod tests {
                 tensors: 3,
                 fused_buffers: 1,
                 knobs: collectives::control::Knobs::default(),
+                late: Vec::new(),
+                tensors_waited: 0,
             };
         // Unix µs 10_000 is trace µs 1_000 (offset 9_000); the window is [1_000, 2_000].
         let stats = [

@@ -69,6 +69,14 @@ pub struct Coordinator {
     cycle: u64,
     /// When each waiting name first arrived, and whether it was reported as stalled.
     first_seen: HashMap<String, (Instant, bool)>,
+    /// Ranks whose request for a waiting name came in this step, after others' in an
+    /// earlier one: the late ranks, if the name completes now.
+    arrived_late: Vec<(String, usize)>,
+    /// Late ranks since the last [`Self::take_late`], and the tensors they made wait.
+    late: Vec<crate::control::LateRank>,
+    waited: u64,
+    /// When the current (or last) step began.
+    step_started: Instant,
     /// Rank 0's copy of the response cache every rank keeps.
     cache: ResponseCache<Negotiated>,
 }
@@ -85,6 +93,10 @@ impl Coordinator {
             knobs: clamp(knobs),
             cycle: 0,
             first_seen: HashMap::new(),
+            arrived_late: Vec::new(),
+            late: Vec::new(),
+            waited: 0,
+            step_started: Instant::now(),
             cache: ResponseCache::new(0),
         }
     }
@@ -198,6 +210,9 @@ impl Coordinator {
     /// [`super::cache::RankCache`].
     pub fn step(&mut self, requests: Vec<Request>, control_updates: &[KnobUpdate]) -> WireResponse {
         let mut items = Vec::new();
+        let now = Instant::now();
+        self.step_started = now;
+        self.arrived_late.clear();
         for (rank, request) in requests.into_iter().enumerate() {
             for update in &request.knobs {
                 self.knobs = clamp(self.knobs.with(update));
@@ -235,7 +250,9 @@ impl Coordinator {
                 .get(&name)
                 .is_some_and(|slot| slot.iter().all(Option::is_some));
             if complete {
-                self.first_seen.remove(&name);
+                if let Some((since, _)) = self.first_seen.remove(&name) {
+                    self.count_late(&name, now.saturating_duration_since(since));
+                }
                 if let Some(slot) = self.table.remove(&name) {
                     ready.push(slot.into_iter().flatten().collect::<Vec<_>>());
                 }
@@ -309,14 +326,54 @@ impl Coordinator {
         cycle
     }
 
+    /// Counts the ranks whose request for `name` (complete now, `waited` after its first
+    /// request) came in this step while others' came earlier.
+    fn count_late(&mut self, name: &str, waited: Duration) {
+        let late_us = u64::try_from(waited.as_micros()).unwrap_or(u64::MAX);
+        if self.arrived_late.iter().any(|(n, _)| n == name) {
+            self.waited += 1;
+        }
+        for (_, rank) in self.arrived_late.iter().filter(|(n, _)| n == name) {
+            match self.late.iter_mut().find(|l| l.rank == *rank) {
+                Some(l) => {
+                    l.tensors += 1;
+                    l.late_us_max = l.late_us_max.max(late_us);
+                    l.late_us_sum = l.late_us_sum.saturating_add(late_us);
+                }
+                None => self.late.push(crate::control::LateRank {
+                    rank: *rank,
+                    tensors: 1,
+                    late_us_max: late_us,
+                    late_us_sum: late_us,
+                }),
+            }
+        }
+    }
+
+    /// The ranks that completed tensors last since the last call (for the cycle's
+    /// statistics), by rank, and how many tensors waited for a rank.
+    pub fn take_late(&mut self) -> (Vec<crate::control::LateRank>, u64) {
+        let mut late = std::mem::take(&mut self.late);
+        late.sort_by_key(|l| l.rank);
+        (late, std::mem::take(&mut self.waited))
+    }
+
     /// Rank `rank` says `t` is ready.
     fn arrive(&mut self, rank: usize, t: TensorRequest, items: &mut Vec<Item>) {
+        // Waiting since an earlier step: this rank comes late.
+        let earlier = self
+            .first_seen
+            .get(&t.name)
+            .is_some_and(|(since, _)| *since < self.step_started);
         let slot = self.table.entry(t.name.clone()).or_insert_with(|| {
             self.arrival.push(t.name.clone());
             self.first_seen
                 .insert(t.name.clone(), (Instant::now(), false));
             vec![None; self.world_size]
         });
+        if earlier && slot[rank].is_none() {
+            self.arrived_late.push((t.name.clone(), rank));
+        }
         if slot[rank].is_some() {
             items.push(Item::Error {
                 message: format!("enqueued twice on rank {rank} before completing"),
@@ -681,6 +738,39 @@ mod tests {
             &[],
         );
         assert!(c.waiting(later, Duration::from_secs(5)).is_empty());
+    }
+
+    #[test]
+    fn a_rank_whose_request_comes_a_cycle_after_the_others_is_counted_late() {
+        let mut c = Coordinator::new(3, Knobs::default());
+        let t = |name: &str| Request {
+            tensors: vec![req(name, &[4], sum())],
+            ..Default::default()
+        };
+        // Every rank in one step: nobody is late.
+        c.step_named(vec![t("a"), t("a"), t("a")], &[]);
+        assert!(c.take_late().0.is_empty());
+        // Ranks 0 and 2 in one step, rank 1 two steps later: rank 1 was late, for as long
+        // as the tensor waited.
+        c.step_named(vec![t("b"), Request::default(), t("b")], &[]);
+        c.step_named(vec![Request::default(); 3], &[]);
+        std::thread::sleep(Duration::from_millis(2));
+        c.step_named(vec![Request::default(), t("b"), Request::default()], &[]);
+        let (late, waited) = c.take_late();
+        assert_eq!(waited, 1);
+        assert_eq!(late.len(), 1, "{late:?}");
+        assert_eq!((late[0].rank, late[0].tensors), (1, 1));
+        assert!(late[0].late_us_max >= 2_000, "{late:?}");
+        assert_eq!(late[0].late_us_sum, late[0].late_us_max);
+        // Taken once.
+        assert_eq!(c.take_late(), (Vec::new(), 0));
+        // Two ranks late together are both counted; a tensor still waiting counts nobody.
+        c.step_named(vec![t("c"), Request::default(), Request::default()], &[]);
+        c.step_named(vec![Request::default(), t("c"), t("c")], &[]);
+        c.step_named(vec![t("d"), Request::default(), Request::default()], &[]);
+        let (late, waited) = c.take_late();
+        let ranks: Vec<usize> = late.iter().map(|l| l.rank).collect();
+        assert_eq!((ranks, waited), (vec![1, 2], 1));
     }
 
     fn first_of(name: &str) -> Request {

@@ -21,6 +21,11 @@ impl CycleThread {
         {
             // The wall clock of the cycle's start, read only for the statistics.
             let duration_us = cycle_start.elapsed().as_micros() as u64;
+            let (late, tensors_waited) = self
+                .coordinator
+                .as_mut()
+                .map(|c| c.take_late())
+                .unwrap_or_default();
             let stats = CycleStats {
                 cycle,
                 start_unix_us: now_us().saturating_sub(duration_us),
@@ -30,6 +35,8 @@ impl CycleThread {
                 tensors: work.tensors,
                 fused_buffers: work.buffers,
                 knobs: self.knobs,
+                late,
+                tensors_waited,
             };
             self.report_stats(stats, cycle_start);
         }

@@ -1,5 +1,6 @@
-"""A job whose ranks enqueue different tensors (uneven data: one rank runs out of batches a
-step early) stalls. Rank 0's stall check names the tensors and the missing ranks: with
+"""Who holds a job back. A rank that is late at every step (its data loader sleeps) is named
+by the node's agent with how late it is. A job whose ranks enqueue different tensors
+(uneven data: one rank runs out of batches a step early) stalls. Rank 0's stall check names the tensors and the missing ranks: with
 RINGWATCH_STALL_SHUTDOWN_SECS every rank fails with that error instead of waiting forever,
 and the node's agent shows the stall (`/api/jobs/{id}/diagnosis`, `/metrics`, its log)."""
 
@@ -14,6 +15,91 @@ import urllib.request
 import pytest
 
 from test_agent import AGENT, get_json, wait_for
+
+SLOW_LOADER = r"""
+import json, os, time
+import torch
+import ringwatch.torch as rw
+
+rw.init()
+r = rw.rank()
+stop = os.environ["STOP_FILE"]
+steps = 0
+while True:
+    flag = torch.tensor([1 if (r == 0 and os.path.exists(stop)) else 0], dtype=torch.int32)
+    if rw.allreduce(flag, name="stop", op=rw.Max).item() or steps > 5000:
+        break
+    if r == 1:
+        time.sleep(0.2)  # its data loader
+    a = rw.allreduce_async(torch.ones(1000), name="grad.a", op=rw.Sum)
+    b = rw.allreduce_async(torch.ones(10), name="grad.b", op=rw.Sum)
+    rw.synchronize(a), rw.synchronize(b)
+    steps += 1
+rw.shutdown()
+print(json.dumps({"rank": r, "steps": steps}))
+"""
+
+
+def start_agent(tmp_path):
+    runtime = tmp_path / "run"
+    runtime.mkdir()
+    agent = subprocess.Popen(
+        [AGENT, "serve", "--listen", "127.0.0.1:0", "--jobs", "--runtime-dir", str(runtime),
+         "--reports-dir", str(tmp_path / "reports")],
+        env=dict(os.environ, RINGWATCH_LOCK_FILE=str(tmp_path / "agent.lock")),
+        stderr=subprocess.PIPE, text=True,
+    )
+    found = threading.Event()
+    addr, log = [], []
+
+    def read_log():
+        for line in agent.stderr:
+            log.append(line)
+            if "serving the API on http://" in line and not addr:
+                addr.append(line.split("http://")[1].split("/")[0])
+                found.set()
+
+    threading.Thread(target=read_log, daemon=True).start()
+    assert found.wait(60), "the agent did not start serving:\n" + "".join(log)
+    return agent, addr[0], runtime, log
+
+
+def stop_agent(agent):
+    agent.terminate()
+    try:
+        agent.wait(timeout=20)
+    except subprocess.TimeoutExpired:
+        agent.kill()
+
+
+@pytest.mark.skipif(not AGENT, reason="RINGWATCH_AGENT_BIN is not set (cargo xtask test sets it)")
+def test_the_agent_names_the_rank_the_others_wait_for_and_how_late_it_is(run_job, tmp_path):
+    agent, a, runtime, log = start_agent(tmp_path)
+    stop = tmp_path / "stop"
+    result = {}
+    trainer = threading.Thread(target=lambda: result.update(job=run_job(
+        SLOW_LOADER, 2, env={"STOP_FILE": str(stop)})))
+    try:
+        trainer.start()
+        job_id = wait_for("the job's socket", lambda: next(
+            (p.stem for p in runtime.glob("*.sock")), None))
+        diagnosis = wait_for("a verdict", lambda: (
+            lambda s: s[1] if s[0] == 200 and s[1].get("verdict") else None
+        )(get_json(a, f"/api/jobs/{job_id}/diagnosis")), limit=240)
+    finally:
+        stop.write_text("")
+        trainer.join(timeout=180)
+        stop_agent(agent)
+    assert diagnosis["progress"] == "progressing", diagnosis
+    lateness = diagnosis["lateness"]
+    top = lateness["ranks"][0]
+    assert top["rank"] == 1 and top["last_share"] >= 0.6, lateness
+    assert top["last_tensors"] >= 20 and top["late_ms_p50"] > 0, lateness
+    assert diagnosis["verdict"].startswith("rank 1 ("), diagnosis["verdict"]
+    assert all(r["rank"] != 0 or r["last_tensors"] < top["last_tensors"]
+               for r in lateness["ranks"]), lateness
+    steps = [res["steps"] for res in result["job"].results()]
+    assert steps[0] == steps[1] > 0, steps
 
 UNEVEN = r"""
 import json, os
