@@ -436,7 +436,11 @@ fn lateness_verdict(l: &Lateness) -> Option<String> {
             e.cpu_pct,
             e.off_cpu_pct,
             e.run_queue_p99_us
-                .map_or("unknown".to_owned(), |us| format!("{:.1} ms", us / 1000.0)),
+                .map_or("unknown".to_owned(), |us| if us >= 1000.0 {
+                    format!("{:.1} ms", us / 1000.0)
+                } else {
+                    format!("{us:.0} µs")
+                }),
             e.retransmits_in_window
         ));
     }

@@ -451,8 +451,21 @@ try:
     errors["dup"] = None
 except ValueError as e:
     errors["dup"] = "ValueError"
+# Refused even once the first has finished in the runtime: until it is synchronized.
+rw.barrier()
+try:
+    rw.allreduce_async(torch.ones(1), name="dup", op=rw.Sum)
+    errors["dup_finished"] = None
+except ValueError as e:
+    errors["dup_finished"] = "ValueError"
 check(rw.synchronize(first).tolist() == [float(n)], "dup: first result")
 errors["dup_after"] = rw.allreduce(torch.ones(1), name="dup", op=rw.Sum).tolist()
+# A failed collective frees its name too.
+try:
+    rw.allreduce(torch.ones(1 + r), name="dup.failed", op=rw.Sum)
+except rw.MismatchError:
+    pass
+errors["failed_again"] = rw.allreduce(torch.ones(1), name="dup.failed", op=rw.Sum).tolist()
 rw.shutdown()
 print(json.dumps({"rank": r, "failures": failures, "errors": errors}))
 """
@@ -474,5 +487,7 @@ def test_reducescatter_alltoall_and_grouped_ops_bitwise_against_references(run_j
             "rs_mismatch": "MismatchError",
             "a2a_dtype": "MismatchError",
             "dup": "ValueError",
+            "dup_finished": "ValueError",
             "dup_after": [3.0],
+            "failed_again": [3.0],
         }, res["errors"]

@@ -90,6 +90,7 @@ def test_the_agent_names_the_rank_the_others_wait_for_and_how_late_it_is(run_job
         stop.write_text("")
         trainer.join(timeout=180)
         stop_agent(agent)
+    print("verdict:", diagnosis["verdict"])
     assert diagnosis["progress"] == "progressing", diagnosis
     lateness = diagnosis["lateness"]
     top = lateness["ranks"][0]
@@ -198,6 +199,7 @@ def test_the_agent_names_a_stalled_jobs_tensor_its_missing_rank_and_what_that_ra
         assert threads and all(t["state"] in "RSD" for t in threads), threads
         assert rank1_pid in [t["tid"] for t in threads], threads
         verdict = diagnosis["verdict"]
+        print("verdict:", verdict)
         assert "allreduce 'grad.step1' is enqueued on rank 0 and waits for rank 1" in verdict, verdict
         assert "uneven data" in verdict and f"rank 1 (pid {rank1_pid})" in verdict, verdict
         with urllib.request.urlopen(f"http://{a}/metrics", timeout=10) as resp:

@@ -333,17 +333,18 @@ def _check(tensor, name, what):
 
 def _claim(name, kind):
     """Horovod's rule: a name may not be submitted again while a collective of that name
-    is in flight on this rank (the ranks would pair the wrong tensors)."""
+    is in flight on this rank (the ranks would pair the wrong tensors). Here a name is in
+    flight until its handle is synchronized, not merely until the runtime finished it, so
+    whether a second call is refused does not depend on how fast the first went."""
     with _inflight_lock:
-        native = _inflight.get(name)
-        if native is not None and not native.poll():
-            raise ValueError(
-                f"{kind} of '{name}': a collective of that name is already in flight on this "
-                "rank; synchronize it first or give this one another name")
         if len(_inflight) > 1024:
             # Handles nobody synchronized: forget the finished ones.
             for done in [n for n, h in _inflight.items() if h.poll()]:
                 del _inflight[done]
+        if name in _inflight:
+            raise ValueError(
+                f"{kind} of '{name}': a collective of that name is already in flight on this "
+                "rank; synchronize it first or give this one another name")
 
 
 def _submit(kind, tensor, name, op=Average, root=0):
@@ -1001,10 +1002,13 @@ def synchronize(handle):
 
 
 def _result(handle):
-    out = handle._native.wait()
-    with _inflight_lock:
-        if _inflight.get(handle._native.name) is handle._native:
-            del _inflight[handle._native.name]
+    try:
+        out = handle._native.wait()
+    finally:
+        # Failed or not, the name is free again once its handle is synchronized.
+        with _inflight_lock:
+            if _inflight.get(handle._native.name) is handle._native:
+                del _inflight[handle._native.name]
     post = getattr(handle, "_postscale", 1.0)
     if out is None:
         if handle._gpu is not None:
