@@ -152,33 +152,13 @@ def test_a_bad_stall_setting_is_refused_at_init(run_job, tmp_path):
 @pytest.mark.skipif(not AGENT, reason="RINGWATCH_AGENT_BIN is not set (cargo xtask test sets it)")
 def test_the_agent_names_a_stalled_jobs_tensor_its_missing_rank_and_what_that_rank_does(
         run_job, tmp_path):
-    runtime = tmp_path / "run"
-    runtime.mkdir()
-    agent = subprocess.Popen(
-        [AGENT, "serve", "--listen", "127.0.0.1:0", "--jobs", "--runtime-dir", str(runtime),
-         "--reports-dir", str(tmp_path / "reports")],
-        env=dict(os.environ, RINGWATCH_LOCK_FILE=str(tmp_path / "agent.lock")),
-        stderr=subprocess.PIPE, text=True,
-    )
-    found = threading.Event()
-    addr, log = [], []
-
-    def read_log():
-        for line in agent.stderr:
-            log.append(line)
-            if "serving the API on http://" in line and not addr:
-                addr.append(line.split("http://")[1].split("/")[0])
-                found.set()
-
-    threading.Thread(target=read_log, daemon=True).start()
+    agent, a, runtime, log = start_agent(tmp_path)
     result = {}
     # No stall shutdown: the job waits until the test kills it.
     trainer = threading.Thread(target=lambda: result.update(job=run_job(
         UNEVEN, 2, check=False,
         env={"PID_DIR": str(tmp_path), "RINGWATCH_STALL_CHECK_SECS": "1"})))
     try:
-        assert found.wait(60), "the agent did not start serving:\n" + "".join(log)
-        a = addr[0]
         trainer.start()
         job_id = wait_for("the job's socket", lambda: next(
             (p.stem for p in runtime.glob("*.sock")), None))
@@ -217,8 +197,4 @@ def test_the_agent_names_a_stalled_jobs_tensor_its_missing_rank_and_what_that_ra
                 except ProcessLookupError:
                     pass
         trainer.join(timeout=120)
-        agent.terminate()
-        try:
-            agent.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            agent.kill()
+        stop_agent(agent)

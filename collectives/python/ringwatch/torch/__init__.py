@@ -797,10 +797,13 @@ def _rows_of(rows, ranks, rank_):
     return rank_ * base + min(rank_, extra), count
 
 
-def _reducescatter_op(op):
+def _reducescatter_op(op, name):
+    """``op`` (None: Average) if reducescatter takes it; Horovod's RuntimeError if not."""
+    if op is None:
+        return Average
     if op not in (Sum, Average):
         raise RuntimeError(
-            f"reducescatter takes op=Sum or op=Average, not {op!r} (as Horovod's)")
+            f"reducescatter of '{name}' takes op=Sum or op=Average, not {op!r} (as Horovod's)")
     return op
 
 
@@ -814,11 +817,7 @@ def reducescatter_async(tensor, name=None, op=Average, prescale_factor=1.0,
     Composed of an allreduce, so it moves about twice the bytes a native reducescatter
     would; the results are the same."""
     name = _name("reducescatter", name)
-    if op is None:
-        op = Average
-    if op == Adasum:
-        raise RuntimeError(f"reducescatter of '{name}': op=Adasum is not supported (as Horovod)")
-    _reducescatter_op(op)
+    op = _reducescatter_op(op, name)
     _check(tensor, name, "reducescatter")
     if tensor.dim() == 0:
         raise ValueError(
@@ -853,11 +852,7 @@ def reducescatter(tensor, name=None, compression=Compression.none, op=Average,
     """Returns this rank's part of the reduction of ``tensor`` over the ranks (see
     :func:`reducescatter_async`). Differentiable, as Horovod's."""
     name = _name("reducescatter", name)
-    if op is None:
-        op = Average
-    if op == Adasum:
-        raise RuntimeError(f"reducescatter of '{name}': op=Adasum is not supported (as Horovod)")
-    _reducescatter_op(op)
+    op = _reducescatter_op(op, name)
     compressed, ctx = compression.compress(tensor)
     if (isinstance(compressed, torch.Tensor) and compressed.requires_grad
             and torch.is_grad_enabled()):
