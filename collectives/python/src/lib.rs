@@ -353,6 +353,15 @@ fn enqueue(
     Ok(Handle::pending(name, handle))
 }
 
+/// Joins: this rank has no more data (Horovod's `hvd.join`). `Handle.wait()` returns
+/// `(Buffer, [1])`, one int64: the rank that joined last. Until every rank has joined, the
+/// others' allreduces go on with zeros from this rank; their allgathers and broadcasts fail.
+#[pyfunction]
+fn join() -> PyResult<Handle> {
+    let handle = with_runtime(|rt| rt.join_async().map_err(to_py))?;
+    Ok(Handle::pending("(join)", handle))
+}
+
 /// Whether this build takes GPU tensors (the runtime's `cuda` feature). A GPU tensor may
 /// still fail on a machine without a driver, with an error that says so.
 #[pyfunction]
@@ -617,6 +626,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(totals, m)?)?;
     m.add_function(wrap_pyfunction!(enqueue, m)?)?;
     m.add_function(wrap_pyfunction!(enqueue_device, m)?)?;
+    m.add_function(wrap_pyfunction!(join, m)?)?;
     m.add_function(wrap_pyfunction!(has_cuda, m)?)?;
     m.add_function(wrap_pyfunction!(gpu_totals, m)?)?;
     Ok(())

@@ -491,3 +491,81 @@ def test_reducescatter_alltoall_and_grouped_ops_bitwise_against_references(run_j
             "dup_after": [3.0],
             "failed_again": [3.0],
         }, res["errors"]
+
+
+JOIN = r"""
+import json
+import torch
+import ringwatch.torch as rw
+
+rw.init()
+r, n = rw.rank(), rw.size()
+""" + WORKER_HELPERS + r"""
+# Uneven data: rank 0 runs out after 1 step, rank 2 after 2, rank 1 after 3.
+STEPS = [1, 3, 2]
+OPS = [rw.Sum, rw.Average, rw.Min, rw.Max]
+
+def joined_view(i, dtype, shape):
+    # What every rank holds at step i: its input, or zeros once it has joined.
+    return torch.stack([inputs(k + 3 * i, dtype, shape) if STEPS[k] > i
+                        else torch.zeros(shape, dtype=dtype) for k in range(n)])
+
+# A model trained with DistributedOptimizer (shared gradients after its first step);
+# integer inputs keep every gradient sum exact.
+torch.manual_seed(0)
+model = torch.nn.Linear(4, 1, bias=False)
+with torch.no_grad():
+    model.weight.zero_()
+opt = rw.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=1.0),
+                              named_parameters=model.named_parameters())
+expected_weight = torch.zeros(1, 4)
+errors = {}
+for i in range(STEPS[r]):
+    handles = []
+    for dtype in DTYPES:
+        for op in OPS:
+            t = inputs(r + 3 * i, dtype, (5, 3))
+            handles.append((dtype, op, rw.allreduce_async(t, name=f"s{i}.{dtype}.{op}", op=op)))
+    for dtype, op, h in handles:
+        check(same_bits(rw.synchronize(h), reference(joined_view(i, dtype, (5, 3)), op, dtype)),
+              f"step {i}: {dtype} {op}")
+    x = inputs(r + 3 * i, torch.float32, (2, 4))
+    opt.zero_grad()
+    model(x).sum().backward()
+    opt.step()
+    grads = torch.stack([inputs(k + 3 * i, torch.float32, (2, 4)).sum(0, keepdim=True)
+                         if STEPS[k] > i else torch.zeros(1, 4) for k in range(n)])
+    expected_weight.add_(grads.sum(0) / n, alpha=-1.0)
+    check(same_bits(model.weight.detach(), expected_weight), f"step {i}: optimizer")
+    if i == 1:
+        # Rank 0 has joined: allgather and broadcast fail on the others, naming it.
+        for what, fn in [("allgather", lambda: rw.allgather(torch.ones(2), name="g")),
+                         ("broadcast", lambda: rw.broadcast(torch.ones(2), 1, name="b"))]:
+            try:
+                fn()
+                errors[what] = None
+            except rw.MismatchError as e:
+                errors[what] = "[0] have joined" in str(e)
+last = rw.join()
+# Everything works as before once all have joined, the response cache included.
+after = [rw.allreduce(torch.ones(3), name="after", op=rw.Sum).tolist() for _ in range(3)]
+again = rw.join()
+rw.shutdown()
+print(json.dumps({"rank": r, "failures": failures, "errors": errors, "last": last,
+                  "after": after, "again": again}))
+"""
+
+
+def test_join_lets_ranks_with_less_data_stop_while_the_others_allreduce_with_their_zeros(run_job):
+    """Horovod's join on 3 ranks with uneven data: a joined rank adds zeros to the others'
+    allreduces (every dtype and op, fused, and the optimizer's shared gradients) bit for
+    bit as the reference says, their allgathers and broadcasts fail naming it, and join
+    returns the last rank to join, the same everywhere."""
+    results = run_job(JOIN, 3).results()
+    for res in results:
+        assert res["failures"] == [], res["failures"]
+        assert res["errors"] == ({} if res["rank"] == 0 else
+                                 {"allgather": True, "broadcast": True}), res["errors"]
+        assert res["last"] == 1, res
+        assert res["after"] == [[3.0, 3.0, 3.0]] * 3, res
+    assert len({res["again"] for res in results}) == 1, results

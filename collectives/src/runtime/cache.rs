@@ -377,7 +377,15 @@ impl RankCache {
             self.table.set_capacity(capacity);
         }
         let items = self.table.decode(response.items)?;
-        self.table.apply(&items, local);
+        let joined = &response.join_counts;
+        // Tensors run while ranks have joined leave every cache (rank 0 keeps none).
+        self.table.apply(&items, |name| {
+            if joined.iter().any(|(n, _)| n == name) {
+                None
+            } else {
+                local(name)
+            }
+        });
         Ok(Response {
             cycle: response.cycle,
             knobs: response.knobs,
@@ -385,6 +393,8 @@ impl RankCache {
             shutdown: response.shutdown,
             abort: response.abort,
             cache_capacity: response.cache_capacity,
+            join_counts: response.join_counts,
+            join_done: response.join_done,
         })
     }
 }

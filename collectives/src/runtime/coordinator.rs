@@ -79,6 +79,11 @@ pub struct Coordinator {
     step_started: Instant,
     /// Rank 0's copy of the response cache every rank keeps.
     cache: ResponseCache<Negotiated>,
+    /// Ranks that have joined (`Request::join`) and wait for the others; the join ends
+    /// when every rank has.
+    joined: Vec<bool>,
+    /// The rank that joined last in the current join.
+    last_joined: Option<usize>,
 }
 
 impl Coordinator {
@@ -98,6 +103,8 @@ impl Coordinator {
             waited: 0,
             step_started: Instant::now(),
             cache: ResponseCache::new(0),
+            joined: vec![false; world_size],
+            last_joined: None,
         }
     }
 
@@ -218,6 +225,10 @@ impl Coordinator {
                 self.knobs = clamp(self.knobs.with(update));
             }
             self.shutdown[rank] |= request.shutdown;
+            if request.join && !self.joined[rank] {
+                self.joined[rank] = true;
+                self.last_joined = Some(rank);
+            }
             for ready in request.tensors {
                 match ready {
                     Ready::Full(t) => self.arrive(rank, t, &mut items),
@@ -242,19 +253,25 @@ impl Coordinator {
             self.knobs = clamp(self.knobs.with(update));
         }
 
+        // A tensor is complete when every rank that has not joined sent it: a joined rank
+        // adds zeros to an allreduce (Horovod's join).
+        let any_joined = self.joined.iter().any(|&j| j);
         let mut ready = Vec::new();
         let mut waiting = Vec::new();
         for name in std::mem::take(&mut self.arrival) {
-            let complete = self
-                .table
-                .get(&name)
-                .is_some_and(|slot| slot.iter().all(Option::is_some));
+            let complete = self.table.get(&name).is_some_and(|slot| {
+                slot.iter()
+                    .zip(&self.joined)
+                    .all(|(s, &joined)| s.is_some() || joined)
+            });
             if complete {
                 if let Some((since, _)) = self.first_seen.remove(&name) {
                     self.count_late(&name, now.saturating_duration_since(since));
                 }
                 if let Some(slot) = self.table.remove(&name) {
-                    ready.push(slot.into_iter().flatten().collect::<Vec<_>>());
+                    let lacking: Vec<usize> =
+                        (0..slot.len()).filter(|&r| slot[r].is_none()).collect();
+                    ready.push((slot.into_iter().flatten().collect::<Vec<_>>(), lacking));
                 }
             } else {
                 waiting.push(name);
@@ -265,14 +282,22 @@ impl Coordinator {
         let mut fusion = Fusion::new(self.knobs.fusion_threshold_bytes);
         let caching = self.cache.capacity() > 0;
         let mut scheduled: HashMap<String, Negotiated> = HashMap::new();
-        for reqs in ready {
-            match validate(&reqs, self.world_size) {
+        let mut join_counts = Vec::new();
+        for (reqs, lacking) in ready {
+            match validate(&reqs, self.world_size).and_then(|()| joined_rule(&reqs[0], &lacking)) {
                 Err(message) => items.push(Item::Error {
                     name: reqs[0].name.clone(),
                     message,
                 }),
                 Ok(()) => {
-                    if caching {
+                    if any_joined {
+                        // A joined rank has no request to cache it with: it goes the full
+                        // way next time, and every cache drops it alike.
+                        if let OpKind::Allreduce(_) = reqs[0].kind {
+                            join_counts
+                                .push((reqs[0].name.clone(), reqs[0].shape.iter().product()));
+                        }
+                    } else if caching {
                         scheduled.insert(reqs[0].name.clone(), Negotiated::of(&reqs));
                     }
                     fusion.push(&mut items, &reqs[0], || {
@@ -281,6 +306,12 @@ impl Coordinator {
                 }
             }
         }
+        let join_done = if any_joined && self.joined.iter().all(|&j| j) {
+            self.joined.fill(false);
+            self.last_joined.take()
+        } else {
+            None
+        };
         // Named with the cache as every rank has it now, then changed as every rank will.
         let wire_items = self.cache.encode(items.clone());
         self.cache
@@ -292,6 +323,8 @@ impl Coordinator {
             shutdown: self.shutdown.iter().all(|&s| s),
             abort: None,
             cache_capacity: (self.cycle == 0 && caching).then(|| self.cache.capacity()),
+            join_counts,
+            join_done,
         };
         self.cycle += 1;
         response
@@ -303,7 +336,10 @@ impl Coordinator {
     /// is decided by [`settled_items`] alone, and every rank can decide it
     /// ([`super::settled`]).
     pub fn is_settled(&self) -> bool {
-        self.cycle > 0 && self.table.is_empty() && !self.shutdown.iter().any(|&s| s)
+        self.cycle > 0
+            && self.table.is_empty()
+            && !self.shutdown.iter().any(|&s| s)
+            && !self.joined.iter().any(|&j| j)
     }
 
     /// Records a cycle every rank decided itself (see [`Self::is_settled`]): `items` from
@@ -393,6 +429,8 @@ impl Coordinator {
             shutdown: false,
             abort: Some(message),
             cache_capacity: None,
+            join_counts: Vec::new(),
+            join_done: None,
         };
         self.cycle += 1;
         response
@@ -502,6 +540,26 @@ fn describe<T: Debug + PartialEq>(values: &[T]) -> String {
         .join(", ")
 }
 
+/// What may run while the ranks `lacking` have joined without `first`'s tensor: an
+/// allreduce of host memory, to which they add zeros (Horovod's rule; an allgather or a
+/// broadcast fails on the ranks that enqueued it).
+fn joined_rule(first: &TensorRequest, lacking: &[usize]) -> Result<(), String> {
+    if lacking.is_empty() {
+        return Ok(());
+    }
+    match first.kind {
+        OpKind::Allreduce(_) if first.device => Err(format!(
+            "ranks {lacking:?} have joined: a GPU tensor cannot be allreduced with joined \
+             ranks (not supported yet; join after the last GPU allreduce)"
+        )),
+        OpKind::Allreduce(_) => Ok(()),
+        OpKind::Allgather | OpKind::Broadcast(_) => Err(format!(
+            "ranks {lacking:?} have joined (join): only allreduce goes on while ranks have \
+             joined, an allgather or broadcast needs every rank"
+        )),
+    }
+}
+
 fn validate(reqs: &[TensorRequest], world_size: usize) -> Result<(), String> {
     let kinds: Vec<OpKind> = reqs.iter().map(|r| r.kind).collect();
     if kinds.iter().any(|k| *k != kinds[0]) {
@@ -587,8 +645,93 @@ mod tests {
                 shutdown: wire.shutdown,
                 abort: wire.abort,
                 cache_capacity: wire.cache_capacity,
+                join_counts: wire.join_counts,
+                join_done: wire.join_done,
             }
         }
+    }
+
+    fn joining() -> Request {
+        Request {
+            join: true,
+            ..Default::default()
+        }
+    }
+
+    #[test]
+    fn a_joined_rank_adds_zeros_to_allreduces_and_fails_the_rest_until_all_join() {
+        let mut c = Coordinator::new(3, Knobs::default()).with_cache_capacity(16);
+        // Cached first on every rank, so that rank 2 later sends "a" by bit.
+        let all_a = || Request {
+            tensors: vec![req("a", &[2, 3], sum())],
+            ..Default::default()
+        };
+        let r = c.step(vec![all_a(), all_a(), all_a()], &[]);
+        assert_eq!(r.join_counts, Vec::new());
+        assert_eq!(c.cache.len(), 1);
+
+        // Rank 1 joins; ranks 0 and 2 go on.
+        let r = c.step(vec![Request::default(), joining(), Request::default()], &[]);
+        assert!(r.items.is_empty());
+        assert_eq!(r.join_done, None);
+        assert!(!c.is_settled(), "no settled cycles while a rank has joined");
+        let others = |tensors: Vec<Ready>| Request {
+            tensors,
+            ..Default::default()
+        };
+        let r = c.step(
+            vec![
+                others(vec![
+                    Ready::Cached(BitRun(0, 1)),
+                    req("g", &[4], OpKind::Allgather),
+                    req("b", &[5], OpKind::Broadcast(0)),
+                ]),
+                joining(),
+                others(vec![
+                    Ready::Cached(BitRun(0, 1)),
+                    req("g", &[4], OpKind::Allgather),
+                    req("b", &[5], OpKind::Broadcast(0)),
+                ]),
+            ],
+            &[],
+        );
+        // The allreduce runs, with the joined rank's count of zeros; it leaves the cache.
+        assert!(matches!(
+            &r.items[0],
+            Item::Allreduce { names, .. } if names == &[TensorRef::Cached(BitRun(0, 1))]
+        ));
+        assert_eq!(r.join_counts, vec![("a".to_string(), 6)]);
+        assert_eq!(
+            c.cache.len(),
+            0,
+            "run while a rank had joined: cached nowhere"
+        );
+        // Allgather and broadcast fail, naming the joined rank.
+        for (item, name) in r.items[1..].iter().zip(["g", "b"]) {
+            match item {
+                Item::Error { name: n, message } => {
+                    assert_eq!(n, name);
+                    assert!(message.contains("[1] have joined"), "{message}");
+                }
+                other => panic!("expected an error for {name}, got {other:?}"),
+            }
+        }
+        assert_eq!(r.join_done, None);
+
+        // Ranks 2 then 0 join: the join ends when the last does, naming it.
+        let r = c.step(vec![Request::default(), joining(), joining()], &[]);
+        assert_eq!(r.join_done, None);
+        let r = c.step(vec![joining(), joining(), joining()], &[]);
+        assert_eq!(r.join_done, Some(0));
+        // A new join starts from nothing.
+        let r = c.step(vec![Request::default(), Request::default(), joining()], &[]);
+        assert_eq!(r.join_done, None);
+        let r = c.step(vec![joining(), joining(), joining()], &[]);
+        assert_eq!(
+            r.join_done,
+            Some(1),
+            "ranks joining in one cycle: the highest is last"
+        );
     }
 
     fn sum() -> OpKind {
@@ -980,6 +1123,8 @@ mod tests {
                 shutdown: false,
                 abort: None,
                 cache_capacity: None,
+                join_counts: Vec::new(),
+                join_done: None,
             })
         }
 

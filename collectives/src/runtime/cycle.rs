@@ -72,6 +72,9 @@ pub(super) struct CycleThread {
     pub(super) autotune: Option<AutotuneDriver>,
     /// The last settled post's buffer, reused ([`CycleThread::settled`]).
     pub(super) post: Vec<u8>,
+    /// The response being run's [`Response::join_counts`]: the tensors a joined rank that
+    /// lacks them adds zeros of.
+    pub(super) join_counts: Vec<(String, usize)>,
 }
 
 /// Rank 0's side of `RINGWATCH_AUTOTUNE=1`: waits for an agent's claim, else self-tunes.
@@ -428,7 +431,7 @@ impl CycleThread {
                 e
             }
         };
-        let leftovers = match self.shared.inbox.lock() {
+        let (leftovers, join) = match self.shared.inbox.lock() {
             Ok(mut inbox) => {
                 inbox.closed = Some(match &error {
                     CollectiveError::ShutDown { .. } | CollectiveError::Interrupted { .. } => {
@@ -439,10 +442,13 @@ impl CycleThread {
                         cause: e.to_string(),
                     },
                 });
-                std::mem::take(&mut inbox.entries)
+                (std::mem::take(&mut inbox.entries), inbox.join.take())
             }
-            Err(_) => Vec::new(),
+            Err(_) => (Vec::new(), None),
         };
+        if let Some(join) = join {
+            join.send(Err(error.clone()));
+        }
         let pending: Vec<Entry> = self.pending.drain().map(|(_, e)| e).collect();
         for entry in pending.into_iter().chain(leftovers) {
             self.shared.forget(&entry.request.name);
@@ -521,7 +527,7 @@ impl CycleThread {
             rank: self.rank,
             list: Vec::new(),
         };
-        let (mut entries, knob_updates, shutdown) = {
+        let (mut entries, knob_updates, shutdown, join) = {
             let mut inbox = self
                 .shared
                 .inbox
@@ -536,12 +542,14 @@ impl CycleThread {
                 std::mem::replace(&mut inbox.entries, std::mem::take(&mut self.spare_entries)),
                 std::mem::take(&mut inbox.knobs),
                 inbox.shutdown,
+                inbox.join.is_some(),
             )
         };
         let request = Request {
             tensors: self.cache.encode(entries.iter().map(|e| &e.request)),
             knobs: knob_updates,
             shutdown,
+            join,
         };
         for entry in entries.drain(..) {
             events.add(
@@ -604,6 +612,29 @@ impl CycleThread {
             })
     }
 
+    /// Every rank has joined, `last` the last: this rank's join returns it.
+    fn end_join(&mut self, last: usize) {
+        let done = self
+            .shared
+            .inbox
+            .lock()
+            .ok()
+            .and_then(|mut i| i.join.take());
+        let Some(done) = done else {
+            return;
+        };
+        let value = i64::try_from(last).unwrap_or(i64::MAX).to_le_bytes();
+        let mut buf = AlignedBuf::zeroed(value.len());
+        buf.as_mut_slice().copy_from_slice(&value);
+        let result = crate::tensor::Tensor::from_bytes(crate::DType::I64, &[1], buf).ok_or(
+            CollectiveError::JobFailed {
+                rank: self.rank,
+                cause: "join's result does not fit its tensor (a bug in collectives)".into(),
+            },
+        );
+        done.send(result);
+    }
+
     /// The cycle `cycle` runs under `knobs`: both in force here from now on.
     pub(super) fn begin_response(&mut self, cycle: u64, knobs: Knobs) {
         self.next_cycle = Some(cycle + 1);
@@ -645,8 +676,16 @@ impl CycleThread {
             }
         }
         let mut work = Work::default();
-        for item in response.items {
-            self.execute(item, &mut work, events)?;
+        // What a joined rank adds zeros of, for this response's items only.
+        self.join_counts = response.join_counts;
+        let executed = response
+            .items
+            .into_iter()
+            .try_for_each(|item| self.execute(item, &mut work, events));
+        self.join_counts.clear();
+        executed?;
+        if let Some(last) = response.join_done {
+            self.end_join(last);
         }
         self.account(&work, response.cycle, cycle_start);
         if !events.list.is_empty() {

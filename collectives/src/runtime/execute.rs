@@ -26,6 +26,76 @@ pub(super) fn copy_activity(phase: CopyPhase) -> (&'static str, Phase) {
 }
 
 impl CycleThread {
+    /// The element count this joined rank adds zeros of for `name`, if the response runs
+    /// it while ranks have joined.
+    fn join_count(&self, name: &str) -> Option<usize> {
+        self.join_counts
+            .iter()
+            .find(|(n, _)| n == name)
+            .map(|&(_, count)| count)
+    }
+
+    /// An allreduce on a rank that has joined: its own `entries` (enqueued before it
+    /// joined) and `zeros` for the rest, laid out in the item's order (`order`), on the
+    /// schedule every rank picks from the knobs. The zeros have no timeline events.
+    #[allow(
+        clippy::too_many_arguments,
+        reason = "the allreduce arm's state, handed over whole"
+    )]
+    fn allreduce_joined(
+        &mut self,
+        mut entries: Vec<Entry>,
+        mut zeros: Vec<AlignedBuf>,
+        order: &[Option<usize>],
+        dtype: crate::tensor::DType,
+        op: crate::tensor::ReduceOp,
+        work: &mut Work,
+        events: &mut Events,
+    ) -> Result<()> {
+        let algorithm = self.algorithm();
+        let schedule = match (algorithm, self.layout) {
+            (Algorithm::Hierarchical, Some(l)) => Schedule::Hierarchical(l),
+            _ => Schedule::Ring,
+        };
+        let total: usize = entries.iter().map(|e| e.tensor.byte_len()).sum::<usize>()
+            + zeros.iter().map(AlignedBuf::len).sum::<usize>();
+        let outcome = {
+            let mut own = entries.iter_mut().map(|e| e.tensor.as_bytes_mut());
+            let mut zero = zeros.iter_mut().map(AlignedBuf::as_mut_slice);
+            let mut views: Vec<&mut [u8]> = Vec::with_capacity(order.len());
+            for slot in order {
+                let view = match slot {
+                    Some(_) => zero.next(),
+                    None => own.next(),
+                };
+                if let Some(view) = view {
+                    views.push(view);
+                }
+            }
+            allreduce_tensors(
+                &*self.transport,
+                &mut views,
+                dtype,
+                op,
+                schedule,
+                SLICE_BYTES,
+                &mut self.fusion,
+                &mut |_, _| {},
+            )
+        };
+        if let Err(e) = outcome {
+            for entry in entries {
+                self.pending.insert(entry.request.name.clone(), entry);
+            }
+            return Err(e);
+        }
+        for e in &entries {
+            events.add(&e.request.name, activity::QUEUE, Phase::End, &[]);
+        }
+        work.allreduced(total, entries);
+        Ok(())
+    }
+
     pub(super) fn take(&mut self, name: &str) -> Result<Entry> {
         let entry = self
             .pending
@@ -80,8 +150,24 @@ impl CycleThread {
             }
             Item::Allreduce { names, dtype, op } => {
                 let mut entries = Vec::with_capacity(names.len());
+                // A joined rank's zeros for the tensors it does not hold, in names' order
+                // among the entries (`Some(i)`: zeros[i]).
+                let mut zeros: Vec<AlignedBuf> = Vec::new();
+                let mut order: Vec<Option<usize>> = Vec::with_capacity(names.len());
                 for n in &names {
-                    entries.push(self.take(n)?);
+                    match self.join_count(n) {
+                        Some(count) if !self.pending.contains_key(n) => {
+                            order.push(Some(zeros.len()));
+                            zeros.push(AlignedBuf::zeroed(count * dtype.size()));
+                        }
+                        _ => {
+                            order.push(None);
+                            entries.push(self.take(n)?);
+                        }
+                    }
+                }
+                if !zeros.is_empty() {
+                    return self.allreduce_joined(entries, zeros, &order, dtype, op, work, events);
                 }
                 let algorithm = self.algorithm();
                 let schedule = match (algorithm, self.layout) {

@@ -99,6 +99,10 @@ pub struct Request {
     pub knobs: Vec<KnobUpdate>,
     /// This rank wants to shut down.
     pub shutdown: bool,
+    /// This rank has called join (Horovod's `hvd.join`: it has no more data) and waits
+    /// for the others; sent every cycle until the response that ends the join.
+    #[serde(default, skip_serializing_if = "is_false")]
+    pub join: bool,
 }
 
 /// One thing every rank does in a cycle, in response order. `T` names a tensor: `String`
@@ -155,6 +159,27 @@ pub struct Response<T = String> {
     /// first response (absent: no cache). Every rank sets it before decoding that response.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub cache_capacity: Option<usize>,
+    /// While some rank has joined: every allreduced tensor of this response with its
+    /// element count, so that a joined rank that does not hold it adds zeros of that
+    /// size. These tensors leave every response cache (a joined rank has no request to
+    /// cache them with).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub join_counts: Vec<(String, usize)>,
+    /// Every rank has joined: the join ends on every rank after this cycle, and each
+    /// returns this rank, the one that joined last.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub join_done: Option<usize>,
+}
+
+impl<T> Response<T> {
+    /// The element count of `name` for a joined rank that does not hold it (see
+    /// [`Self::join_counts`]).
+    pub fn join_count(&self, name: &str) -> Option<usize> {
+        self.join_counts
+            .iter()
+            .find(|(n, _)| n == name)
+            .map(|&(_, count)| count)
+    }
 }
 
 /// A response as sent: tensors every rank caches are named by their bits.

@@ -342,6 +342,7 @@ impl Runtime {
                 _ => None,
             },
             post: Vec::with_capacity(crate::shm::MAX_POST_BYTES),
+            join_counts: Vec::new(),
         };
         // The background thread holds the only strong reference: the engine (and the
         // links it holds) goes when the thread ends, not when the last handle does.
@@ -616,6 +617,57 @@ impl Runtime {
         // tensor is handed to; the tensor owns the lease.
         unsafe { Tensor::from_external(dtype, shape, ptr, len, Box::new(lease)) }
             .ok_or_else(|| invalid(format!("shape {shape:?} does not fit {len} bytes")))
+    }
+
+    /// Joins (Horovod's `hvd.join`): this rank has no more data. Until every rank has
+    /// joined, the others' allreduces go on with zeros from this rank (an average still
+    /// divides by the world size), and their allgathers and broadcasts fail, naming the
+    /// joined ranks. The handle's result is a one-element `i64` tensor: the rank that
+    /// joined last, the same on every rank. An error if this rank has joined already.
+    pub fn join_async(&self) -> Result<Handle> {
+        let rank = self.shared.rank;
+        let (done, completion) = Completion::new(false);
+        {
+            let mut inbox = self
+                .shared
+                .inbox
+                .lock()
+                .map_err(|_| CollectiveError::JobFailed {
+                    rank,
+                    cause: "runtime state poisoned".into(),
+                })?;
+            if let Some(e) = &inbox.closed {
+                return Err(e.clone());
+            }
+            if inbox.join.is_some() {
+                return Err(CollectiveError::InvalidTensor {
+                    rank,
+                    name: "(join)".into(),
+                    message: "this rank has joined already and waits for the others".into(),
+                });
+            }
+            inbox.join = Some(done);
+        }
+        self.shared.work.notify_one();
+        Ok(Handle {
+            name: "(join)".to_string(),
+            rank,
+            done: completion,
+            engine: self.engine.clone(),
+        })
+    }
+
+    /// [`Self::join_async`] and wait: the rank that joined last.
+    pub fn join(&self) -> Result<usize> {
+        let last = self.join_async()?.wait()?;
+        let bytes: [u8; 8] =
+            last.as_bytes()
+                .try_into()
+                .map_err(|_| CollectiveError::JobFailed {
+                    rank: self.shared.rank,
+                    cause: "join's result is not one i64 (a bug in collectives)".into(),
+                })?;
+        Ok(usize::try_from(i64::from_le_bytes(bytes)).unwrap_or(usize::MAX))
     }
 
     /// Allreduce and wait.

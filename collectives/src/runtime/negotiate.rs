@@ -58,6 +58,7 @@ impl CycleThread {
         let eligible = !updates
             && request.knobs.is_empty()
             && !request.shutdown
+            && !request.join
             && self
                 .coordinator
                 .as_ref()
@@ -137,6 +138,8 @@ impl CycleThread {
             shutdown: false,
             abort: None,
             cache_capacity: None,
+            join_counts: Vec::new(),
+            join_done: None,
         }))
     }
 
@@ -187,6 +190,8 @@ impl CycleThread {
                             shutdown: false,
                             abort: Some(e.to_string()),
                             cache_capacity: None,
+                            join_counts: Vec::new(),
+                            join_done: None,
                         };
                         let bytes = encode(&abort);
                         for other in (1..self.world_size).filter(|&o| o != peer) {

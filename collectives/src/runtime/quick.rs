@@ -67,6 +67,7 @@ impl Runtime {
             inbox.entries.is_empty()
                 && inbox.knobs.is_empty()
                 && !inbox.shutdown
+                && inbox.join.is_none()
                 && inbox.closed.is_none()
                 && !inbox.ended
         });
@@ -173,6 +174,7 @@ impl CycleThread {
                     tensors: vec![Ready::Cached(BitRun(bit, 1))],
                     knobs: Vec::new(),
                     shutdown: false,
+                    join: false,
                 };
                 let mut events = Events {
                     enabled: false,

@@ -44,6 +44,9 @@ pub(super) struct Inbox {
     pub(super) entries: Vec<Entry>,
     pub(super) knobs: Vec<KnobUpdate>,
     pub(super) shutdown: bool,
+    /// This rank has joined ([`super::Runtime::join_async`]): the join's result slot,
+    /// filled with the last rank to join when every rank has.
+    pub(super) join: Option<Done>,
     pub(super) closed: Option<CollectiveError>,
     /// A caller's cycle ended the job: the background thread must tear it down now.
     pub(super) ended: bool,

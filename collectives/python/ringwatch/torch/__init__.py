@@ -56,7 +56,7 @@ __all__ = [
     "job_id", "knobs", "set_knobs",
     "mpi_built", "mpi_enabled", "mpi_threads_supported", "gloo_built", "gloo_enabled",
     "nccl_built", "cuda_built", "rocm_built", "ddl_built", "ccl_built",
-    "Sum", "Average", "Min", "Max", "Product", "Compression", "barrier",
+    "Sum", "Average", "Min", "Max", "Product", "Compression", "barrier", "join",
     "broadcast_object", "allgather_object",
     "allreduce", "allreduce_", "allreduce_async", "allreduce_async_", "shared_zeros",
     "allgather", "allgather_async", "broadcast", "broadcast_", "broadcast_async",
@@ -643,6 +643,17 @@ def barrier():
     finishes before every rank has submitted it."""
     synchronize(allreduce_async_(torch.zeros(1, dtype=torch.int32),
                                  name=f"barrier.{next(_barriers)}", op=Sum))
+
+
+def join(device=-1):
+    """Says that this rank has no more data and waits until every rank has said so
+    (Horovod's ``hvd.join``, for ranks with uneven amounts of data). Meanwhile the other
+    ranks' allreduces go on, this rank adding zeros to them (an average still divides by
+    :func:`size`), and their allgathers and broadcasts fail with :class:`MismatchError`.
+    Returns the rank that joined last, the same on every rank. ``device`` is Horovod's
+    (the GPU to wait on) and is not needed here."""
+    buf, _ = _native.join().wait()
+    return int(torch.frombuffer(buf, dtype=torch.int64)[0])
 
 
 def _dumps(obj):
