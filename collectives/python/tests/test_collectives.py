@@ -569,3 +569,71 @@ def test_join_lets_ranks_with_less_data_stop_while_the_others_allreduce_with_the
         assert res["last"] == 1, res
         assert res["after"] == [[3.0, 3.0, 3.0]] * 3, res
     assert len({res["again"] for res in results}) == 1, results
+
+
+SPARSE = r"""
+import json
+import torch
+import ringwatch.torch as rw
+
+rw.init()
+r, n = rw.rank(), rw.size()
+failures = []
+def check(ok, what):
+    if not ok:
+        failures.append(what)
+
+# Each rank's rows of a 10x3 table: a different number of them, some repeated, integer
+# values (exact in every order of summation).
+def rows(k):
+    return [(3 * k + j * j) % 10 for j in range(2 + k)]
+
+def sparse_of(k):
+    idx = torch.tensor([rows(k)])
+    vals = torch.stack([torch.full((3,), float(k * 10 + j)) for j in range(len(rows(k)))])
+    return torch.sparse_coo_tensor(idx, vals, (10, 3))
+
+dense_sum = sum(sparse_of(k).to_dense() for k in range(n))
+got = rw.sparse_allreduce_async(sparse_of(r), name="sp", op=rw.Sum)()
+check(got.is_sparse and torch.equal(got.to_dense(), dense_sum), "sparse sum")
+check(got._nnz() == sum(len(rows(k)) for k in range(n)), "every rank's entries")
+avg = rw.sparse_allreduce_async(sparse_of(r), name="sp.avg", op=rw.Average)()
+check(torch.equal(avg._values(), got._values() / n), "average divides by size")
+errors = {}
+for what, fn in [("dense", lambda: rw.sparse_allreduce_async(torch.ones(2), name="x")),
+                 ("min", lambda: rw.sparse_allreduce_async(sparse_of(r), name="y", op=rw.Min))]:
+    try:
+        fn()
+        errors[what] = None
+    except Exception as e:
+        errors[what] = type(e).__name__
+
+# An embedding with sparse gradients, summed over the ranks three ways: sparse (gathered),
+# dense, and dense through float16 (small integers: exact).
+counts = torch.zeros(10)
+for k in range(n):
+    for i in rows(k):
+        counts[i] += 1
+for mode in ["sparse", "sparse_as_dense", "fp16"]:
+    emb = torch.nn.Embedding(10, 3, sparse=True)
+    with torch.no_grad():
+        emb.weight.zero_()
+    opt = rw.DistributedOptimizer(
+        torch.optim.SGD(emb.parameters(), lr=1.0), named_parameters=emb.named_parameters(),
+        op=rw.Sum, sparse_as_dense=mode != "sparse",
+        compression=rw.Compression.fp16 if mode == "fp16" else rw.Compression.none)
+    opt.zero_grad()
+    emb(torch.tensor(rows(r))).sum().backward()
+    opt.step()
+    check(torch.equal(emb.weight.detach(), -counts[:, None].expand(10, 3)), f"embedding: {mode}")
+rw.shutdown()
+print(json.dumps({"rank": r, "failures": failures, "errors": errors}))
+"""
+
+
+def test_sparse_gradients_are_summed_over_the_ranks_as_a_dense_reference_says(run_job):
+    """Horovod's sparse allreduce (indices and values gathered) and DistributedOptimizer's
+    sparse gradients, sparse or as dense, against the dense sum over every rank's input."""
+    for res in run_job(SPARSE, 3).results():
+        assert res["failures"] == [], res["failures"]
+        assert res["errors"] == {"dense": "TypeError", "min": "ValueError"}, res["errors"]

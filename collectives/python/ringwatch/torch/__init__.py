@@ -64,7 +64,8 @@ __all__ = [
     "grouped_allreduce", "grouped_allreduce_", "grouped_allreduce_async",
     "grouped_allreduce_async_", "grouped_allgather", "grouped_allgather_async",
     "reducescatter", "reducescatter_async", "grouped_reducescatter",
-    "grouped_reducescatter_async", "alltoall", "alltoall_async", "Adasum",
+    "grouped_reducescatter_async", "alltoall", "alltoall_async", "sparse_allreduce_async",
+    "Adasum",
     "broadcast_parameters", "broadcast_optimizer_state", "DistributedOptimizer",
     "ddp_comm_hook",
     "RingwatchError", "MismatchError", "RankFailedError", "NotInitializedError",
@@ -986,6 +987,38 @@ def alltoall(tensor, splits=None, name=None):
     else:
         out, received = synchronize(alltoall_async(tensor, splits, name))
     return out if splits is None else (out, received)
+
+
+def sparse_allreduce_async(tensor, name=None, op=Average):
+    """Starts the allreduce of a sparse COO ``tensor`` (Horovod's): every rank's indices and
+    values are gathered, so the result holds every rank's entries (not coalesced: entries
+    at the same index add up when it is), values divided by :func:`size` for ``Average``.
+    Returns a function that waits and returns the result, as Horovod's does. ``op``: Sum or
+    Average."""
+    if not isinstance(tensor, torch.Tensor) or not tensor.is_sparse:
+        raise TypeError("sparse_allreduce_async expects a sparse COO tensor "
+                        f"(torch.sparse_coo_tensor), got {type(tensor).__name__}"
+                        + (f" with layout {tensor.layout}" if isinstance(tensor, torch.Tensor)
+                           else ""))
+    if op not in (Sum, Average):
+        _op(op, None)  # Adasum and unknown ops: the usual error
+        raise ValueError(f"a sparse allreduce sums or averages; op must be Sum or Average, "
+                         f"not {op!r}")
+    name = _name("sparse_allreduce", name)
+    shape = tensor.size()
+    # Rows to gather: one per entry (its indices as a row), and its values.
+    indices = allgather_async(tensor._indices().t().contiguous(), name=f"{name}.indices")
+    values = allgather_async(tensor._values().contiguous(), name=f"{name}.values")
+
+    def result():
+        v = synchronize(values)
+        i = synchronize(indices)
+        if op == Average:
+            v = v / size() if v.dtype.is_floating_point else torch.div(
+                v, size(), rounding_mode="trunc")
+        return torch.sparse_coo_tensor(i.t(), v, shape)
+
+    return result
 
 
 def poll(handle):

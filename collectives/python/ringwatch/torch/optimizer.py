@@ -26,7 +26,8 @@ class _DistributedOptimizer(torch.optim.Optimizer):
     """Mixed into the wrapped optimizer's own class (see :func:`DistributedOptimizer`), so
     that ``isinstance`` checks, LR schedulers and ``state_dict`` keep working."""
 
-    def __init__(self, params, named_parameters, op, backward_passes_per_step, shared_gradients):
+    def __init__(self, params, named_parameters, compression, op, backward_passes_per_step,
+                 sparse_as_dense, shared_gradients):
         super(self.__class__, self).__init__(params)
         if backward_passes_per_step < 1:
             raise ValueError(
@@ -54,6 +55,8 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         self._parameter_names = {p: names[id(p)] for p in params}
         self._rw_params = [p for p in params if p.requires_grad]
         self._rw_op = op
+        self._rw_compression = compression
+        self._rw_sparse_as_dense = bool(sparse_as_dense)
         self._rw_passes = backward_passes_per_step
         self._rw_delay = {id(p): backward_passes_per_step for p in self._rw_params}
         self._rw_handles = {}
@@ -97,8 +100,17 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             # submit the same tensors, so it counts as a zero gradient (as in Horovod).
             p.grad = torch.zeros_like(p, memory_format=torch.contiguous_format)
         grad = p.grad
-        buf = grad if grad.is_contiguous() else grad.contiguous()
-        return p, buf, rw.allreduce_async_(buf, name=self._rw_names[id(p)], op=self._rw_op)
+        name = self._rw_names[id(p)]
+        if grad.is_sparse:
+            if not self._rw_sparse_as_dense:
+                # Indices and values gathered from every rank (Horovod's way): the handle
+                # is a function that returns the sparse result.
+                return p, None, rw.sparse_allreduce_async(grad, name=name, op=self._rw_op)
+            grad = grad.to_dense()
+        buf, ctx = self._rw_compression.compress(grad)
+        if not buf.is_contiguous():
+            buf = buf.contiguous()
+        return p, (buf, ctx), rw.allreduce_async_(buf, name=name, op=self._rw_op)
 
     def synchronize(self):
         """Waits until every gradient is allreduced (``step()`` calls it; call it yourself
@@ -108,10 +120,18 @@ class _DistributedOptimizer(torch.optim.Optimizer):
                 if id(p) not in self._rw_handles:
                     self._rw_handles[id(p)] = self._rw_allreduce(p)
             handles, self._rw_handles = self._rw_handles, {}
-            for p, buf, handle in handles.values():
+            for p, sent, handle in handles.values():
+                if sent is None:
+                    p.grad = handle()
+                    continue
                 rw.synchronize(handle)
-                if buf is not p.grad:
-                    p.grad.copy_(buf)
+                buf, ctx = sent
+                out = self._rw_compression.decompress(buf, ctx)
+                if p.grad.is_sparse:
+                    # sparse_as_dense: the optimizer (SparseAdam) still wants it sparse.
+                    p.grad = out.to_sparse()
+                elif out is not p.grad:
+                    p.grad.copy_(out)
                 self._rw_share(p)
             for p in self._rw_params:
                 self._rw_delay[id(p)] = self._rw_passes
@@ -122,7 +142,8 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         see ``zero_grad``), if it is a CPU gradient large enough and this host's ranks
         share memory; the values do not change."""
         grad = p.grad
-        if not self._rw_sharing or grad is None or grad.device.type != "cpu":
+        if (not self._rw_sharing or grad is None or grad.device.type != "cpu"
+                or grad.is_sparse or self._rw_compression is not rw.Compression.none):
             return
         if grad.numel() * grad.element_size() <= SHARED_GRADIENT_MIN_BYTES:
             return
@@ -191,15 +212,27 @@ class _DistributedOptimizer(torch.optim.Optimizer):
 
 
 def DistributedOptimizer(
-    optimizer, named_parameters=None, op=None, backward_passes_per_step=1, shared_gradients=True
+    optimizer, named_parameters=None, compression=None, backward_passes_per_step=1, op=None,
+    gradient_predivide_factor=1.0, num_groups=0, groups=None, sparse_as_dense=False,
+    *, shared_gradients=True
 ):
     """Wraps ``optimizer`` so that gradients are averaged over all ranks (``op``, default
-    ``rw.Average``) while backward runs; ``step()`` waits for them, then steps. Pass
-    ``named_parameters=model.named_parameters()`` so that tensors carry their names (in the
-    timeline and the agent's view). With ``backward_passes_per_step=N`` gradients of N
-    backward passes are summed locally before one allreduce. With ``shared_gradients``
-    (default) CPU gradients above 64 KiB live in memory the host's ranks share from the
+    ``rw.Average``) while backward runs; ``step()`` waits for them, then steps. Horovod's
+    arguments, in Horovod's order. Pass ``named_parameters=model.named_parameters()`` so
+    that tensors carry their names (in the timeline and the agent's view).
+    ``compression=rw.Compression.fp16`` sends floating-point gradients as float16. With
+    ``backward_passes_per_step=N`` gradients of N backward passes are summed locally before
+    one allreduce. Sparse gradients (``nn.Embedding(sparse=True)``) are gathered as indices
+    and values from every rank (:func:`ringwatch.torch.sparse_allreduce_async`), or
+    allreduced dense with ``sparse_as_dense=True``. ``gradient_predivide_factor``,
+    ``num_groups`` and ``groups`` must stay at their defaults (not implemented: the runtime
+    fuses by its fusion threshold). With ``shared_gradients`` (default; ringwatch's own,
+    keyword only) CPU gradients above 64 KiB live in memory the host's ranks share from the
     second step on, and ``zero_grad`` zeroes them in place rather than dropping them."""
+    if gradient_predivide_factor != 1.0 or num_groups != 0 or groups is not None:
+        raise NotImplementedError(
+            "DistributedOptimizer: gradient_predivide_factor, num_groups and groups are not "
+            "implemented in ringwatch (the runtime fuses gradients by its fusion threshold)")
     if not isinstance(optimizer, torch.optim.Optimizer):
         raise TypeError(f"expected a torch.optim.Optimizer, got {type(optimizer).__name__}")
     cls = type(
@@ -207,11 +240,17 @@ def DistributedOptimizer(
         (optimizer.__class__,),
         dict(_DistributedOptimizer.__dict__),
     )
+    if op is not None and op not in (rw.Sum, rw.Average):
+        # Adasum is refused here as everywhere; Min/Max/Product of gradients make no step.
+        rw._op(op, None)
+        raise ValueError(f"DistributedOptimizer: op must be Sum or Average, not {op!r}")
     return cls(
         optimizer.param_groups,
         named_parameters,
+        rw.Compression.none if compression is None else compression,
         rw.Average if op is None else op,
         backward_passes_per_step,
+        sparse_as_dense,
         shared_gradients,
     )
 
