@@ -137,6 +137,41 @@ pub struct RankEvidence {
     retransmits_in_window: u64,
 }
 
+/// Where a late rank's main thread (its training loop) was, sampled from /proc while the
+/// diagnosis was made: what tells its own work from its own waits.
+#[derive(Debug, Clone, Default, Serialize, ToSchema)]
+pub struct MainThreadSamples {
+    /// Samples taken ([`MAIN_THREAD_SAMPLES`], [`MAIN_THREAD_SAMPLE_MS`] apart).
+    samples: u32,
+    /// On or waiting for a CPU (state R): running its own code.
+    running: u32,
+    /// Asleep on a timer (`time.sleep`, a timed wait).
+    sleeping: u32,
+    /// Waiting on I/O: an uninterruptible wait (D: disk, page faults) or a read of a
+    /// file, pipe or socket.
+    io: u32,
+    /// Waiting on a futex: a lock, a queue, or its own collectives.
+    futex: u32,
+    /// Anything else.
+    other: u32,
+}
+
+/// Why a late rank is late, when its kernel figures say so clearly.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, ToSchema)]
+#[serde(rename_all = "snake_case")]
+pub enum LateCause {
+    /// Its threads wait for a CPU far longer than the other ranks' here: something else
+    /// takes its CPUs.
+    CpuContention,
+    /// Its connections retransmit far more than the other ranks': a slow or lossy link.
+    Network,
+    /// Its main thread mostly runs, with no contention: its own work takes longer.
+    OwnCompute,
+    /// Its main thread mostly sleeps or waits on I/O: its own waits (a data loader, a
+    /// timer, a file).
+    OwnWaits,
+}
+
 /// A rank that enqueued tensors last.
 #[derive(Debug, Clone, Serialize, ToSchema)]
 pub struct RankLateness {
@@ -160,6 +195,14 @@ pub struct RankLateness {
     #[serde(skip_serializing_if = "Option::is_none")]
     #[schema(nullable = false)]
     evidence: Option<RankEvidence>,
+    /// Where its main thread was (the rank a verdict names, on this node).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    #[schema(nullable = false)]
+    main_thread: Option<MainThreadSamples>,
+    /// Why it is late (the rank a verdict names), when the figures say so clearly.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    #[schema(nullable = false)]
+    cause: Option<LateCause>,
 }
 
 /// Which ranks the others waited for, from rank 0's negotiation: a tensor some ranks
@@ -177,6 +220,11 @@ pub struct Lateness {
     resolution_ms: f64,
     /// The ranks that were last at least once, most often first.
     ranks: Vec<RankLateness>,
+    /// The median figures of the job's other ranks on this node (what the first rank's
+    /// are compared with), when the agent watches them.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    #[schema(nullable = false)]
+    others_here: Option<RankEvidence>,
 }
 
 /// `GET /api/jobs/{id}/diagnosis`'s answer.
@@ -261,6 +309,20 @@ pub(super) async fn job_diagnosis(
     let answer = tokio::task::spawn_blocking(move || {
         let mut answer = diagnose(&job, node, Path::new("/proc"));
         answer.lateness = lateness(&job, &stats, now_us, &evidence);
+        // The rank a verdict would name: where its main thread is, and why it is late.
+        if let Some(l) = answer.lateness.as_mut()
+            && lateness_verdict(l).is_some()
+        {
+            if let Some(top) = l.ranks.first_mut() {
+                top.main_thread = top
+                    .pid
+                    .and_then(|pid| sample_main_thread(Path::new("/proc"), pid));
+            }
+            let cause = late_cause(l).map(|(c, _)| c);
+            if let Some(top) = l.ranks.first_mut() {
+                top.cause = cause;
+            }
+        }
         if answer.verdict.is_none() {
             answer.verdict = answer.lateness.as_ref().and_then(lateness_verdict);
         }
@@ -380,6 +442,8 @@ pub fn lateness(
                 late_ms_p50: quantile(&mut samples, 0.5),
                 late_ms_p90: quantile(&mut samples, 0.9),
                 evidence: pid.and_then(evidence),
+                main_thread: None,
+                cause: None,
             }
         })
         .collect();
@@ -391,13 +455,171 @@ pub fn lateness(
     let last = window
         .last()
         .map_or(first.start_unix_us, |s| s.start_unix_us + s.duration_us);
+    // The other ranks here, for the first one to be compared with.
+    let top = ranks.first().map(|r| r.rank);
+    let others: Vec<RankEvidence> = job
+        .ranks
+        .iter()
+        .filter(|r| Some(r.rank) != top && r.host == job.host && r.pid != 0)
+        .filter_map(|r| evidence(r.pid))
+        .collect();
     Some(Lateness {
         window_secs: last.saturating_sub(first.start_unix_us) as f64 / 1e6,
         tensors,
         tensors_waited: waited,
         resolution_ms: first.knobs.cycle_time_us as f64 / 1000.0,
         ranks,
+        others_here: median_evidence(&others),
     })
+}
+
+/// The element-wise median of `all` (none when empty).
+fn median_evidence(all: &[RankEvidence]) -> Option<RankEvidence> {
+    if all.is_empty() {
+        return None;
+    }
+    let median = |mut v: Vec<f64>| -> Option<f64> {
+        if v.is_empty() {
+            return None;
+        }
+        v.sort_by(f64::total_cmp);
+        Some(v[v.len() / 2])
+    };
+    Some(RankEvidence {
+        cpu_pct: median(all.iter().map(|e| e.cpu_pct).collect()).unwrap_or(0.0),
+        off_cpu_pct: median(all.iter().map(|e| e.off_cpu_pct).collect()).unwrap_or(0.0),
+        run_queue_p50_us: median(all.iter().filter_map(|e| e.run_queue_p50_us).collect()),
+        run_queue_p99_us: median(all.iter().filter_map(|e| e.run_queue_p99_us).collect()),
+        retransmits_in_window: median(all.iter().map(|e| e.retransmits_in_window as f64).collect())
+            .map_or(0, |m| m as u64),
+    })
+}
+
+/// How many times [`sample_main_thread`] looks.
+pub const MAIN_THREAD_SAMPLES: u32 = 25;
+/// How far apart, milliseconds (the samples span half a second).
+pub const MAIN_THREAD_SAMPLE_MS: u64 = 20;
+
+/// Where `pid`'s main thread is, [`MAIN_THREAD_SAMPLES`] times; `None` when it cannot
+/// be read (gone, another node's pid namespace). Blocks for about half a second.
+pub fn sample_main_thread(proc: &Path, pid: u32) -> Option<MainThreadSamples> {
+    let dir = proc.join(pid.to_string());
+    let mut s = MainThreadSamples::default();
+    for i in 0..MAIN_THREAD_SAMPLES {
+        if i > 0 {
+            std::thread::sleep(std::time::Duration::from_millis(MAIN_THREAD_SAMPLE_MS));
+        }
+        let Ok(stat) = std::fs::read_to_string(dir.join("stat")) else {
+            break;
+        };
+        let Some((_, state)) = parse_stat(&stat) else {
+            break;
+        };
+        let wchan = std::fs::read_to_string(dir.join("wchan")).unwrap_or_default();
+        s.samples += 1;
+        *match (state.as_str(), wchan.trim()) {
+            ("R", _) => &mut s.running,
+            ("D", _) => &mut s.io,
+            (_, w) if w.contains("nanosleep") || w.contains("hrtimer") => &mut s.sleeping,
+            (_, w) if w.contains("futex") => &mut s.futex,
+            (_, w)
+                if [
+                    "pipe_read",
+                    "io_schedule",
+                    "folio_wait",
+                    "wait_on_page",
+                    "sk_wait_data",
+                ]
+                .iter()
+                .any(|x| w.contains(x))
+                    || w.contains("_read") =>
+            {
+                &mut s.io
+            }
+            _ => &mut s.other,
+        } += 1;
+    }
+    (s.samples > 0).then_some(s)
+}
+
+/// The run-queue wait (µs, p99) at which a rank's threads count as kept from a CPU.
+pub const CONTENDED_RUN_QUEUE_US: f64 = 2000.0;
+/// The retransmits in a window from which a rank's link counts as lossy.
+pub const LOSSY_RETRANSMITS: u64 = 20;
+/// How many times the other ranks' figure the late rank's must be.
+pub const CAUSE_FACTOR: f64 = 4.0;
+/// The share of main-thread samples that names its own work or its own waits.
+pub const MAIN_THREAD_SHARE: f64 = 0.6;
+
+/// Why the rank `l` names first is late, with the figures that say so: a run-queue wait
+/// or retransmits [`CAUSE_FACTOR`] times the other ranks' here (and past a floor), else
+/// where its main thread was in most samples. None when nothing stands out.
+pub fn late_cause(l: &Lateness) -> Option<(LateCause, String)> {
+    let top = l.ranks.first()?;
+    let others = l.others_here.as_ref();
+    if let Some(e) = &top.evidence {
+        let base_rt = others.map_or(0, |o| o.retransmits_in_window);
+        if e.retransmits_in_window >= LOSSY_RETRANSMITS
+            && e.retransmits_in_window as f64 >= CAUSE_FACTOR * (base_rt + 1) as f64
+        {
+            return Some((
+                LateCause::Network,
+                format!(
+                    "a slow or lossy link: its connections retransmitted {} TCP segments in \
+                     the window{}",
+                    e.retransmits_in_window,
+                    others.map_or(String::new(), |_| format!(
+                        " (the other ranks here: {base_rt})"
+                    ))
+                ),
+            ));
+        }
+        if let Some(p99) = e.run_queue_p99_us {
+            let base = others.and_then(|o| o.run_queue_p99_us);
+            if p99 >= CONTENDED_RUN_QUEUE_US
+                && base.is_none_or(|b| p99 >= CAUSE_FACTOR * b.max(CONTENDED_RUN_QUEUE_US / 8.0))
+            {
+                return Some((
+                    LateCause::CpuContention,
+                    format!(
+                        "CPU taken by others: its threads waited for a CPU {:.1} ms at p99{}",
+                        p99 / 1000.0,
+                        base.map_or(String::new(), |b| format!(
+                            " (the other ranks here: {:.1} ms)",
+                            b / 1000.0
+                        ))
+                    ),
+                ));
+            }
+        }
+    }
+    let m = top.main_thread.as_ref().filter(|m| m.samples >= 10)?;
+    let share = |n: u32| f64::from(n) / f64::from(m.samples);
+    if share(m.sleeping + m.io) >= MAIN_THREAD_SHARE {
+        return Some((
+            LateCause::OwnWaits,
+            format!(
+                "its own waits: its main thread was asleep or waiting on I/O in {:.0}% of {} \
+                 samples (asleep {}, I/O {}), e.g. a data loader, a timer or a file",
+                100.0 * share(m.sleeping + m.io),
+                m.samples,
+                m.sleeping,
+                m.io
+            ),
+        ));
+    }
+    if share(m.running) >= MAIN_THREAD_SHARE {
+        return Some((
+            LateCause::OwnCompute,
+            format!(
+                "its own work: its main thread was running in {:.0}% of {} samples, with no \
+                 CPU contention seen (more data, or a slower input pipeline on the CPU)",
+                100.0 * share(m.running),
+                m.samples
+            ),
+        ));
+    }
+    None
 }
 
 /// The fewest late tensors in a window that make a verdict.
@@ -429,6 +651,9 @@ fn lateness_verdict(l: &Lateness) -> Option<String> {
         top.late_ms_p50,
         top.late_ms_p90,
     );
+    if let Some((_, why)) = late_cause(l) {
+        sentence.push_str(&format!("; likely cause: {why}"));
+    }
     if let Some(e) = &top.evidence {
         sentence.push_str(&format!(
             "; its threads: {:.0}% of a CPU, {:.0}% off the CPU, run-queue wait p99 {}, {} \
@@ -894,6 +1119,118 @@ mod tests {
         });
         let tiny = lateness(&j, &even, now, &evidence).unwrap();
         assert!(lateness_verdict(&tiny).is_none(), "{tiny:?}");
+    }
+
+    fn figures(cpu: f64, rq_p99_us: f64, retransmits: u64) -> RankEvidence {
+        RankEvidence {
+            cpu_pct: cpu,
+            off_cpu_pct: 100.0 - cpu,
+            run_queue_p50_us: Some(rq_p99_us / 10.0),
+            run_queue_p99_us: Some(rq_p99_us),
+            retransmits_in_window: retransmits,
+        }
+    }
+
+    fn late_one(evidence: Option<RankEvidence>, main: Option<MainThreadSamples>) -> Lateness {
+        Lateness {
+            window_secs: 30.0,
+            tensors: 60,
+            tensors_waited: 30,
+            resolution_ms: 1.0,
+            ranks: vec![RankLateness {
+                rank: 1,
+                host: "node-0".into(),
+                pid: Some(200),
+                last_tensors: 27,
+                last_share: 0.9,
+                late_ms_p50: 50.0,
+                late_ms_p90: 60.0,
+                evidence,
+                main_thread: main,
+                cause: None,
+            }],
+            others_here: None,
+        }
+    }
+
+    #[test]
+    fn a_cause_is_named_only_when_the_late_ranks_figures_stand_out_from_the_others() {
+        let cause = |l: &Lateness| late_cause(l).map(|(c, _)| c);
+        // Kept from its CPUs: 12 ms at p99 against 0.3 ms on the other ranks here.
+        let mut l = late_one(Some(figures(40.0, 12_000.0, 0)), None);
+        l.others_here = Some(figures(40.0, 300.0, 0));
+        assert_eq!(
+            late_cause(&l).unwrap().1,
+            "CPU taken by others: its threads waited for a CPU 12.0 ms at p99 (the other ranks \
+             here: 0.3 ms)"
+        );
+        // The whole node is contended alike: not this rank's cause.
+        l.others_here = Some(figures(40.0, 5_000.0, 0));
+        assert_eq!(cause(&l), None);
+        // Alone on the node: the floor decides.
+        l.others_here = None;
+        assert_eq!(cause(&l), Some(LateCause::CpuContention));
+        let l = late_one(Some(figures(40.0, 1_500.0, 0)), None);
+        assert_eq!(cause(&l), None, "1.5 ms is under the floor");
+        // A lossy link: 50 retransmits against 2.
+        let mut l = late_one(Some(figures(40.0, 300.0, 50)), None);
+        l.others_here = Some(figures(40.0, 300.0, 2));
+        assert_eq!(cause(&l), Some(LateCause::Network));
+        l.others_here = Some(figures(40.0, 300.0, 20));
+        assert_eq!(cause(&l), None, "everyone retransmits");
+        // Its main thread: asleep (or reading) most of the time, or running.
+        let main = |running, sleeping, io, futex| MainThreadSamples {
+            samples: 25,
+            running,
+            sleeping,
+            io,
+            futex,
+            other: 25 - running - sleeping - io - futex,
+        };
+        let quiet = Some(figures(10.0, 300.0, 0));
+        let l = late_one(quiet.clone(), Some(main(2, 14, 4, 5)));
+        assert_eq!(
+            late_cause(&l).unwrap().1,
+            "its own waits: its main thread was asleep or waiting on I/O in 72% of 25 samples \
+             (asleep 14, I/O 4), e.g. a data loader, a timer or a file"
+        );
+        assert_eq!(
+            cause(&late_one(quiet.clone(), Some(main(20, 1, 0, 4)))),
+            Some(LateCause::OwnCompute)
+        );
+        assert_eq!(
+            cause(&late_one(quiet.clone(), Some(main(10, 5, 0, 10)))),
+            None
+        );
+        // Too few samples (the process went away): nothing.
+        let mut few = main(0, 5, 0, 0);
+        few.samples = 5;
+        few.other = 0;
+        assert_eq!(cause(&late_one(quiet, Some(few))), None);
+    }
+
+    #[test]
+    fn main_thread_samples_sort_states_and_wait_channels() {
+        let dir = test_support::TempDir::new("diagnosis-main");
+        let proc = dir.path();
+        let at = |state: &str, wchan: &str| {
+            let d = proc.join("300");
+            std::fs::create_dir_all(&d).unwrap();
+            std::fs::write(d.join("stat"), format!("300 (python3) {state} 1 1 1\n")).unwrap();
+            std::fs::write(d.join("wchan"), wchan).unwrap();
+            sample_main_thread(proc, 300).unwrap()
+        };
+        let s = at("S", "hrtimer_nanosleep");
+        assert_eq!(
+            (s.samples, s.sleeping),
+            (MAIN_THREAD_SAMPLES, MAIN_THREAD_SAMPLES)
+        );
+        assert_eq!(at("R", "0").running, MAIN_THREAD_SAMPLES);
+        assert_eq!(at("D", "io_schedule").io, MAIN_THREAD_SAMPLES);
+        assert_eq!(at("S", "pipe_read").io, MAIN_THREAD_SAMPLES);
+        assert_eq!(at("S", "futex_wait_queue").futex, MAIN_THREAD_SAMPLES);
+        assert_eq!(at("S", "do_epoll_wait").other, MAIN_THREAD_SAMPLES);
+        assert!(sample_main_thread(proc, 301).is_none(), "no such process");
     }
 
     #[test]
