@@ -33,6 +33,9 @@ pub enum Progress {
     Progressing,
     /// The job is gone (its control connection closed).
     Lost,
+    /// A rank's process on this node is stopped (SIGSTOP, a debugger): every rank
+    /// waits for it.
+    Stopped,
     /// A job found from its launcher's variables: it has no stall check, so
     /// whether it progresses is not known here.
     Unknown,
@@ -248,6 +251,9 @@ pub struct DiagnosisAnswer {
     #[serde(skip_serializing_if = "Option::is_none")]
     #[schema(nullable = false)]
     lateness: Option<Lateness>,
+    /// Ranks on this node whose every thread is stopped (state T or t).
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    stopped_ranks: Vec<usize>,
 }
 
 /// What holds a job up: for a stalled ringwatch job, the tensors it waits on,
@@ -381,7 +387,44 @@ pub fn diagnose(job: &JobSnapshot, node: String, proc: &Path) -> DiagnosisAnswer
                 missing_ranks,
             }
         });
-    let verdict = stall.as_ref().and_then(verdict);
+    let mut verdict = stall.as_ref().and_then(verdict);
+    // A stopped rank sends nothing, so rank 0's stall check (which runs between cycles)
+    // never sees it: its threads' state here does.
+    let stopped: Vec<(usize, u32, usize)> = job
+        .ranks
+        .iter()
+        .filter(|r| r.host == job.host && r.pid != 0)
+        .filter_map(|r| {
+            let threads = read_threads(proc, r.pid).ok()?;
+            let all =
+                !threads.is_empty() && threads.iter().all(|t| t.state == "T" || t.state == "t");
+            all.then_some((r.rank, r.pid, threads.len()))
+        })
+        .collect();
+    let mut progress = progress;
+    if !stopped.is_empty() && progress != Progress::Lost {
+        progress = Progress::Stopped;
+        let names: Vec<String> = stopped
+            .iter()
+            .map(|(rank, pid, n)| format!("rank {rank} ({}, pid {pid}, all {n} threads)", job.host))
+            .collect();
+        let stopped_sentence = format!(
+            "{} {} stopped (SIGSTOP, or a debugger): every other rank waits for {}; `kill \
+             -CONT <pid>` resumes it{}",
+            names.join(", "),
+            if stopped.len() == 1 { "is" } else { "are" },
+            if stopped.len() == 1 { "it" } else { "them" },
+            if job.kind == JobKind::Ringwatch {
+                ", and the job fails after RINGWATCH_COLLECTIVE_TIMEOUT_SECS, naming it"
+            } else {
+                ""
+            }
+        );
+        verdict = Some(match verdict {
+            Some(v) => format!("{stopped_sentence}; {v}"),
+            None => stopped_sentence,
+        });
+    }
     DiagnosisAnswer {
         job_id: job.job_id.clone(),
         node,
@@ -389,6 +432,7 @@ pub fn diagnose(job: &JobSnapshot, node: String, proc: &Path) -> DiagnosisAnswer
         verdict,
         stall,
         lateness: None,
+        stopped_ranks: stopped.iter().map(|(rank, _, _)| *rank).collect(),
     }
 }
 
@@ -947,7 +991,8 @@ mod tests {
             shutdown_after_secs: None,
         };
         let d = diagnose(&job(Some(report)), "node-0".into(), dir.path());
-        assert_eq!(d.progress, Progress::Stalled);
+        assert_eq!(d.progress, Progress::Stopped);
+        assert_eq!(d.stopped_ranks, vec![1]);
         let stall = d.stall.as_ref().unwrap();
         let one = &stall.missing_ranks[0];
         assert_eq!((one.rank, one.pid), (1, Some(200)));
@@ -965,9 +1010,50 @@ mod tests {
         let verdict = d.verdict.unwrap();
         assert_eq!(
             verdict,
-            "stalled for 95 s: allreduce 'grad.3' is enqueued on rank 0 and waits for ranks \
-             1, 2; rank 1 (pid 200) is stopped: all 2 threads (SIGSTOP, or a debugger)"
+            "rank 1 (node-0, pid 200, all 2 threads) is stopped (SIGSTOP, or a debugger): every \
+             other rank waits for it; `kill -CONT <pid>` resumes it, and the job fails after \
+             RINGWATCH_COLLECTIVE_TIMEOUT_SECS, naming it; stalled for 95 s: allreduce 'grad.3' \
+             is enqueued on rank 0 and waits for ranks 1, 2; rank 1 (pid 200) is stopped: all 2 \
+             threads (SIGSTOP, or a debugger)"
         );
+    }
+
+    #[test]
+    fn a_stopped_rank_is_named_before_any_stall_check_sees_it() {
+        // Rank 0's stall check runs between cycles, and a stopped rank holds the cycle:
+        // no report comes, and the threads' state is what says it.
+        let dir = test_support::TempDir::new("diagnosis-stopped");
+        fake_proc(
+            dir.path(),
+            100,
+            &[(100, "python3", "S", "futex_wait_queue")],
+        );
+        fake_proc(
+            dir.path(),
+            200,
+            &[
+                (200, "python3", "t", "ptrace_stop"),
+                (201, "rw cycle", "T", "do_signal_stop"),
+            ],
+        );
+        let mut j = job(None);
+        j.kind = JobKind::Ringwatch;
+        let d = diagnose(&j, "node-0".into(), dir.path());
+        assert_eq!(
+            (d.progress, d.stopped_ranks.clone()),
+            (Progress::Stopped, vec![1])
+        );
+        assert_eq!(
+            d.verdict.as_deref().unwrap(),
+            "rank 1 (node-0, pid 200, all 2 threads) is stopped (SIGSTOP, or a debugger): every \
+             other rank waits for it; `kill -CONT <pid>` resumes it, and the job fails after \
+             RINGWATCH_COLLECTIVE_TIMEOUT_SECS, naming it"
+        );
+        // One thread still running: not stopped.
+        fake_proc(dir.path(), 200, &[(202, "worker", "R", "0")]);
+        let d = diagnose(&j, "node-0".into(), dir.path());
+        assert_eq!(d.progress, Progress::Progressing);
+        assert!(d.stopped_ranks.is_empty() && d.verdict.is_none(), "{d:?}");
     }
 
     #[test]

@@ -23,6 +23,9 @@ import ringwatch.torch as rw
 
 rw.init()
 r = rw.rank()
+if "PID_DIR" in os.environ:
+    with open(os.path.join(os.environ["PID_DIR"], f"rank{r}.pid"), "w") as f:
+        f.write(str(os.getpid()))
 stop = os.environ["STOP_FILE"]
 steps = 0
 while True:
@@ -202,3 +205,44 @@ def test_the_agent_names_a_stalled_jobs_tensor_its_missing_rank_and_what_that_ra
                     pass
         trainer.join(timeout=120)
         stop_agent(agent)
+
+
+@pytest.mark.skipif(not AGENT, reason="RINGWATCH_AGENT_BIN is not set (cargo xtask test sets it)")
+def test_a_stopped_rank_is_named_at_once_and_the_job_goes_on_after_sigcont(run_job, tmp_path):
+    """A SIGSTOPped rank sends nothing, so rank 0's stall check (between cycles) never runs:
+    the agent names it from its threads' state, and the job resumes on SIGCONT."""
+    agent, a, runtime, log = start_agent(tmp_path)
+    stop = tmp_path / "stop"
+    result = {}
+    # The peer timeout far away: this test decides when the stop ends, not the load.
+    trainer = threading.Thread(target=lambda: result.update(job=run_job(
+        SLOW_LOADER, 2, env={"STOP_FILE": str(stop), "PID_DIR": str(tmp_path),
+                             "RINGWATCH_COLLECTIVE_TIMEOUT_SECS": "600"})))
+    pid = None
+    try:
+        trainer.start()
+        job_id = wait_for("the job's socket", lambda: next(
+            (p.stem for p in runtime.glob("*.sock")), None))
+        pid = int(wait_for("rank 1's pid", lambda: (tmp_path / "rank1.pid").exists()
+                           and (tmp_path / "rank1.pid").read_text()))
+        os.kill(pid, signal.SIGSTOP)
+        diagnosis = wait_for("the stopped rank", lambda: (
+            lambda s: s[1] if s[0] == 200 and s[1]["progress"] == "stopped" else None
+        )(get_json(a, f"/api/jobs/{job_id}/diagnosis")), limit=120)
+        print("verdict:", diagnosis["verdict"])
+        assert diagnosis["stopped_ranks"] == [1], diagnosis
+        assert diagnosis["verdict"].startswith("rank 1 ("), diagnosis["verdict"]
+        assert f"pid {pid}" in diagnosis["verdict"], diagnosis["verdict"]
+        os.kill(pid, signal.SIGCONT)
+        pid = None
+        wait_for("the job going on", lambda: (
+            lambda s: s[0] == 200 and s[1]["progress"] == "progressing"
+        )(get_json(a, f"/api/jobs/{job_id}/diagnosis")), limit=120)
+    finally:
+        if pid is not None:
+            os.kill(pid, signal.SIGCONT)
+        stop.write_text("")
+        trainer.join(timeout=180)
+        stop_agent(agent)
+    steps = [res["steps"] for res in result["job"].results()]
+    assert steps[0] == steps[1] > 0, steps
