@@ -146,7 +146,7 @@ pub struct RankEvidence {
 pub struct MainThreadSamples {
     /// Samples taken ([`MAIN_THREAD_SAMPLES`], [`MAIN_THREAD_SAMPLE_MS`] apart).
     samples: u32,
-    /// On or waiting for a CPU (state R): running its own code.
+    /// On or waiting for a CPU (state R).
     running: u32,
     /// Asleep on a timer (`time.sleep`, a timed wait).
     sleeping: u32,
@@ -157,6 +157,19 @@ pub struct MainThreadSamples {
     futex: u32,
     /// Anything else.
     other: u32,
+    /// Its share of the sampling's wall time on a CPU, from the kernel's
+    /// `/proc/<pid>/schedstat` (0–1).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    #[schema(nullable = false)]
+    cpu_share: Option<f64>,
+    /// Its share of the sampling's wall time runnable but waiting for a CPU (0–1).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    #[schema(nullable = false)]
+    cpu_wait_share: Option<f64>,
+    /// The same share for the job's other ranks' main threads on this node, median.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    #[schema(nullable = false)]
+    others_cpu_wait_share: Option<f64>,
 }
 
 /// Why a late rank is late, when its kernel figures say so clearly.
@@ -320,9 +333,15 @@ pub(super) async fn job_diagnosis(
             && lateness_verdict(l).is_some()
         {
             if let Some(top) = l.ranks.first_mut() {
+                let others: Vec<u32> = job
+                    .ranks
+                    .iter()
+                    .filter(|r| r.rank != top.rank && r.host == job.host && r.pid != 0)
+                    .map(|r| r.pid)
+                    .collect();
                 top.main_thread = top
                     .pid
-                    .and_then(|pid| sample_main_thread(Path::new("/proc"), pid));
+                    .and_then(|pid| sample_main_thread(Path::new("/proc"), pid, &others));
             }
             let cause = late_cause(l).map(|(c, _)| c);
             if let Some(top) = l.ranks.first_mut() {
@@ -544,11 +563,26 @@ pub const MAIN_THREAD_SAMPLES: u32 = 25;
 /// How far apart, milliseconds (the samples span half a second).
 pub const MAIN_THREAD_SAMPLE_MS: u64 = 20;
 
-/// Where `pid`'s main thread is, [`MAIN_THREAD_SAMPLES`] times; `None` when it cannot
-/// be read (gone, another node's pid namespace). Blocks for about half a second.
-pub fn sample_main_thread(proc: &Path, pid: u32) -> Option<MainThreadSamples> {
+/// `(ns on a CPU, ns runnable waiting for one)` of `pid`'s main thread so far.
+fn schedstat(proc: &Path, pid: u32) -> Option<(u64, u64)> {
+    let text = std::fs::read_to_string(proc.join(pid.to_string()).join("schedstat")).ok()?;
+    let mut fields = text.split_whitespace().map(str::parse::<u64>);
+    Some((fields.next()?.ok()?, fields.next()?.ok()?))
+}
+
+/// Where `pid`'s main thread is, [`MAIN_THREAD_SAMPLES`] times, and its shares of the
+/// time on a CPU and waiting for one (with `others`' main threads' waiting share over
+/// the same time); `None` when it cannot be read (gone, another node's pid namespace).
+/// Blocks for about half a second.
+pub fn sample_main_thread(proc: &Path, pid: u32, others: &[u32]) -> Option<MainThreadSamples> {
     let dir = proc.join(pid.to_string());
     let mut s = MainThreadSamples::default();
+    let started = std::time::Instant::now();
+    let mine = schedstat(proc, pid);
+    let theirs: Vec<(u32, (u64, u64))> = others
+        .iter()
+        .filter_map(|&o| Some((o, schedstat(proc, o)?)))
+        .collect();
     for i in 0..MAIN_THREAD_SAMPLES {
         if i > 0 {
             std::thread::sleep(std::time::Duration::from_millis(MAIN_THREAD_SAMPLE_MS));
@@ -583,6 +617,26 @@ pub fn sample_main_thread(proc: &Path, pid: u32) -> Option<MainThreadSamples> {
             _ => &mut s.other,
         } += 1;
     }
+    let wall = started.elapsed().as_nanos() as f64;
+    let share = |before: (u64, u64), after: (u64, u64)| {
+        (
+            after.0.saturating_sub(before.0) as f64 / wall,
+            after.1.saturating_sub(before.1) as f64 / wall,
+        )
+    };
+    if let (Some(before), Some(after)) = (mine, schedstat(proc, pid))
+        && wall > 0.0
+    {
+        let (on, waiting) = share(before, after);
+        s.cpu_share = Some(on.min(1.0));
+        s.cpu_wait_share = Some(waiting.min(1.0));
+        let mut waits: Vec<f64> = theirs
+            .iter()
+            .filter_map(|&(o, before)| Some(share(before, schedstat(proc, o)?).1.min(1.0)))
+            .collect();
+        waits.sort_by(f64::total_cmp);
+        s.others_cpu_wait_share = waits.get(waits.len() / 2).copied();
+    }
     (s.samples > 0).then_some(s)
 }
 
@@ -592,8 +646,12 @@ pub const CONTENDED_RUN_QUEUE_US: f64 = 2000.0;
 pub const LOSSY_RETRANSMITS: u64 = 20;
 /// How many times the other ranks' figure the late rank's must be.
 pub const CAUSE_FACTOR: f64 = 4.0;
-/// The share of main-thread samples that names its own work or its own waits.
+/// The share of main-thread samples that names its own waits, and of its wall time on
+/// a CPU that names its own work.
 pub const MAIN_THREAD_SHARE: f64 = 0.6;
+/// The share of its wall time a main thread spends runnable but off a CPU from which
+/// its CPUs count as taken (and [`CAUSE_FACTOR`] / 2 times the other ranks').
+pub const CONTENDED_WAIT_SHARE: f64 = 0.2;
 
 /// Why the rank `l` names first is late, with the figures that say so: a run-queue wait
 /// or retransmits [`CAUSE_FACTOR`] times the other ranks' here (and past a floor), else
@@ -638,6 +696,23 @@ pub fn late_cause(l: &Lateness) -> Option<(LateCause, String)> {
         }
     }
     let m = top.main_thread.as_ref().filter(|m| m.samples >= 10)?;
+    if let Some(waiting) = m.cpu_wait_share
+        && waiting >= CONTENDED_WAIT_SHARE
+        && m.others_cpu_wait_share
+            .is_none_or(|o| waiting >= CAUSE_FACTOR / 2.0 * o + 0.05)
+    {
+        return Some((
+            LateCause::CpuContention,
+            format!(
+                "CPU taken by others: its main thread waited for a CPU {:.0}% of the time{}",
+                100.0 * waiting,
+                m.others_cpu_wait_share.map_or(String::new(), |o| format!(
+                    " (the other ranks here: {:.0}%)",
+                    100.0 * o
+                ))
+            ),
+        ));
+    }
     let share = |n: u32| f64::from(n) / f64::from(m.samples);
     if share(m.sleeping + m.io) >= MAIN_THREAD_SHARE {
         return Some((
@@ -652,14 +727,16 @@ pub fn late_cause(l: &Lateness) -> Option<(LateCause, String)> {
             ),
         ));
     }
-    if share(m.running) >= MAIN_THREAD_SHARE {
+    // Running: on a CPU most of the time by the kernel's count (state R alone is also
+    // a thread waiting for one).
+    let on_cpu = m.cpu_share.unwrap_or(0.0);
+    if share(m.running) >= MAIN_THREAD_SHARE && on_cpu >= MAIN_THREAD_SHARE {
         return Some((
             LateCause::OwnCompute,
             format!(
-                "its own work: its main thread was running in {:.0}% of {} samples, with no \
-                 CPU contention seen (more data, or a slower input pipeline on the CPU)",
-                100.0 * share(m.running),
-                m.samples
+                "its own work: its main thread was on a CPU {:.0}% of the time, with no CPU \
+                 contention seen (more data, or a slower input pipeline on the CPU)",
+                100.0 * on_cpu
             ),
         ));
     }
@@ -1272,6 +1349,9 @@ mod tests {
             io,
             futex,
             other: 25 - running - sleeping - io - futex,
+            cpu_share: Some(f64::from(running) / 25.0),
+            cpu_wait_share: Some(0.01),
+            others_cpu_wait_share: Some(0.01),
         };
         let quiet = Some(figures(10.0, 300.0, 0));
         let l = late_one(quiet.clone(), Some(main(2, 14, 4, 5)));
@@ -1288,6 +1368,22 @@ mod tests {
             cause(&late_one(quiet.clone(), Some(main(10, 5, 0, 10)))),
             None
         );
+        // State R all the time, but half of it waiting for a CPU that another process
+        // holds (the kernel's schedstat): contention, not its own work.
+        let mut shared = main(25, 0, 0, 0);
+        shared.cpu_share = Some(0.5);
+        shared.cpu_wait_share = Some(0.48);
+        shared.others_cpu_wait_share = Some(0.1);
+        assert_eq!(
+            late_cause(&late_one(quiet.clone(), Some(shared.clone())))
+                .unwrap()
+                .1,
+            "CPU taken by others: its main thread waited for a CPU 48% of the time (the other \
+             ranks here: 10%)"
+        );
+        // Every rank here waits as much: the node is busy, not this rank's cause.
+        shared.others_cpu_wait_share = Some(0.4);
+        assert_eq!(cause(&late_one(quiet.clone(), Some(shared))), None);
         // Too few samples (the process went away): nothing.
         let mut few = main(0, 5, 0, 0);
         few.samples = 5;
@@ -1304,7 +1400,7 @@ mod tests {
             std::fs::create_dir_all(&d).unwrap();
             std::fs::write(d.join("stat"), format!("300 (python3) {state} 1 1 1\n")).unwrap();
             std::fs::write(d.join("wchan"), wchan).unwrap();
-            sample_main_thread(proc, 300).unwrap()
+            sample_main_thread(proc, 300, &[]).unwrap()
         };
         let s = at("S", "hrtimer_nanosleep");
         assert_eq!(
@@ -1316,7 +1412,19 @@ mod tests {
         assert_eq!(at("S", "pipe_read").io, MAIN_THREAD_SAMPLES);
         assert_eq!(at("S", "futex_wait_queue").futex, MAIN_THREAD_SAMPLES);
         assert_eq!(at("S", "do_epoll_wait").other, MAIN_THREAD_SAMPLES);
-        assert!(sample_main_thread(proc, 301).is_none(), "no such process");
+        assert!(
+            sample_main_thread(proc, 301, &[]).is_none(),
+            "no such process"
+        );
+        // The kernel's counts: no schedstat, no shares; a schedstat that does not move
+        // (this fake one), shares of 0.
+        assert_eq!(at("S", "x").cpu_share, None);
+        std::fs::write(proc.join("300/schedstat"), "5000 7000 3\n").unwrap();
+        let s = sample_main_thread(proc, 300, &[300]).unwrap();
+        assert_eq!(
+            (s.cpu_share, s.cpu_wait_share, s.others_cpu_wait_share),
+            (Some(0.0), Some(0.0), Some(0.0))
+        );
     }
 
     #[test]
