@@ -176,7 +176,13 @@ import ringwatch.torch as rw
 rw.init()
 r = rw.rank()
 rw.allreduce_(torch.ones(8), name="warmup")
+# Rank 2 dies only once the others hold the warmup's result (see RAISING_RANK).
+ready = os.environ["WARMED_UP"]
+if r < 2:
+    open(f"{ready}.{r}", "w").close()
 if r == 2:
+    while not (os.path.exists(f"{ready}.0") and os.path.exists(f"{ready}.1")):
+        time.sleep(0.01)
     os._exit(3)  # dies without a word, as a killed process does
 start = time.monotonic()
 try:
@@ -189,8 +195,9 @@ print(json.dumps({"rank": r, "error": outcome, "seconds": time.monotonic() - sta
 """
 
 
-def test_a_dead_rank_raises_instead_of_hanging(run_job):
-    job = run_job(DEAD_RANK, 3, env={"RINGWATCH_COLLECTIVE_TIMEOUT_SECS": "5"}, check=False)
+def test_a_dead_rank_raises_instead_of_hanging(run_job, tmp_path):
+    job = run_job(DEAD_RANK, 3, env={"RINGWATCH_COLLECTIVE_TIMEOUT_SECS": "5",
+                                     "WARMED_UP": str(tmp_path / "warmed-up")}, check=False)
     assert job.procs[2].returncode == 3, job.describe()
     for rank in (0, 1):
         assert job.procs[rank].returncode == 0, job.describe()
@@ -200,14 +207,21 @@ def test_a_dead_rank_raises_instead_of_hanging(run_job):
 
 
 RAISING_RANK = r"""
-import json, time
+import json, os, time
 import torch
 import ringwatch.torch as rw
 
 rw.init()
 r = rw.rank()
 rw.allreduce_(torch.ones(8), name="warmup")
+# Rank 1 raises only once rank 0 holds the warmup's result: a rank can finish a collective
+# while another still copies its result out, and leaving then fails that one there.
+ready = os.environ["WARMED_UP"]
+if r == 0:
+    open(ready, "w").close()
 if r == 1:
+    while not os.path.exists(ready):
+        time.sleep(0.01)
     raise ValueError("bad batch 17")
 try:
     for i in range(1000):
@@ -219,10 +233,11 @@ print(json.dumps({"rank": r, "error": outcome}))
 """
 
 
-def test_an_exception_on_one_rank_reaches_the_others_with_its_reason(run_job):
+def test_an_exception_on_one_rank_reaches_the_others_with_its_reason(run_job, tmp_path):
     # The peer timeout is long: the others must hear of the exception from the
     # rank itself, not from a timeout (whose message names no exception).
-    job = run_job(RAISING_RANK, 2, env={"RINGWATCH_COLLECTIVE_TIMEOUT_SECS": "600"}, check=False)
+    job = run_job(RAISING_RANK, 2, env={"RINGWATCH_COLLECTIVE_TIMEOUT_SECS": "600",
+                                        "WARMED_UP": str(tmp_path / "warmed-up")}, check=False)
     assert job.procs[1].returncode != 0, job.describe()
     assert "ValueError: bad batch 17" in job.outputs[1][1], job.describe()
     assert job.procs[0].returncode == 0, job.describe()
