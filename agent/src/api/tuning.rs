@@ -140,8 +140,8 @@ const MAX_LOAD_WINDOW_US: u64 = 600_000_000;
     responses(
         (status = 200, description = "the load", body = LoadAnswer),
         (status = 400, description = "bad query", body = ErrorBody),
-        (status = 404, description = "no such job on this node", body = ErrorBody),
-        (status = 503, description = "no eBPF figures here, none for the window (it began before this node's feed started: the feed records only while a tuning session runs here or for two minutes after a peer's ask, which this is), or not yet up to the window's end (Retry-After)",
+        (status = 404, description = "no such job on this node, or no eBPF figures for the window (it began before this node's feed started: the feed records only while a tuning session runs here or for two minutes after a peer's ask, which this is; or records were lost in it)", body = ErrorBody),
+        (status = 503, description = "no eBPF figures here (no eBPF, or no --jobs), or not yet up to the window's end (Retry-After)",
             body = ErrorBody,
             headers(("Retry-After" = String, description = "seconds"))),
     )
@@ -208,9 +208,11 @@ pub(super) async fn job_load(
             1,
         ));
     }
+    // What the client asked for does not exist (it is the window, not the agent, that
+    // lacks figures): not a server error.
     let load = feed.window(&pids, from, to).ok_or_else(|| {
         ApiError::new(
-            StatusCode::SERVICE_UNAVAILABLE,
+            StatusCode::NOT_FOUND,
             "no eBPF figures for this window (it began before what this node's feed keeps, \
              the last 30 s since it last started, or records were lost in it)",
         )
