@@ -157,12 +157,14 @@ fn the_tuning_feed_records_only_once_a_peer_asks_and_judges_no_window_from_befor
         ))
     };
     // The last two seconds: the ranks ran, the agent watched them, but the
-    // feed was paused, so the window is not judged (503), not judged empty.
+    // feed was paused, so the window is not judged (404: no figures for it;
+    // or 503 while the just-started feed has not reached its end), not judged
+    // empty.
     let now = unix_us();
     let (status, first) = load(now - 2_000_000, now);
-    assert_eq!(
-        status, 503,
-        "a window from before the feed started: {first:#}"
+    assert!(
+        status == 404 || status == 503,
+        "a window from before the feed started: {status} {first:#}"
     );
     // The ask started it: a window after the ask is answered, for the
     // job's ranks on this node (a window that began before serve's loop
