@@ -124,6 +124,8 @@ pub struct ReportsAnswer {
 
 /// The longest window `/api/jobs/{id}/load` answers for.
 const MAX_LOAD_WINDOW_US: u64 = 600_000_000;
+/// How far past this node's clock a window may end (peers' clocks differ by less).
+const MAX_FUTURE_US: u64 = 60_000_000;
 
 /// `GET /api/jobs/{id}/load?from_unix_us=&to_unix_us=`: what the job's
 /// ranks on this node went through in a window (run-queue waits, TCP
@@ -140,7 +142,7 @@ const MAX_LOAD_WINDOW_US: u64 = 600_000_000;
     responses(
         (status = 200, description = "the load", body = LoadAnswer),
         (status = 400, description = "bad query", body = ErrorBody),
-        (status = 404, description = "no such job on this node, or no eBPF figures for the window (it began before this node's feed started: the feed records only while a tuning session runs here or for two minutes after a peer's ask, which this is; or records were lost in it)", body = ErrorBody),
+        (status = 404, description = "no such job on this node, or no eBPF figures for the window (it ends over 60 s after this node's clock; it began before this node's feed started: the feed records only while a tuning session runs here or for two minutes after a peer's ask, which this is; or records were lost in it)", body = ErrorBody),
         (status = 503, description = "no eBPF figures here (no eBPF, or no --jobs), or not yet up to the window's end (Retry-After)",
             body = ErrorBody,
             headers(("Retry-After" = String, description = "seconds"))),
@@ -164,6 +166,22 @@ pub(super) async fn job_load(
         time("from_unix_us", &params.from_unix_us)?,
         time("to_unix_us", &params.to_unix_us)?,
     );
+    // A window that ends later than the feed can reach while this request waits has no
+    // figures (its client's clock is off by far more than peers' ever are): no waiting.
+    let now_us = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| u64::try_from(d.as_micros()).unwrap_or(u64::MAX));
+    if to > now_us.saturating_add(MAX_FUTURE_US) {
+        return Err(ApiError::new(
+            StatusCode::NOT_FOUND,
+            format!(
+                "no eBPF figures for this window: it ends {} s after this node's clock (a \
+                 window must have ended, or end within {} s)",
+                (to - now_us) / 1_000_000,
+                MAX_FUTURE_US / 1_000_000
+            ),
+        ));
+    }
     // A window longer than the feed keeps is answered for its end.
     let clamped = to.saturating_sub(from) > MAX_LOAD_WINDOW_US;
     let from = from.max(to.saturating_sub(MAX_LOAD_WINDOW_US));
