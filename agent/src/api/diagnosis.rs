@@ -425,7 +425,14 @@ pub fn diagnose(job: &JobSnapshot, node: String, proc: &Path) -> DiagnosisAnswer
         progress = Progress::Stopped;
         let names: Vec<String> = stopped
             .iter()
-            .map(|(rank, pid, n)| format!("rank {rank} ({}, pid {pid}, all {n} threads)", job.host))
+            .map(|(rank, pid, n)| {
+                let threads = if *n == 1 {
+                    "its one thread".to_owned()
+                } else {
+                    format!("all {n} threads")
+                };
+                format!("rank {rank} ({}, pid {pid}, {threads})", job.host)
+            })
             .collect();
         let stopped_sentence = format!(
             "{} {} stopped (SIGSTOP, or a debugger): every other rank waits for {}; `kill \
