@@ -35,43 +35,41 @@ impl CycleThread {
             .map(|&(_, count)| count)
     }
 
-    /// An allreduce on a rank that has joined: its own `entries` (enqueued before it
-    /// joined) and `zeros` for the rest, laid out in the item's order (`order`), on the
-    /// schedule every rank picks from the knobs. The zeros have no timeline events.
-    #[allow(
-        clippy::too_many_arguments,
-        reason = "the allreduce arm's state, handed over whole"
-    )]
-    fn allreduce_joined(
-        &mut self,
-        mut entries: Vec<Entry>,
-        mut zeros: Vec<AlignedBuf>,
-        order: &[Option<usize>],
-        dtype: crate::tensor::DType,
-        op: crate::tensor::ReduceOp,
-        work: &mut Work,
-        events: &mut Events,
-    ) -> Result<()> {
+    /// The allreduce schedule for this cycle's knobs (the same on every rank), and the
+    /// algorithm it names.
+    fn schedule(&mut self) -> (Algorithm, Schedule) {
         let algorithm = self.algorithm();
         let schedule = match (algorithm, self.layout) {
             (Algorithm::Hierarchical, Some(l)) => Schedule::Hierarchical(l),
             _ => Schedule::Ring,
         };
+        (algorithm, schedule)
+    }
+
+    /// An allreduce on a rank that has joined: in the item's order, `zeros[i]` where this
+    /// rank adds zeros, else the next of its own `entries` (enqueued before it joined).
+    /// The zeros have no timeline events.
+    fn allreduce_joined(
+        &mut self,
+        mut entries: Vec<Entry>,
+        mut zeros: Vec<Option<AlignedBuf>>,
+        dtype: crate::tensor::DType,
+        op: crate::tensor::ReduceOp,
+        work: &mut Work,
+        events: &mut Events,
+    ) -> Result<()> {
+        let (_, schedule) = self.schedule();
         let total: usize = entries.iter().map(|e| e.tensor.byte_len()).sum::<usize>()
-            + zeros.iter().map(AlignedBuf::len).sum::<usize>();
+            + zeros.iter().flatten().map(AlignedBuf::len).sum::<usize>();
         let outcome = {
             let mut own = entries.iter_mut().map(|e| e.tensor.as_bytes_mut());
-            let mut zero = zeros.iter_mut().map(AlignedBuf::as_mut_slice);
-            let mut views: Vec<&mut [u8]> = Vec::with_capacity(order.len());
-            for slot in order {
-                let view = match slot {
-                    Some(_) => zero.next(),
+            let mut views: Vec<&mut [u8]> = zeros
+                .iter_mut()
+                .filter_map(|z| match z {
+                    Some(z) => Some(z.as_mut_slice()),
                     None => own.next(),
-                };
-                if let Some(view) = view {
-                    views.push(view);
-                }
-            }
+                })
+                .collect();
             allreduce_tensors(
                 &*self.transport,
                 &mut views,
@@ -151,29 +149,23 @@ impl CycleThread {
             Item::Allreduce { names, dtype, op } => {
                 let mut entries = Vec::with_capacity(names.len());
                 // A joined rank's zeros for the tensors it does not hold, in names' order
-                // among the entries (`Some(i)`: zeros[i]).
-                let mut zeros: Vec<AlignedBuf> = Vec::new();
-                let mut order: Vec<Option<usize>> = Vec::with_capacity(names.len());
+                // (`None`: one of its own entries).
+                let mut zeros: Vec<Option<AlignedBuf>> = Vec::new();
                 for n in &names {
                     match self.join_count(n) {
                         Some(count) if !self.pending.contains_key(n) => {
-                            order.push(Some(zeros.len()));
-                            zeros.push(AlignedBuf::zeroed(count * dtype.size()));
+                            zeros.push(Some(AlignedBuf::zeroed(count * dtype.size())));
                         }
                         _ => {
-                            order.push(None);
+                            zeros.push(None);
                             entries.push(self.take(n)?);
                         }
                     }
                 }
-                if !zeros.is_empty() {
-                    return self.allreduce_joined(entries, zeros, &order, dtype, op, work, events);
+                if zeros.iter().any(Option::is_some) {
+                    return self.allreduce_joined(entries, zeros, dtype, op, work, events);
                 }
-                let algorithm = self.algorithm();
-                let schedule = match (algorithm, self.layout) {
-                    (Algorithm::Hierarchical, Some(l)) => Schedule::Hierarchical(l),
-                    _ => Schedule::Ring,
-                };
+                let (algorithm, schedule) = self.schedule();
                 let algorithm_name = algorithm.name();
                 let args: [(&str, &dyn std::fmt::Display); 1] = [("algorithm", &algorithm_name)];
                 for e in &entries {

@@ -171,16 +171,5 @@ pub struct Response<T = String> {
     pub join_done: Option<usize>,
 }
 
-impl<T> Response<T> {
-    /// The element count of `name` for a joined rank that does not hold it (see
-    /// [`Self::join_counts`]).
-    pub fn join_count(&self, name: &str) -> Option<usize> {
-        self.join_counts
-            .iter()
-            .find(|(n, _)| n == name)
-            .map(|&(_, count)| count)
-    }
-}
-
 /// A response as sent: tensors every rank caches are named by their bits.
 pub type WireResponse = Response<TensorRef>;
