@@ -13,9 +13,33 @@
 
 typedef int pid_t;
 
+/* The scheduler's clock of one CPU's run queue (rq_clock()). */
+struct rq {
+	__u64 clock;
+	int cpu;
+} __attribute__((preserve_access_index));
+
+struct cfs_rq {
+	struct rq *rq; /* CONFIG_FAIR_GROUP_SCHED */
+} __attribute__((preserve_access_index));
+
+struct sched_entity {
+	struct cfs_rq *cfs_rq; /* CONFIG_FAIR_GROUP_SCHED */
+} __attribute__((preserve_access_index));
+
+/* The kernel's own run-queue accounting (CONFIG_SCHED_INFO), which
+ * /proc/<tid>/schedstat shows: run_delay sums the waits, last_queued is
+ * the rq clock when the current one began (0 when not queued). */
+struct sched_info {
+	unsigned long long run_delay;
+	unsigned long long last_queued;
+} __attribute__((preserve_access_index));
+
 struct task_struct {
 	pid_t pid;
 	pid_t tgid;
+	struct sched_entity se;
+	struct sched_info sched_info;
 } __attribute__((preserve_access_index));
 
 struct in6_addr {

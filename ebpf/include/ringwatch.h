@@ -134,11 +134,16 @@ struct rw_thread_state {
 	__u8 on_cpu;
 	__u8 runq_cause;      /* enum rw_interval_cause */
 	__u8 off_cpu_pending; /* woken: [off_ts, runq_ts) is accounted at its switch in */
-	__u8 _pad[5];
+	__u8 run_delay_known; /* run_delay_base was read (rw_kernel_wait) */
+	__u8 _pad[4];
 	struct rw_unsent unsent; /* cumulative */
 	/* Whose slot this is in thread_slots (0: free; 64 bits for the
 	 * atomics of BPF's first instruction set); 0 in the other stores. */
 	__u64 tid;
+	/* The kernel's run-queue time of the thread (task->sched_info.run_delay)
+	 * at its last switch out or wakeup: its waits since then are the growth
+	 * from here (rw_kernel_wait). */
+	__u64 run_delay_base;
 };
 
 /* Log2 buckets of a histogram of durations (ns): bucket `slot` counts

@@ -468,13 +468,18 @@ pub struct ThreadState {
     /// 1 when woken: its off-CPU interval `[off_ts, runq_ts)` is accounted
     /// (histogram, record) at its next switch in.
     pub off_cpu_pending: u8,
+    /// 1 once `run_delay_base` was read.
+    pub run_delay_known: u8,
     /// Padding.
-    pub _pad: [u8; 5],
+    pub _pad: [u8; 4],
     /// Its intervals that stayed in the kernel so far.
     pub unsent: Unsent,
     /// The thread whose slot this is, in [`names::MAP_THREAD_SLOTS`] (0: a
     /// free slot); the hash map and task storage leave it 0.
     pub tid: u64,
+    /// The kernel's run-queue time of the thread (`sched_info.run_delay`,
+    /// ns) at its last switch out or wakeup.
+    pub run_delay_base: u64,
 }
 
 /// Buckets per histogram (`RW_HIST_SLOTS`): bucket `slot` counts durations
