@@ -799,6 +799,8 @@ fn one_yield_run(sib: &Sibling, cli: &Cli, how: YieldRun) -> Result<(f64, Option
     let line = lines.next().context("testload printed no result")??;
     let load_s = started.elapsed().as_secs_f64();
     let after = rw_programs()?;
+    // Its threads stay until a second line or the end of its input.
+    drop(stdin);
     child.wait().context("waiting for testload")?;
     drop(stats);
     let result: serde_json::Value = serde_json::from_str(&line).context("testload's result")?;
