@@ -306,6 +306,50 @@ pub struct CycleStats {
     /// (the ones the job waited for a rank on).
     #[serde(default)]
     pub tensors_waited: u64,
+    /// The step boundaries rank 0 marked ([`crate::Runtime::mark_step`]: a training
+    /// step ended) since the previous statistics; none when the job marks no steps.
+    #[serde(default, skip_serializing_if = "StepMarks::is_empty")]
+    pub steps: StepMarks,
+}
+
+/// Step boundaries marked between two cycles' statistics: how many, and when the first
+/// and the last were marked (microseconds since the Unix epoch; 0 when none).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct StepMarks {
+    /// Boundaries marked.
+    pub count: u64,
+    /// When the first was marked.
+    pub first_unix_us: u64,
+    /// When the last was marked.
+    pub last_unix_us: u64,
+}
+
+impl StepMarks {
+    /// No boundary marked.
+    pub fn is_empty(&self) -> bool {
+        self.count == 0
+    }
+
+    /// Adds a boundary marked at `unix_us`.
+    pub fn mark(&mut self, unix_us: u64) {
+        if self.count == 0 {
+            self.first_unix_us = unix_us;
+        }
+        self.last_unix_us = unix_us;
+        self.count += 1;
+    }
+
+    /// Adds the boundaries marked after these.
+    pub fn absorb(&mut self, later: &StepMarks) {
+        if later.count == 0 {
+            return;
+        }
+        if self.count == 0 {
+            self.first_unix_us = later.first_unix_us;
+        }
+        self.last_unix_us = later.last_unix_us;
+        self.count += later.count;
+    }
 }
 
 /// A rank that was the last to enqueue some of a cycle's tensors.
@@ -334,6 +378,7 @@ impl CycleStats {
         self.tensors += later.tensors;
         self.fused_buffers += later.fused_buffers;
         self.tensors_waited += later.tensors_waited;
+        self.steps.absorb(&later.steps);
         for l in &later.late {
             match self.late.iter_mut().find(|m| m.rank == l.rank) {
                 Some(m) => {
@@ -1010,6 +1055,7 @@ mod tests {
                     late_us_sum: 4,
                 }],
                 tensors_waited: 2,
+                steps: Default::default(),
             }),
             ServerMessage::Stall(StallReport {
                 cycle: 7,

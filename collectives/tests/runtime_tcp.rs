@@ -687,7 +687,8 @@ fn statistics_of_fast_cycles_are_added_up_and_lose_no_byte() {
     // microseconds apart, while a client on rank 0's socket reads the statistics. They
     // come at most once per STATS_EVERY_US, and together they count every byte. They
     // used to come once per cycle, hundreds of thousands a second, and the server cut
-    // off a reader that fell 4 MiB behind (an agent's tuning session, once).
+    // off a reader that fell 4 MiB behind (an agent's tuning session, once). Each call
+    // is also marked as a training step: rank 0's marks all arrive, in order.
     let dir = runtime_dir("stats-rate");
     let dir2 = dir.clone();
     let calls = 3000u64;
@@ -726,6 +727,7 @@ fn statistics_of_fast_cycles_are_added_up_and_lose_no_byte() {
                 let t = input(DType::F32, rt.rank(), 1024, seed);
                 let got = rt.allreduce("fast", t, ReduceOp::Sum).unwrap();
                 assert_eq!(got, reference(DType::F32, ReduceOp::Sum, 2, 1024, seed));
+                rt.mark_step();
             }
             // A cycle after the period sends what is held.
             std::thread::sleep(Duration::from_millis(2));
@@ -733,21 +735,33 @@ fn statistics_of_fast_cycles_are_added_up_and_lose_no_byte() {
                 .unwrap();
             let elapsed = started.elapsed();
             let mut client = client?;
-            let (mut reports, mut bytes) = (0u64, 0u64);
+            let (mut reports, mut bytes, mut steps) = (0u64, 0u64, 0u64);
+            let mut last_mark = 0u64;
             // A hang guard: a working job has sent every report by now.
             let deadline = Instant::now() + Duration::from_secs(60);
-            while bytes < calls * 4096 && Instant::now() < deadline {
+            while (bytes < calls * 4096 || steps < calls) && Instant::now() < deadline {
                 if let Some(ServerMessage::CycleStats(s)) =
                     client.next_message(Duration::from_millis(200)).unwrap()
                 {
                     reports += 1;
                     bytes += s.bytes_reduced;
+                    if s.steps.count > 0 {
+                        assert!(
+                            last_mark <= s.steps.first_unix_us
+                                && s.steps.first_unix_us <= s.steps.last_unix_us,
+                            "marks out of order: {:?} after {last_mark}",
+                            s.steps
+                        );
+                        last_mark = s.steps.last_unix_us;
+                    }
+                    steps += s.steps.count;
                 }
             }
-            Some((reports, bytes, elapsed, warmups))
+            Some((reports, bytes, elapsed, warmups, steps))
         },
     );
-    let (reports, bytes, elapsed, warmups) = out[0].expect("rank 0 serves the socket");
+    let (reports, bytes, elapsed, warmups, steps) = out[0].expect("rank 0 serves the socket");
+    assert_eq!(steps, calls, "step marks reported");
     // Every 4 KiB call's bytes, and at most the 4-byte tensors around the loop: the
     // warm-ups whose reports were not read during the warm-up, and the last one. (How
     // many warm-ups it takes for the subscription to show depends on the machine's load.)

@@ -587,7 +587,7 @@ fn readable(name: &str, value: &str) -> String {
 /// The confirmation of a session's choice against its start, as an HTML
 /// section (`<h2>heading</h2>` and a table of its windows, in the order
 /// measured).
-pub fn confirmation_html(c: &Confirmation, heading: &str) -> String {
+pub fn confirmation_html(c: &Confirmation, heading: &str, unit: &str) -> String {
     let mut html = format!("<h2>{}</h2>\n", escape(heading));
     let name = |k: Candidate| match k {
         Candidate::Choice => "the choice",
@@ -604,7 +604,11 @@ pub fn confirmation_html(c: &Confirmation, heading: &str) -> String {
         c.choice.cycle_time_ms,
         c.choice.hierarchical_allreduce
     );
-    html.push_str("<table><thead><tr><th>window</th><th>knobs</th><th>score (bytes/s)</th><th>disturbed</th></tr></thead><tbody>\n");
+    let _ = writeln!(
+        html,
+        "<table><thead><tr><th>window</th><th>knobs</th><th>score ({})</th><th>disturbed</th></tr></thead><tbody>",
+        escape(unit)
+    );
     for (i, w) in c.windows.iter().enumerate() {
         let _ = writeln!(
             html,
@@ -774,11 +778,13 @@ pub fn write_report(
     write_csv(&frame, create(&files.csv)?)?;
     write_parquet(&frame, create(&files.parquet)?)?;
     let mut html = render_html(&frame, title)?;
+    let unit = data.objective.map_or("", |o| o.unit());
     let mut sections = String::new();
     if let Some(c) = data.recheck_confirmation {
         sections.push_str(&confirmation_html(
             c,
             "Re-check of the knobs pinned before (they lost: tuned again)",
+            unit,
         ));
     }
     if let Some(c) = data.confirmation {
@@ -787,7 +793,7 @@ pub fn write_report(
         } else {
             "Confirmation before pinning"
         };
-        sections.push_str(&confirmation_html(c, heading));
+        sections.push_str(&confirmation_html(c, heading, unit));
     }
     if data.rechecked
         && data.recheck_lost
@@ -801,6 +807,16 @@ pub fn write_report(
     if let Some(context) = data.context {
         let at = html.find("<h2>Convergence</h2>").unwrap_or(html.len());
         html.insert_str(at, &context_html(&context.note, &context.timeline));
+    }
+    if let Some(objective) = data.objective {
+        let at = html.find("<h2>").unwrap_or(html.len());
+        html.insert_str(
+            at,
+            &format!(
+                "<p class=\"objective\">{}</p>\n",
+                escape(objective.describe())
+            ),
+        );
     }
     std::fs::write(&files.html, html)?;
     Ok(files)

@@ -196,6 +196,7 @@ mod tests {
                 start_unix_us: *at,
                 duration_us: 10,
                 bytes_reduced: 1000,
+                ..Default::default()
             };
             events.extend(watch.observe_cycle(&c));
         }

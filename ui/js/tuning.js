@@ -10,6 +10,12 @@
  */
 import { fmtBytes, fmtKnobs, fmtRate } from './format.js';
 
+/** How a session's scores read: steps/s where the job marks its steps, else bytes/s. */
+function scoreFormat(objective) {
+  if (objective === 'steps_per_second') return (v) => (typeof v === 'number' && isFinite(v) ? v.toFixed(2) + ' steps/s' : '–');
+  return fmtRate;
+}
+
 function el(tag, attrs, ...children) {
   const e = document.createElement(tag);
   for (const [k, v] of Object.entries(attrs || {})) {
@@ -189,7 +195,9 @@ export class TuningPanel {
     fact('start knobs', fmtKnobs(s.start_knobs));
     fact('current knobs', fmtKnobs(s.current_knobs));
     const best = s.best;
-    fact('best so far', best ? `${fmtKnobs(best.knobs)} · ${fmtRate(best.predicted_score_bytes_per_s)} (sample ${best.sample})` : '–');
+    const fmtScore = scoreFormat(s.objective);
+    if (s.objective) fact('scored by', s.objective === 'steps_per_second' ? 'training steps per second' : 'bytes reduced per second (the job marks no steps)');
+    fact('best so far', best ? `${fmtKnobs(best.knobs)} · ${fmtScore(best.predicted_score)} (sample ${best.sample})` : '–');
     if (typeof s.speedup_over_start === 'number') fact('speedup over start', s.speedup_over_start.toFixed(2) + '×');
     if (s.report_id) {
       const a = el('a', { href: '/api/reports/' + encodeURIComponent(s.report_id), target: '_blank', text: s.report_id });
@@ -201,26 +209,26 @@ export class TuningPanel {
     let bestSoFar = -Infinity;
     for (const x of samples) {
       const k = x.knobs || {};
-      bestSoFar = Math.max(bestSoFar, x.score_bytes_per_s);
+      bestSoFar = Math.max(bestSoFar, x.score);
       const note = [x.disturbed && 'disturbed: ' + x.disturbed, x.remeasured_because && 're-measured: ' + x.remeasured_because].filter(Boolean).join('; ');
       tbody.append(el('tr', { 'data-index': String(x.index) },
         el('td', { text: String(x.index) }),
         el('td', { text: k.fusion_threshold_bytes === 0 ? 'off' : fmtBytes(k.fusion_threshold_bytes) }),
         el('td', { text: typeof k.cycle_time_us === 'number' ? (k.cycle_time_us / 1000).toFixed(2) + ' ms' : '–' }),
         el('td', { text: k.hierarchical_allreduce ? 'yes' : 'no' }),
-        el('td', { text: fmtRate(x.score_bytes_per_s) }),
-        el('td', { text: fmtRate(bestSoFar) }),
+        el('td', { text: fmtScore(x.score) }),
+        el('td', { text: fmtScore(bestSoFar) }),
         el('td', { text: note })));
     }
     table.append(tbody);
-    box.replaceChildren(facts, this.chart(samples), table);
+    box.replaceChildren(facts, this.chart(samples, fmtScore), table);
   }
   /** Score per sample (dots) and the best so far (a step line), as SVG. */
-  chart(samples) {
+  chart(samples, fmtScore) {
     const W = 400, H = 120, L = 62, R = 8, T = 8, B = 18;
     const svg = svgEl('svg', { id: 'tuning-chart', width: W, height: H, viewBox: `0 0 ${W} ${H}`, role: 'img', 'aria-label': 'convergence: score per sample and best so far' });
     svg.append(svgEl('rect', { x: L, y: T, width: W - L - R, height: H - T - B, class: 'plot' }));
-    const scores = samples.map((x) => x.score_bytes_per_s).filter((v) => typeof v === 'number' && isFinite(v));
+    const scores = samples.map((x) => x.score).filter((v) => typeof v === 'number' && isFinite(v));
     if (!scores.length) {
       const t = svgEl('text', { x: W / 2, y: H / 2, 'text-anchor': 'middle', class: 'muted' });
       t.textContent = 'no samples yet';
@@ -235,13 +243,13 @@ export class TuningPanel {
     const pts = [];
     samples.forEach((s, i) => {
       if (pts.length) pts.push(`${x(i)},${y(best)}`);
-      best = Math.max(best, s.score_bytes_per_s);
+      best = Math.max(best, s.score);
       pts.push(`${x(i)},${y(best)}`);
     });
     svg.append(svgEl('polyline', { points: pts.join(' '), class: 'best' }));
-    samples.forEach((s, i) => svg.append(svgEl('circle', { cx: x(i), cy: y(s.score_bytes_per_s), r: 3, class: s.disturbed ? 'sample disturbed' : 'sample' })));
+    samples.forEach((s, i) => svg.append(svgEl('circle', { cx: x(i), cy: y(s.score), r: 3, class: s.disturbed ? 'sample disturbed' : 'sample' })));
     const label = (text, px, py, anchor) => { const t = svgEl('text', { x: px, y: py, 'text-anchor': anchor }); t.textContent = text; svg.append(t); };
-    label(fmtRate(max), L - 4, T + 8, 'end');
+    label(fmtScore(max), L - 4, T + 8, 'end');
     label('0', L - 4, H - B, 'end');
     label('sample', (L + W - R) / 2, H - 4, 'middle');
     return svg;

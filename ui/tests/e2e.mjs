@@ -542,12 +542,13 @@ try {
   const addSample = (s) => {
     const i = s.samples.length;
     const [knobs, score] = PLAN[i % PLAN.length];
-    s.samples.push({ index: i, knobs, score_bytes_per_s: score, noise_hint: null, disturbed: i === 1 ? 'run-queue wait 12% of the window' : null,
+    s.samples.push({ index: i, knobs, score: score, noise_hint: null, disturbed: i === 1 ? 'run-queue wait 12% of the window' : null,
       remeasured_because: null, wall_time_s: 1.5 * (i + 1), window: { first_cycle: 10 * i, last_cycle: 10 * i + 9, cycles: 10, duration_s: 1.0 } });
     s.current_knobs = knobs;
-    const best = s.samples.reduce((a, b) => (b.score_bytes_per_s > a.score_bytes_per_s ? b : a));
-    s.best = { knobs: best.knobs, predicted_score_bytes_per_s: best.score_bytes_per_s, sample: best.index };
-    s.speedup_over_start = best.score_bytes_per_s / s.samples[0].score_bytes_per_s;
+    const best = s.samples.reduce((a, b) => (b.score > a.score ? b : a));
+    s.best = { knobs: best.knobs, predicted_score: best.score, sample: best.index };
+    s.objective = 'bytes_per_second';
+    s.speedup_over_start = best.score / s.samples[0].score;
     if (s.samples.length >= s.config.budget) { s.state = 'done'; s.report_id = 'r2'; reports.push(report('r2', s.samples.length, s.speedup_over_start)); }
   };
   await page.route((url) => url.pathname.startsWith('/api/jobs/') || url.pathname === '/api/reports', async (route) => {

@@ -539,6 +539,15 @@ fn disturbance_summary(session: &Value) -> Vec<String> {
     lines
 }
 
+/// A score with its unit: the session scores steps per second where the job
+/// marks its steps (collbench and `ringwatch.torch` do), else bytes.
+fn format_score(session: &Value, score: f64) -> String {
+    match session.get("objective").and_then(Value::as_str) {
+        Some("steps_per_second") => format!("{score:.3} steps/s"),
+        _ => format!("{:.3} GB/s", score / 1e9),
+    }
+}
+
 /// The summary's line on the confirmation before pinning: the medians of
 /// the choice's and the start's fresh windows and what was kept.
 fn confirmation_summary(session: &Value) -> String {
@@ -553,13 +562,13 @@ fn confirmation_summary(session: &Value) -> String {
         .map_or(0, Vec::len);
     match (
         c.get("kept").and_then(Value::as_str),
-        f("choice_median_bytes_per_s"),
-        f("start_median_bytes_per_s"),
+        f("choice_median"),
+        f("start_median"),
     ) {
         (Some(kept), Some(choice), Some(start)) if start > 0.0 => format!(
-            "{HEAD}{n} fresh windows, choice {:.3} GB/s vs start {:.3} GB/s ({:.3}x, needed > {:.3}x): kept the {kept}",
-            choice / 1e9,
-            start / 1e9,
+            "{HEAD}{n} fresh windows, choice {} vs start {} ({:.3}x, needed > {:.3}x): kept the {kept}",
+            format_score(session, choice),
+            format_score(session, start),
             choice / start,
             1.0 + f("required_gain").unwrap_or(0.0)
         ),
@@ -610,8 +619,8 @@ fn follow_session(
         };
         if printed == 0 && !announced {
             println!(
-                "        {:>6} {:>12} {:>10} {:>5} {:>12}  note",
-                "sample", "fusion", "cycle ms", "hier", "GB/s"
+                "        {:>6} {:>12} {:>10} {:>5} {:>16}  note",
+                "sample", "fusion", "cycle ms", "hier", "score"
             );
             announced = true;
         }
@@ -623,7 +632,7 @@ fn follow_session(
         for sample in samples.iter().skip(printed) {
             let knobs = sample.get("knobs").map(knobs_of).transpose()?;
             let score = sample
-                .get("score_bytes_per_s")
+                .get("score")
                 .and_then(Value::as_f64)
                 .unwrap_or(f64::NAN);
             let note = [sample.get("remeasured_because"), sample.get("disturbed")]
@@ -642,7 +651,7 @@ fn follow_session(
                     )
                 };
                 println!(
-                    "        {:>6} {:>12} {:>10.2} {:>5} {:>12.3}  {}",
+                    "        {:>6} {:>12} {:>10.2} {:>5} {:>16}  {}",
                     printed,
                     fusion,
                     k.cycle_time_ms,
@@ -651,7 +660,7 @@ fn follow_session(
                     } else {
                         "off"
                     },
-                    score / 1e9,
+                    format_score(&session, score),
                     note
                 );
             }
@@ -682,7 +691,7 @@ mod tests {
             "index": index,
             "knobs": {"fusion_threshold_bytes": 4 << 20, "cycle_time_us": 500,
                       "hierarchical_allreduce": true},
-            "score_bytes_per_s": 3.0e8,
+            "score": 3.0e8,
             "noise_hint": disturbed.map(|_| 0.25),
             "disturbed": disturbed,
             "remeasured_because": remeasured,

@@ -1217,6 +1217,7 @@ mod tests {
                 })
                 .collect(),
             tensors_waited: late.iter().map(|&(_, n, _)| n).sum(),
+            steps: Default::default(),
         }
     }
 

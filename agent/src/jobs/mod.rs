@@ -1711,6 +1711,7 @@ mod tests {
             knobs: Knobs::default(),
             late: Vec::new(),
             tensors_waited: 0,
+            steps: Default::default(),
         };
         let mut stream = vec![ServerMessage::CycleStats(stats.clone()); 60];
         stream.push(ServerMessage::Timeline {

@@ -17,7 +17,7 @@ use crate::gpu::{GpuReading, GpuSnapshot};
 use crate::jobs::{JobSnapshot, JobState};
 use crate::live::{LiveView, NamedProcess};
 use crate::nccl_profiler::ProcessTotals;
-use crate::tuning::{SessionState, SessionView};
+use crate::tuning::{Objective, SessionState, SessionView};
 
 /// Renders every metric as OpenMetrics text: GPUs, the live view's
 /// processes, the jobs found and their knobs, and tuning sessions.
@@ -645,6 +645,15 @@ fn job_labels(job: &JobSnapshot) -> Labels {
     vec![(JOB_LABELS[0], job.job_id.clone())]
 }
 
+/// The best sample's measured score, if the session scores by `objective`.
+fn best_score(session: &SessionView, objective: Objective) -> Option<f64> {
+    if session.objective != Some(objective) {
+        return None;
+    }
+    let best = session.best.as_ref()?;
+    session.samples.get(best.sample).map(|x| x.score)
+}
+
 fn session_labels(session: &SessionView) -> Labels {
     vec![(JOB_LABELS[0], session.job_id.clone())]
 }
@@ -726,14 +735,19 @@ impl prometheus_client::collector::Collector for TuningCollector {
         )?;
         gauge_family(
             e,
-            "ringwatch_tuning_best_score_bytes_per_second",
-            "Measured score (bytes reduced per second) of the best knobs so far",
+            "ringwatch_tuning_best_score_steps_per_second",
+            "Measured training steps per second of the best knobs so far (sessions of jobs that mark their steps)",
             s,
             session_labels,
-            |t| {
-                let best = t.best.as_ref()?;
-                t.samples.get(best.sample).map(|x| x.score_bytes_per_s)
-            },
+            |t| best_score(t, Objective::StepsPerSecond),
+        )?;
+        gauge_family(
+            e,
+            "ringwatch_tuning_best_score_bytes_per_second",
+            "Measured bytes reduced per second of the best knobs so far (sessions of jobs that mark no steps)",
+            s,
+            session_labels,
+            |t| best_score(t, Objective::BytesPerSecond),
         )?;
         gauge_family(
             e,

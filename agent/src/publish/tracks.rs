@@ -753,6 +753,7 @@ mod tests {
                 knobs: collectives::control::Knobs::default(),
                 late: Vec::new(),
                 tensors_waited: 0,
+                steps: Default::default(),
             };
         // Unix µs 10_000 is trace µs 1_000 (offset 9_000); the window is [1_000, 2_000].
         let stats = [

@@ -16,7 +16,7 @@ use clap::Args;
 use collectives::control::Knobs;
 use serde_json::{Value, json};
 
-use crate::tuning::{SessionState, SessionView};
+use crate::tuning::{Objective, SessionState, SessionView};
 
 /// What to tune and how.
 #[derive(Debug, Clone, Args)]
@@ -267,7 +267,7 @@ fn run_blocking(args: &TuneArgs, interrupted: &AtomicBool) -> Result<()> {
     );
     println!(
         "{:>6} {:>14} {:>10} {:>5} {:>14} {:>6}  disturbed",
-        "sample", "fusion(bytes)", "cycle(ms)", "hier", "score(MB/s)", "best"
+        "sample", "fusion(bytes)", "cycle(ms)", "hier", "score", "best"
     );
     let mut shown = 0;
     let mut stop_sent = false;
@@ -303,12 +303,14 @@ fn print_samples(view: &SessionView, from: usize) -> usize {
     let best = view.best.as_ref().map(|b| b.sample);
     for sample in view.samples.iter().skip(from) {
         println!(
-            "{:>6} {:>14} {:>10.3} {:>5} {:>14.1} {:>6}  {}",
+            "{:>6} {:>14} {:>10.3} {:>5} {:>14} {:>6}  {}",
             sample.index,
             sample.knobs.fusion_threshold_bytes,
             sample.knobs.cycle_time_us as f64 / 1e3,
             sample.knobs.hierarchical_allreduce,
-            sample.score_bytes_per_s / 1e6,
+            view.objective
+                .unwrap_or(Objective::BytesPerSecond)
+                .format(sample.score),
             if best == Some(sample.index) { "*" } else { "" },
             sample.disturbed.as_deref().unwrap_or("-")
         );

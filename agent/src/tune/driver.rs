@@ -10,7 +10,7 @@ use std::collections::BTreeSet;
 use std::time::{Duration, Instant};
 
 use collectives::control::{ControlClient, ControlError, ServerMessage};
-use tuner::session::{CycleObservation, Step, TuningSession, Verdict, Window};
+use tuner::session::{CycleObservation, Step, StepMarks, TuningSession, Verdict, Window};
 
 use super::disturbance::{
     DisturbanceCheck, UNOBSERVED_SUB_WINDOWS, WindowLoad, WindowRates, disturbance_reason,
@@ -311,6 +311,11 @@ impl TuningSessions {
                         start_unix_us: stats.start_unix_us,
                         duration_us: stats.duration_us,
                         bytes_reduced: stats.bytes_reduced,
+                        steps: StepMarks {
+                            count: stats.steps.count,
+                            first_unix_us: stats.steps.first_unix_us,
+                            last_unix_us: stats.steps.last_unix_us,
+                        },
                     };
                     let Some(window) = session.observe_cycle(&observation) else {
                         continue;
@@ -343,7 +348,8 @@ impl TuningSessions {
                         }
                         Verdict::Repeat => {
                             tracing::info!(
-                                score_bytes_per_s = window.score,
+                                score = window.score,
+                                unit = window.objective.unit(),
                                 "the start's first window; measuring a second (the faster is kept)"
                             );
                         }
@@ -351,7 +357,8 @@ impl TuningSessions {
                             if let Some(sample) = session.samples().get(index) {
                                 tracing::info!(
                                     index,
-                                    score_bytes_per_s = sample.score,
+                                    score = sample.score,
+                                    unit = window.objective.unit(),
                                     knobs = ?to_wire_knobs(&sample.knobs),
                                     "sample"
                                 );
@@ -577,15 +584,15 @@ pub(super) fn log_confirmation(c: &tuner::session::Confirmation, index: usize) {
         tracing::info!(
             index,
             candidate = ?w.candidate,
-            score_bytes_per_s = w.score,
+            score = w.score,
             "confirmation window (the choice and the start, interleaved)"
         );
     }
     if let (Some(kept), Some(choice), Some(start)) = (c.kept, c.choice_median, c.start_median) {
         tracing::info!(
             ?kept,
-            choice_median_bytes_per_s = choice,
-            start_median_bytes_per_s = start,
+            choice_median = choice,
+            start_median = start,
             required_gain = c.required_gain.unwrap_or(0.0),
             "confirmation decided"
         );
@@ -600,7 +607,7 @@ pub(super) fn update_view(view: &mut SessionView, session: &TuningSession) {
         .map(|s| SampleView {
             index: s.index,
             knobs: to_wire_knobs(&s.knobs),
-            score_bytes_per_s: s.score,
+            score: s.score,
             noise_hint: s.noise_hint,
             disturbed: s.disturbed.clone(),
             remeasured_because: s.remeasured_because.clone(),
@@ -615,10 +622,11 @@ pub(super) fn update_view(view: &mut SessionView, session: &TuningSession) {
         .collect();
     view.best = session.best().map(|b| BestView {
         knobs: to_wire_knobs(&b.knobs),
-        predicted_score_bytes_per_s: b.predicted_score,
+        predicted_score: b.predicted_score,
         sample: b.sample,
     });
     view.speedup_over_start = session.speedup_over_start();
+    view.objective = session.objective().map(Into::into);
     view.confirmation = session.confirmation().map(|c| ConfirmationView {
         choice: to_wire_knobs(&c.choice),
         choice_sample: c.choice_sample,
@@ -627,13 +635,13 @@ pub(super) fn update_view(view: &mut SessionView, session: &TuningSession) {
             .iter()
             .map(|w| ConfirmationWindowView {
                 candidate: w.candidate.into(),
-                score_bytes_per_s: w.score,
+                score: w.score,
                 disturbed: w.disturbed.clone(),
                 wall_time_s: w.wall_time_s,
             })
             .collect(),
-        choice_median_bytes_per_s: c.choice_median,
-        start_median_bytes_per_s: c.start_median,
+        choice_median: c.choice_median,
+        start_median: c.start_median,
         required_gain: c.required_gain,
         kept: c.kept.map(Into::into),
     });
@@ -727,6 +735,7 @@ mod tests {
                 disturbance_detection: "off".into(),
                 stop_reason: None,
                 confirmation: None,
+                objective: None,
             }),
             stop: Mutex::new(None),
             released: std::sync::atomic::AtomicBool::new(false),

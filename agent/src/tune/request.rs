@@ -243,8 +243,8 @@ pub struct SampleView {
     pub index: usize,
     /// The knobs measured (as sent to the job).
     pub knobs: Knobs,
-    /// Bytes reduced per second in the window.
-    pub score_bytes_per_s: f64,
+    /// The window's score, in the session's `objective`: steps/s or bytes/s.
+    pub score: f64,
     /// Extra observation noise given to the GP (disturbed windows).
     pub noise_hint: Option<f64>,
     /// Why the recorded window was disturbed, if it was.
@@ -263,8 +263,8 @@ pub struct SampleView {
 pub struct BestView {
     /// The knobs.
     pub knobs: Knobs,
-    /// The GP's predicted score, bytes/s.
-    pub predicted_score_bytes_per_s: f64,
+    /// The GP's predicted score, in the session's `objective`.
+    pub predicted_score: f64,
     /// The sample that measured them.
     pub sample: usize,
 }
@@ -294,8 +294,8 @@ impl From<tuner::session::Candidate> for Candidate {
 pub struct ConfirmationWindowView {
     /// Which knobs ran.
     pub candidate: Candidate,
-    /// Bytes reduced per second in the window.
-    pub score_bytes_per_s: f64,
+    /// The window's score, in the session's `objective`.
+    pub score: f64,
     /// Why it was disturbed, if it was (kept after one re-measurement).
     pub disturbed: Option<String>,
     /// Seconds since the session started.
@@ -314,9 +314,9 @@ pub struct ConfirmationView {
     /// The windows, in the order measured.
     pub windows: Vec<ConfirmationWindowView>,
     /// Median score of the choice's windows, once decided.
-    pub choice_median_bytes_per_s: Option<f64>,
+    pub choice_median: Option<f64>,
     /// Median score of the start's windows, once decided.
-    pub start_median_bytes_per_s: Option<f64>,
+    pub start_median: Option<f64>,
     /// The gain over the start the choice had to show (0.03 = 3%).
     pub required_gain: Option<f64>,
     /// What is pinned, once decided.
@@ -357,6 +357,41 @@ pub struct SessionView {
     /// choice is the start).
     #[serde(default)]
     pub confirmation: Option<ConfirmationView>,
+    /// What every score measures, decided by the first window (`null`
+    /// before): training steps per second where the job marks its steps
+    /// (`DistributedOptimizer`, the DDP hook, collbench, `mark_step()`),
+    /// else bytes reduced per second.
+    #[serde(default)]
+    pub objective: Option<Objective>,
+}
+
+/// What a session's scores measure.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, ToSchema)]
+#[serde(rename_all = "snake_case")]
+pub enum Objective {
+    /// Training steps per second, over whole steps.
+    StepsPerSecond,
+    /// Bytes reduced per second (the job marks no steps).
+    BytesPerSecond,
+}
+
+impl From<tuner::session::Objective> for Objective {
+    fn from(o: tuner::session::Objective) -> Self {
+        match o {
+            tuner::session::Objective::StepsPerSecond => Objective::StepsPerSecond,
+            tuner::session::Objective::BytesPerSecond => Objective::BytesPerSecond,
+        }
+    }
+}
+
+impl Objective {
+    /// A score as a person reads it, with its unit.
+    pub fn format(self, score: f64) -> String {
+        match self {
+            Objective::StepsPerSecond => format!("{score:.3} steps/s"),
+            Objective::BytesPerSecond => format!("{:.1} MB/s", score / 1e6),
+        }
+    }
 }
 
 /// Milliseconds since the Unix epoch.

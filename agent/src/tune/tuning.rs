@@ -12,7 +12,7 @@
 //! the job's side of the protocol).
 
 pub use super::disturbance::{DisturbanceCheck, LoadFeed};
-pub use super::request::{SessionState, SessionView, TuningRequest};
+pub use super::request::{Objective, SessionState, SessionView, TuningRequest};
 
 use std::collections::BTreeMap;
 use std::path::PathBuf;
@@ -286,6 +286,7 @@ impl TuningSessions {
                     disturbance_detection: self.disturbance.describe(),
                     stop_reason: None,
                     confirmation: None,
+                    objective: None,
                 }),
                 stop: Mutex::new(None),
                 released: std::sync::atomic::AtomicBool::new(false),

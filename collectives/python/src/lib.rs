@@ -181,6 +181,22 @@ fn is_initialized() -> PyResult<bool> {
     Ok(runtime()?.is_some())
 }
 
+/// Marks the end of a training step: tuning sessions then score the job by steps per
+/// second (rank 0's marks are reported).
+#[pyfunction]
+fn mark_step() -> PyResult<()> {
+    with_runtime(|rt| {
+        rt.mark_step();
+        Ok(())
+    })
+}
+
+/// Training steps this rank marked so far.
+#[pyfunction]
+fn steps_marked() -> PyResult<u64> {
+    with_runtime(|rt| Ok(rt.totals().steps_marked))
+}
+
 /// This process's rank.
 #[pyfunction]
 fn rank() -> PyResult<usize> {
@@ -615,6 +631,8 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(shutdown, m)?)?;
     m.add_function(wrap_pyfunction!(leave, m)?)?;
     m.add_function(wrap_pyfunction!(is_initialized, m)?)?;
+    m.add_function(wrap_pyfunction!(mark_step, m)?)?;
+    m.add_function(wrap_pyfunction!(steps_marked, m)?)?;
     m.add_function(wrap_pyfunction!(rank, m)?)?;
     m.add_function(wrap_pyfunction!(size, m)?)?;
     m.add_function(wrap_pyfunction!(local_rank, m)?)?;

@@ -112,10 +112,13 @@ else:
         assert opt2.param_groups[0]["lr"] == 0.1, opt2.param_groups[0]["lr"]
         for a, b in zip(opt2.state_dict()["state"].values(), opt.state_dict()["state"].values()):
             assert torch.equal(a["momentum_buffer"], b["momentum_buffer"])
+    from ringwatch import _native
+    steps_marked = _native.steps_marked()
     rw.shutdown()
 params = [p.detach().double().flatten().tolist() for p in model.parameters()]
 print(json.dumps({"losses": losses, "params": params,
-                  "shared_grads": 0 if MODE == "single" else shared_grads}))
+                  "shared_grads": 0 if MODE == "single" else shared_grads,
+                  "steps_marked": 0 if MODE == "single" else steps_marked}))
 """
 
 
@@ -146,6 +149,8 @@ def test_distributed_optimizer_trains_like_one_process(run_job, tmp_path):
     want = single_process(tmp_path, 4)
     for res in results:
         assert_same_training(res, want)
+        # Each step() marked a training step, which tuning sessions score.
+        assert res["steps_marked"] == len(res["losses"]), res["steps_marked"]
     # Every rank holds the same model, bit for bit.
     assert all(res["params"] == results[0]["params"] for res in results)
 
@@ -194,6 +199,8 @@ def test_ddp_comm_hook_trains_like_one_process(run_job, tmp_path):
     want = single_process(tmp_path, 2)
     for res in results:
         assert_same_training(res, want)
+        # The last bucket of each backward pass marked a step.
+        assert res["steps_marked"] == len(res["losses"]), res["steps_marked"]
 
 
 def test_backward_passes_per_step_accumulates_locally(run_job, tmp_path):
@@ -201,3 +208,5 @@ def test_backward_passes_per_step_accumulates_locally(run_job, tmp_path):
     want = single_process(tmp_path, 2)
     for res in results:
         assert_same_training(res, want)
+        # One step per step(), not per backward pass.
+        assert res["steps_marked"] == len(res["losses"]), res["steps_marked"]

@@ -61,7 +61,9 @@ use server::{ControlServer, Feeder, ServerState};
 use shared::{Entry, Inbox, Shared};
 
 use crate::algorithms::NodeLayout;
-use crate::control::{AutotuneState, Hello, KnobUpdate, Knobs, PROTOCOL_VERSION, RankInfo};
+use crate::control::{
+    AutotuneState, Hello, KnobUpdate, Knobs, PROTOCOL_VERSION, RankInfo, StepMarks,
+};
 use crate::error::{CollectiveError, Result};
 use crate::mesh::HostTransport;
 use crate::rendezvous::rendezvous;
@@ -134,6 +136,8 @@ pub struct Totals {
     /// Allreduces (slices of at most 8 MiB) of shared tensors folded in place across the
     /// host's ranks ([`Runtime::shared_tensor`]); the rest were staged through the segment.
     pub in_place_allreduces: u64,
+    /// Training steps this rank marked ([`Runtime::mark_step`]).
+    pub steps_marked: u64,
 }
 
 /// One rank of a collective job.
@@ -235,6 +239,8 @@ impl Runtime {
             watch: Mutex::new(None),
             interrupted: Mutex::new(None),
             callers_drive: AtomicBool::new(false),
+            steps: Mutex::new(StepMarks::default()),
+            steps_marked: AtomicU64::new(0),
         });
         let layout = node_layout(&ranks);
         let timeline = match &config.timeline_path {
@@ -442,6 +448,7 @@ impl Runtime {
             nccl_allreduces: self.shared.nccl_allreduces.load(Ordering::Relaxed),
             staged_allreduces: self.shared.staged_allreduces.load(Ordering::Relaxed),
             in_place_allreduces: self.transport.in_place_allreduces(),
+            steps_marked: self.shared.steps_marked.load(Ordering::Relaxed),
         }
     }
 
@@ -550,6 +557,18 @@ impl Runtime {
             done: completion,
             engine: self.engine.clone(),
         })
+    }
+
+    /// Marks the end of a training step (call it once per step, on every rank; rank 0's
+    /// marks are the ones reported). The per-cycle statistics carry the marks, so a tuning
+    /// session scores the job by steps per second, what its user measures, rather than
+    /// by the bytes its collectives move. `ringwatch.torch`'s `DistributedOptimizer`
+    /// marks each `step()`; a job that marks nothing is tuned by bytes per second.
+    pub fn mark_step(&self) {
+        self.shared.steps_marked.fetch_add(1, Ordering::Relaxed);
+        if let Ok(mut steps) = self.shared.steps.lock() {
+            steps.mark(crate::timeline::now_us());
+        }
     }
 
     /// Enqueues an allreduce of `tensor` under `name` (the same name and shape on every rank).

@@ -22,7 +22,7 @@ use std::time::Instant;
 
 use tuner::report::write_report;
 use tuner::session::{
-    CycleObservation, SessionConfig, SessionContext, Step, TuningSession, Verdict,
+    CycleObservation, SessionConfig, SessionContext, Step, StepMarks, TuningSession, Verdict,
 };
 use tuner::space::CollectiveKnobs;
 use tuner::watch::{Watch, WatchConfig, WatchEvent};
@@ -90,16 +90,26 @@ pub(crate) struct Watcher {
     round: usize,
 }
 
+/// A cycle's statistics as the tuner reads them: its timing, bytes and step marks.
+fn observation(stats: &CycleStats) -> CycleObservation {
+    CycleObservation {
+        cycle: stats.cycle,
+        start_unix_us: stats.start_unix_us,
+        duration_us: stats.duration_us,
+        bytes_reduced: stats.bytes_reduced,
+        steps: StepMarks {
+            count: stats.steps.count,
+            first_unix_us: stats.steps.first_unix_us,
+            last_unix_us: stats.steps.last_unix_us,
+        },
+    }
+}
+
 impl Watcher {
     /// One cycle with work; `Some(context)` when the throughput moved beyond noise (the
     /// caller then starts [`SelfTuner::recheck`]).
     pub fn observe(&mut self, stats: &CycleStats) -> Option<SessionContext> {
-        let event = self.watch.observe_cycle(&CycleObservation {
-            cycle: stats.cycle,
-            start_unix_us: stats.start_unix_us,
-            duration_us: stats.duration_us,
-            bytes_reduced: stats.bytes_reduced,
-        })?;
+        let event = self.watch.observe_cycle(&observation(stats))?;
         let (usual, now) = match event {
             WatchEvent::Window(w) => {
                 tracing::debug!(score_bytes_per_s = w.score, usual = ?self.watch.usual(),
@@ -269,12 +279,7 @@ impl SelfTuner {
         if self.session.next_step() != Step::Measure {
             return;
         }
-        let window = self.session.observe_cycle(&CycleObservation {
-            cycle: stats.cycle,
-            start_unix_us: stats.start_unix_us,
-            duration_us: stats.duration_us,
-            bytes_reduced: stats.bytes_reduced,
-        });
+        let window = self.session.observe_cycle(&observation(stats));
         let Some(window) = window else { return };
         // No eBPF in the job: every window is judged undisturbed.
         let wall = self.started.elapsed().as_secs_f64();

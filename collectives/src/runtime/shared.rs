@@ -12,7 +12,7 @@ use super::SelfTuneOutcome;
 use super::claim::TuningClaims;
 use super::completion::Done;
 use super::coordinator::TensorRequest;
-use crate::control::{KnobUpdate, Knobs};
+use crate::control::{KnobUpdate, Knobs, StepMarks};
 use crate::error::{CollectiveError, Result};
 use crate::tensor::Tensor;
 
@@ -92,6 +92,10 @@ pub(super) struct Shared {
     pub(super) interrupted: Mutex<Option<String>>,
     /// The last cycle was run by a waiting caller ([`Handle::drive`]).
     pub(super) callers_drive: AtomicBool,
+    /// Step boundaries marked ([`super::Runtime::mark_step`]) and not yet reported.
+    pub(super) steps: Mutex<StepMarks>,
+    /// [`Totals::steps_marked`](super::Totals::steps_marked).
+    pub(super) steps_marked: AtomicU64,
 }
 
 impl Shared {

@@ -37,6 +37,12 @@ impl CycleThread {
                 knobs: self.knobs,
                 late,
                 tensors_waited,
+                steps: self
+                    .shared
+                    .steps
+                    .lock()
+                    .map(|mut s| std::mem::take(&mut *s))
+                    .unwrap_or_default(),
             };
             self.report_stats(stats, cycle_start);
         }

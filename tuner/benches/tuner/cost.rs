@@ -183,6 +183,7 @@ impl Job {
             start_unix_us: self.now_us,
             duration_us,
             bytes_reduced: CYCLE_BYTES,
+            ..Default::default()
         };
         self.now_us += duration_us;
         (c, hit)

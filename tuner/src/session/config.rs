@@ -39,8 +39,11 @@ pub struct SessionConfig {
     pub warmup_cycles: u64,
     /// A window holds at least this many cycle-to-cycle intervals...
     pub measured_cycles: u64,
-    /// ...and spans at least this long, in microseconds of the job's clock.
+    /// ...and spans at least this long, in microseconds of the job's clock...
     pub min_window_us: u64,
+    /// ...and, where the job marks its steps, holds at least this many
+    /// whole steps (see [`super::MAX_STEPS_WINDOW_US`]).
+    pub min_window_steps: u64,
     /// Seed of the optimizer's random choices.
     pub seed: u64,
     /// The knobs the job runs with when the session starts: sample 0, and
@@ -77,6 +80,7 @@ impl Default for SessionConfig {
             warmup_cycles: 3,
             measured_cycles: 10,
             min_window_us: 1_000_000,
+            min_window_steps: 4,
             seed: 0,
             start: CollectiveKnobs::default(),
             bounds: KnobBounds::default(),

@@ -17,15 +17,19 @@
 //! 2. [`Step::Measure`]: the driver feeds every per-cycle statistic to
 //!    [`TuningSession::observe_cycle`]. The first `warmup_cycles` cycles with
 //!    work are skipped; then a window collects at least `measured_cycles`
-//!    cycles spanning at least `min_window_us`. Its score is bytes reduced
-//!    per second, start to start: the bytes of every cycle but the last,
-//!    over the time from the first cycle's start to the last one's, so that
-//!    idle time between cycles (a long cycle time) counts against the knobs
-//!    that cause it.
+//!    cycles spanning at least `min_window_us`. Where the job marks its
+//!    training steps ([`StepMarks`] in the cycles), its score is steps per
+//!    second over the whole steps the marks bound (at least
+//!    `min_window_steps` of them): what the user measures. Otherwise it is
+//!    bytes reduced per second, start to start: the bytes of every cycle but
+//!    the last, over the time from the first cycle's start to the last
+//!    one's, so that idle time between cycles (a long cycle time) counts
+//!    against the knobs that cause it. The first window decides which
+//!    ([`Objective`]), for the whole session.
 //!    With `sub_windows` ≥ 3 the window is cut into that many runs of
-//!    consecutive cycles and scored by the median of their rates (Horovod
-//!    scores a sample by the median of its steps), so a disturbance in part
-//!    of a window does not decide it.
+//!    consecutive cycles and scored by the median of their rates (by steps:
+//!    one over its median step, as Horovod scores a sample), so a
+//!    disturbance in part of a window does not decide it.
 //! 3. The driver judges the window ([`TuningSession::judge`]), saying
 //!    whether something outside the job disturbed it. A disturbed window is
 //!    measured again once; if the second window is disturbed too, the mean
@@ -66,8 +70,17 @@ pub use confirmation::{
 };
 pub use record::{Best, ReportData, SessionContext, SessionSample};
 pub(crate) use window::median;
-use window::sub_window_median;
-pub use window::{CycleObservation, Verdict, Window};
+pub use window::{CycleObservation, Objective, StepMarks, Verdict, Window};
+use window::{step_durations, sub_window_median};
+
+/// A window scored by steps waits for `min_window_steps` whole steps at most
+/// this long (µs, job clock), then is scored on the steps it has.
+pub const MAX_STEPS_WINDOW_US: u64 = 60_000_000;
+
+/// The first window, while the job has marked no step, spans this many times
+/// `min_window_us` before the session settles for bytes per second: a job
+/// whose steps are longer than a window still shows one.
+pub const FIRST_WINDOW_STRETCH: u64 = 3;
 
 use crate::optimizer::{Optimizer, OptimizerConfig, OptimizerError, StopReason};
 use crate::space::{
@@ -167,6 +180,10 @@ pub struct TuningSession {
     recheck_confirmation: Option<Confirmation>,
     context: Option<SessionContext>,
     stopped: bool,
+    /// What windows are scored by, once the first window decided it.
+    objective: Option<Objective>,
+    /// The job marked a step in some cycle it reported.
+    marks_seen: bool,
 }
 
 impl TuningSession {
@@ -261,6 +278,8 @@ impl TuningSession {
             recheck_confirmation: None,
             context: None,
             stopped: false,
+            objective: None,
+            marks_seen: false,
         };
         let start = session.point_of(&session.config.start);
         let early_points: Vec<Point> = session
@@ -348,6 +367,7 @@ impl TuningSession {
     /// took effect, warm-up cycles, cycles that arrive while no window is
     /// being measured, and cycles out of order are ignored.
     pub fn observe_cycle(&mut self, cycle: &CycleObservation) -> Option<Window> {
+        self.marks_seen |= cycle.steps.count > 0;
         let State::Measuring(m) = &mut self.state else {
             return None;
         };
@@ -367,15 +387,59 @@ impl TuningSession {
         let first = m.cycles[0];
         let span_us = cycle.start_unix_us - first.start_unix_us;
         let intervals = m.cycles.len() as u64 - 1;
-        if intervals < self.config.measured_cycles || span_us < self.config.min_window_us.max(1) {
+        let min_window_us = self.config.min_window_us.max(1);
+        if intervals < self.config.measured_cycles || span_us < min_window_us {
             return None;
         }
+        if self.objective.is_none()
+            && !self.marks_seen
+            && span_us < min_window_us.saturating_mul(FIRST_WINDOW_STRETCH)
+        {
+            return None;
+        }
+        // The first window that is long enough decides what every window
+        // of the session is scored by: steps, if the job marked any since
+        // the session began (warm-up cycles included).
+        let marks_seen = self.marks_seen;
+        let objective = *self.objective.get_or_insert(if marks_seen {
+            Objective::StepsPerSecond
+        } else {
+            Objective::BytesPerSecond
+        });
         let bytes: u64 = m.cycles[..m.cycles.len() - 1]
             .iter()
             .map(|c| c.bytes_reduced)
             .sum();
-        let overall = bytes as f64 / (span_us as f64 / 1e6);
-        let score = sub_window_median(&m.cycles, self.config.sub_windows).unwrap_or(overall);
+        let (steps, score, overall) = match objective {
+            Objective::BytesPerSecond => {
+                let overall = bytes as f64 / (span_us as f64 / 1e6);
+                let score =
+                    sub_window_median(&m.cycles, self.config.sub_windows).unwrap_or(overall);
+                (0, score, overall)
+            }
+            Objective::StepsPerSecond => {
+                let durations = step_durations(&m.cycles);
+                let steps = durations.len() as u64;
+                // A window holds whole steps enough; a job that stopped
+                // marking them (or whose steps outgrew the window) is
+                // scored on what it did within a bounded span.
+                if steps < self.config.min_window_steps && span_us < MAX_STEPS_WINDOW_US {
+                    return None;
+                }
+                let total_us: f64 = durations.iter().sum();
+                let overall = if total_us > 0.0 {
+                    steps as f64 / (total_us / 1e6)
+                } else {
+                    0.0
+                };
+                let score = if self.config.sub_windows >= 3 && steps >= 3 {
+                    median(&durations).map_or(overall, |d| if d > 0.0 { 1e6 / d } else { 0.0 })
+                } else {
+                    overall
+                };
+                (steps, score, overall)
+            }
+        };
         let window = Window {
             first_cycle: first.cycle,
             last_cycle: cycle.cycle,
@@ -383,6 +447,8 @@ impl TuningSession {
             end_unix_us: cycle.start_unix_us,
             cycles: m.cycles.len() as u64,
             bytes_reduced: bytes,
+            steps,
+            objective,
             score,
             overall_score: overall,
         };
@@ -621,7 +687,14 @@ impl TuningSession {
             rechecked: self.config.recheck.is_some(),
             recheck_lost: self.recheck_lost,
             context: self.context.as_ref(),
+            objective: self.objective(),
         }
+    }
+
+    /// What the session's windows are scored by: decided by its first
+    /// window (`None` before), steps per second if the job marks its steps.
+    pub fn objective(&self) -> Option<Objective> {
+        self.objective
     }
 
     fn next_apply(&mut self) -> State {

@@ -70,4 +70,6 @@ pub struct ReportData<'a> {
     pub recheck_lost: bool,
     /// Why the session started, if the driver said.
     pub context: Option<&'a SessionContext>,
+    /// What the scores measure (`None`: no window finished).
+    pub objective: Option<super::Objective>,
 }

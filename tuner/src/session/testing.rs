@@ -45,6 +45,7 @@ impl FakeJob {
             start_unix_us: self.now_us,
             duration_us,
             bytes_reduced: bytes,
+            ..Default::default()
         };
         self.now_us += duration_us;
         c

@@ -45,6 +45,7 @@ fn skips_warmup_and_cycles_of_old_knobs() {
         start_unix_us: n * 1000,
         duration_us: 100,
         bytes_reduced: bytes,
+        ..Default::default()
     };
     // Old knobs, then 2 warm-up cycles: all ignored (huge bytes).
     for n in [8, 9, 10, 11] {
@@ -192,6 +193,7 @@ fn the_start_keeps_the_faster_of_two_windows() {
                 start_unix_us: at * gap_us,
                 duration_us: 10,
                 bytes_reduced: 1000,
+                ..Default::default()
             };
             out = out.or(session.observe_cycle(&c));
         }
@@ -220,6 +222,7 @@ fn sub_windows_score_by_their_median_rate() {
                 start_unix_us: t,
                 duration_us: 10,
                 bytes_reduced: 1000,
+                ..Default::default()
             };
             t += if (3..6).contains(&i) { 10_000 } else { 1000 };
             c
@@ -365,4 +368,164 @@ fn a_recheck_that_loses_tunes_again() {
     let best = session.best().unwrap();
     assert_ne!(best.knobs, stale);
     assert!(FakeJob::rate(&best.knobs) > FakeJob::rate(&config().start));
+}
+
+/// A job whose steps end every `step_us(knobs)` µs while its cycles move
+/// bytes at [`FakeJob::rate`]: the two disagree on the best knobs.
+struct SteppingJob {
+    job: FakeJob,
+    /// When the next step ends, µs.
+    next_step_us: u64,
+}
+
+impl SteppingJob {
+    /// Step time: best at a 1 ms cycle time (bytes are best at 2 ms).
+    fn step_us(knobs: &CollectiveKnobs) -> u64 {
+        let c = knobs.cycle_time_ms.log2();
+        (100_000.0 * (1.0 + 0.2 * c * c)) as u64
+    }
+
+    fn next_cycle(&mut self) -> CycleObservation {
+        let mut c = self.job.next_cycle();
+        let end = c.start_unix_us + c.duration_us;
+        let step_us = Self::step_us(&self.job.knobs);
+        // A step of new knobs starts with them.
+        self.next_step_us = self.next_step_us.min(c.start_unix_us + step_us);
+        while self.next_step_us < end {
+            c.steps.mark(self.next_step_us);
+            self.next_step_us += step_us;
+        }
+        c
+    }
+}
+
+#[test]
+fn a_job_that_marks_its_steps_is_tuned_for_steps_per_second() {
+    // Its first window (at least 3 × 50 ms while no step was seen) holds its
+    // first mark: the start's steps are 100 ms long.
+    let mut session = TuningSession::new(SessionConfig {
+        min_window_us: 50_000,
+        ..config()
+    })
+    .unwrap();
+    let mut job = SteppingJob {
+        job: FakeJob::new(100),
+        next_step_us: u64::MAX,
+    };
+    for _ in 0..100_000 {
+        match session.next_step() {
+            Step::Apply(knobs) => {
+                job.job.knobs = knobs;
+                job.next_step_us = u64::MAX;
+                session.applied(job.job.cycle + 1).unwrap();
+            }
+            Step::Measure => {
+                let c = job.next_cycle();
+                if let Some(w) = session.observe_cycle(&c) {
+                    session.judge(&w, None, 0.0).unwrap();
+                }
+            }
+            Step::Done => break,
+        }
+    }
+    assert_eq!(session.next_step(), Step::Done);
+    assert_eq!(session.objective(), Some(Objective::StepsPerSecond));
+    assert_eq!(
+        session.report_data().objective,
+        Some(Objective::StepsPerSecond)
+    );
+    for s in session.samples() {
+        // Whole steps of one length: the score is exactly one over it.
+        let expected = 1e6 / SteppingJob::step_us(&s.knobs) as f64;
+        assert!(
+            (s.score - expected).abs() / expected < 1e-9,
+            "score {} vs {expected} steps/s",
+            s.score
+        );
+        assert!(s.window.steps >= config().min_window_steps);
+        assert_eq!(s.window.objective, Objective::StepsPerSecond);
+    }
+    // The pick is near the steps' optimum (1 ms), not the bytes' (2 ms).
+    let best = session.best().unwrap();
+    let optimum = 1e6 / 100_000.0;
+    let picked = 1e6 / SteppingJob::step_us(&best.knobs) as f64;
+    assert!(
+        picked > 0.95 * optimum,
+        "picked {picked} steps/s of {optimum}"
+    );
+}
+
+#[test]
+fn a_job_that_marks_no_steps_is_tuned_for_bytes_per_second() {
+    let mut session = TuningSession::new(config()).unwrap();
+    let mut job = FakeJob::new(100);
+    drive(&mut session, &mut job, |_, _| None);
+    assert_eq!(session.objective(), Some(Objective::BytesPerSecond));
+    assert!(session.samples().iter().all(|s| s.window.steps == 0));
+}
+
+#[test]
+fn a_window_scored_by_steps_waits_for_whole_steps() {
+    let mut session = TuningSession::new(SessionConfig {
+        warmup_cycles: 0,
+        min_window_steps: 3,
+        ..config()
+    })
+    .unwrap();
+    assert!(matches!(session.next_step(), Step::Apply(_)));
+    session.applied(1).unwrap();
+    // Cycles every 10 ms; a step ends 5 ms into every 10th cycle, from the 3rd.
+    let mut window = None;
+    for n in 1..=200u64 {
+        let mut c = CycleObservation {
+            cycle: n,
+            start_unix_us: n * 10_000,
+            duration_us: 1_000,
+            bytes_reduced: 1_000,
+            ..Default::default()
+        };
+        if n % 10 == 3 {
+            c.steps.mark(n * 10_000 + 5_000);
+        }
+        if let Some(w) = session.observe_cycle(&c) {
+            window = Some((n, w));
+            break;
+        }
+    }
+    let (n, w) = window.expect("a window");
+    // Marks at cycles 3, 13, 23 and 33: three whole steps, at the 33rd (5
+    // intervals were enough long before).
+    assert_eq!(
+        (n, w.steps, w.objective),
+        (33, 3, Objective::StepsPerSecond)
+    );
+    // 100 ms a step.
+    assert!((w.score - 10.0).abs() < 1e-9 && (w.overall_score - 10.0).abs() < 1e-9);
+}
+
+#[test]
+fn step_durations_split_a_cycle_with_several_marks_evenly() {
+    let marks = |count, first_unix_us, last_unix_us| CycleObservation {
+        steps: StepMarks {
+            count,
+            first_unix_us,
+            last_unix_us,
+        },
+        ..Default::default()
+    };
+    let cycles = [
+        marks(1, 100, 100),
+        marks(0, 0, 0),
+        marks(3, 300, 500),
+        marks(1, 900, 900),
+    ];
+    assert_eq!(
+        window::step_durations(&cycles),
+        vec![200.0, 100.0, 100.0, 400.0]
+    );
+    // A mark before the previous one (a clock step) is no step.
+    assert_eq!(
+        window::step_durations(&[marks(1, 500, 500), marks(1, 400, 400)]),
+        Vec::<f64>::new()
+    );
 }

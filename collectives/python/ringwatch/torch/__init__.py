@@ -53,7 +53,7 @@ from ringwatch._native import (
 
 __all__ = [
     "init", "shutdown", "is_initialized", "rank", "size", "local_rank", "local_size",
-    "job_id", "knobs", "set_knobs",
+    "job_id", "knobs", "set_knobs", "mark_step",
     "mpi_built", "mpi_enabled", "mpi_threads_supported", "gloo_built", "gloo_enabled",
     "nccl_built", "cuda_built", "rocm_built", "ddl_built", "ccl_built",
     "Sum", "Average", "Min", "Max", "Product", "Compression", "barrier", "join",
@@ -165,6 +165,16 @@ def shutdown():
 
 def is_initialized():
     return _native.is_initialized()
+
+
+def mark_step():
+    """Marks the end of a training step (call it once per step, on every rank).
+
+    A tuning session then scores the job by steps per second, what you measure, rather
+    than by the bytes its collectives move. ``DistributedOptimizer.step()`` marks its
+    steps already; call this where a loop steps without it. Not part of Horovod's API.
+    """
+    _native.mark_step()
 
 
 def rank():

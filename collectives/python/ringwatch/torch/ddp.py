@@ -19,10 +19,15 @@ def ddp_comm_hook(state, bucket):
     """Averages one DDP gradient bucket over all ranks with the ringwatch runtime; returns
     a ``torch.futures.Future`` that completes when the runtime has. ``state`` is unused
     (pass ``None``). The bucket is reduced in place; buckets are named by their index and
-    size, the same on every rank."""
+    size, the same on every rank. The last bucket of a backward pass marks a training
+    step (``rw.mark_step()``)."""
     tensor = _bucket_tensor(bucket)
     name = f"ddp.bucket.{bucket.index()}.{tensor.numel()}"
     handle = rw.allreduce_async_(tensor, name=name, op=rw.Average)
+    # DDP hands its last bucket once per backward pass: one per training step, which
+    # tuning sessions score the job by.
+    if hasattr(bucket, "is_last") and bucket.is_last():
+        rw.mark_step()
     future = torch.futures.Future()
     rw._completer.submit(handle, future, lambda t: t)
     return future
